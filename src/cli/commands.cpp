@@ -1,0 +1,30 @@
+// Subcommand registry for the fourbit CLI.
+#include "cli/commands.h"
+
+#include <vector>
+
+namespace fourbit::cli {
+
+namespace {
+std::vector<Command>& registry() {
+  static std::vector<Command> commands;
+  return commands;
+}
+}  // namespace
+
+void register_commands(CLI::App& app) {
+  registry().push_back(add_run_command(app));
+  registry().push_back(add_quant_report_command(app));
+  registry().push_back(add_bench_command(app));
+}
+
+void run_selected(CLI::App& /*app*/) {
+  for (Command& c : registry()) {
+    if (c.sub->parsed()) {
+      c.run();
+      return;
+    }
+  }
+}
+
+}  // namespace fourbit::cli

@@ -1,0 +1,21 @@
+// Registration of the fourbit subcommands (one file each under src/cli).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace fourbit::cli {
+
+void register_commands(CLI::App& app);
+// Runs the subcommand that the parsed command line selected.
+void run_selected(CLI::App& app);
+
+// Individual subcommands: each adds itself to `app` and returns the callback to run.
+struct Command {
+  CLI::App* sub = nullptr;
+  std::function<void()> run;
+};
+Command add_quant_report_command(CLI::App& app);
+Command add_run_command(CLI::App& app);
+Command add_bench_command(CLI::App& app);
+
+}  // namespace fourbit::cli
