@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# The GPU test run, for a machine with an NVIDIA GPU (made for the nvidia-h200 device machine:
+# Ubuntu 24.04, CUDA 13.0, every build dependency preinstalled, no network). Builds fourbit with
+# CUDA into build-gpu/, prints the GPU, runs every `gpu`-labelled test, then the `cpu` tests, then
+# the benchmarks. It does not stop at a failure: every step runs, a table of (step, status,
+# seconds) comes last, and the exit code is non-zero if any step failed.
+#
+#   tools/gpu-test.sh
+#
+# Files written to $OUT (or build-gpu/gpu-test-out/ when OUT is unset); at most 8, because the
+# device tool brings back no more:
+#   build.log                    cmake configure + build
+#   test.log                     ctest -L gpu, then ctest -L cpu
+#   bench.log                    every benchmark's console output
+#   bench.csv                    every benchmark's CSV, each row prefixed with the benchmark's name
+#                                (a header row starts each benchmark's block)
+#   summary.txt                  machine, commit and the step table
+#   results-<date>-<commit>.md   commit, GPU, driver, CUDA, date and every benchmark table: copy it
+#                                into bench/results/ (see bench/results/README.md)
+#
+# Environment:
+#   FOURBIT_GPU_BUILD_DIR  build folder (default: build-gpu/ in the repository)
+#   FOURBIT_CMAKE_ARGS     extra cmake arguments, e.g. "-DFOURBIT_CUDA_GENCODE=..."
+#   FOURBIT_COMMIT         the commit to report where the copy has no .git (the device machine
+#                          receives the working tree without it)
+set -u -o pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${FOURBIT_GPU_BUILD_DIR:-$root/build-gpu}
+out=${OUT:-$build/gpu-test-out}
+jobs=$(nproc)
+fourbit="$build/src/cli/fourbit"
+mkdir -p "$build" "$out" "$build/bench"
+
+# The benchmarks, one line each: "<name> <fourbit arguments>". Each run also gets
+# `--csv build-gpu/bench/<name>.csv`; append a line here for every new benchmark.
+benches=(
+  "quant bench quant"
+)
+
+# --- identity of this run ------------------------------------------------------------------------
+commit=${FOURBIT_COMMIT:-}
+if [ -z "$commit" ] && git -C "$root" rev-parse --git-dir >/dev/null 2>&1; then
+  commit=$(git -C "$root" rev-parse --short=12 HEAD)
+  [ -z "$(git -C "$root" status --porcelain --untracked-files=no)" ] || commit="$commit-dirty"
+fi
+commit=${commit:-unknown}
+date_utc=$(date -u '+%Y-%m-%d %H:%M UTC')
+day=$(date -u +%Y-%m-%d)
+gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+gpu=${gpu:-no GPU visible (nvidia-smi failed)}
+n_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+nvcc=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; })
+cuda_version=$( [ -n "$nvcc" ] && "$nvcc" --version | sed -n 's/.*release \([0-9.]*\), \(V[0-9.]*\).*/nvcc \1 (\2)/p')
+driver_cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -n 1)
+cuda="${cuda_version:-no nvcc found}; driver supports CUDA ${driver_cuda:-?}"
+
+build_log="$out/build.log"
+test_log="$out/test.log"
+bench_log="$out/bench.log"
+bench_csv="$out/bench.csv"
+summary_txt="$out/summary.txt"
+results_md="$out/results-$day-$commit.md"
+: >"$build_log"; : >"$test_log"; : >"$bench_log"; : >"$bench_csv"
+
+# --- steps ---------------------------------------------------------------------------------------
+step_names=()
+step_status=()
+step_secs=()
+failed=0
+
+# step <name> <log> <lines to echo on success> <command...>: appends the command's output to the
+# log, records status and seconds, echoes the output's last lines (more of them on failure).
+step() {
+  local name=$1 log=$2 show=$3
+  shift 3
+  local t0=$SECONDS part rc
+  part=$(mktemp)
+  printf '===== %s: %s\n' "$name" "$*" | tee -a "$log"
+  "$@" >"$part" 2>&1
+  rc=$?
+  cat "$part" >>"$log"
+  step_names+=("$name")
+  step_secs+=($((SECONDS - t0)))
+  if [ "$rc" -eq 0 ]; then
+    step_status+=(ok)
+    [ "$show" -gt 0 ] && tail -n "$show" "$part"
+  else
+    step_status+=("FAIL (exit $rc)")
+    failed=1
+    tail -n 40 "$part"
+    echo "----- $name FAILED (exit $rc); full output in $log"
+  fi
+  rm -f "$part"
+  return "$rc"
+}
+
+cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DFOURBIT_CUDA=ON --no-warn-unused-cli)
+[ -n "$nvcc" ] && cmake_args+=(-DCMAKE_CUDA_COMPILER="$nvcc")
+if command -v ccache >/dev/null 2>&1; then
+  cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
+read -r -a extra_args <<<"${FOURBIT_CMAKE_ARGS:-}"
+
+echo "fourbit GPU test: commit $commit, $date_utc"
+echo "GPU: $gpu ($n_gpus visible); CUDA: $cuda; $jobs CPU cores"
+echo "logs and results: $out"
+
+step configure "$build_log" 0 \
+  cmake -S "$root" -B "$build" "${cmake_args[@]}" ${extra_args[@]+"${extra_args[@]}"}
+step build "$build_log" 0 cmake --build "$build" -j "$jobs"
+step gpu-info "$test_log" 20 \
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm,power.limit \
+  --format=csv
+step test-gpu "$test_log" 3 \
+  ctest --test-dir "$build" -L gpu --output-on-failure --no-tests=error
+step test-cpu "$test_log" 3 \
+  ctest --test-dir "$build" -L cpu --output-on-failure --no-tests=error -j "$jobs"
+
+bench_names=()
+for line in "${benches[@]}"; do
+  read -r name args <<<"$line"
+  read -r -a args <<<"$args"
+  csv="$build/bench/$name.csv"
+  rm -f "$csv"
+  step "bench-$name" "$bench_log" 200 "$fourbit" "${args[@]}" --csv "$csv"
+  if [ -s "$csv" ]; then
+    sed "1s/^/bench,/; 2,\$s/^/$name,/" "$csv" >>"$bench_csv"
+    bench_names+=("$name")
+  fi
+done
+
+# --- reports -------------------------------------------------------------------------------------
+csv_to_markdown() {  # plain CSV (no quoted commas) -> markdown table
+  awk -F, '{ printf "|"; for (i = 1; i <= NF; i++) printf " %s |", $i; printf "\n" }
+           NR == 1 { printf "|"; for (i = 1; i <= NF; i++) printf "---|"; printf "\n" }' "$1"
+}
+step_table() {
+  printf '| step | status | seconds |\n|---|---|---|\n'
+  for i in "${!step_names[@]}"; do
+    printf '| %s | %s | %s |\n' "${step_names[$i]}" "${step_status[$i]}" "${step_secs[$i]}"
+  done
+}
+gencode=$(sed -n 's/^FOURBIT_CUDA_GENCODE:STRING=//p' "$build/CMakeCache.txt" 2>/dev/null)
+cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$build/CMakeCache.txt" 2>/dev/null)
+cxx_version=$([ -n "$cxx" ] && "$cxx" -dumpfullversion 2>/dev/null)
+
+{
+  echo "# fourbit GPU results: $day, commit $commit"
+  echo
+  echo "| | |"
+  echo "|---|---|"
+  echo "| commit | \`$commit\` |"
+  echo "| GPU, driver | $gpu |"
+  echo "| CUDA | $cuda |"
+  echo "| date | $date_utc |"
+  echo "| build | Release, \`${gencode:-?}\`, g++ ${cxx_version:-?} |"
+  echo
+  echo "Produced by \`tools/gpu-test.sh\`; how to read the tables: bench/results/README.md."
+  echo
+  echo "## Steps"
+  echo
+  step_table
+  for name in "${bench_names[@]}"; do
+    for line in "${benches[@]}"; do
+      read -r n args <<<"$line"
+      [ "$n" = "$name" ] || continue
+      echo
+      echo "## $name"
+      echo
+      echo "\`fourbit $args\`"
+      echo
+      csv_to_markdown "$build/bench/$name.csv"
+    done
+  done
+} >"$results_md"
+
+{
+  echo "fourbit GPU test: commit $commit, $date_utc"
+  echo "GPU: $gpu ($n_gpus visible)"
+  echo "CUDA: $cuda"
+  echo
+  printf '%-16s %-16s %8s\n' step status seconds
+  for i in "${!step_names[@]}"; do
+    printf '%-16s %-16s %8s\n' "${step_names[$i]}" "${step_status[$i]}" "${step_secs[$i]}"
+  done
+  echo
+  if [ "$failed" -eq 0 ]; then echo "ALL STEPS PASSED"; else echo "SOME STEPS FAILED"; fi
+} >"$summary_txt"
+
+echo
+cat "$summary_txt"
+echo "results for bench/results/: $results_md"
+exit "$failed"

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The test command: installs what the build lacks (tools/deps.sh), configures and builds fourbit
+# (Ninja, Release) and runs the CPU test suite (`ctest -L cpu`). The exit code is ctest's; the last
+# line is a one-line summary. This is what CI runs (.ci/run).
+#
+#   tools/test.sh [extra ctest arguments, e.g. -R quant]
+#
+# Environment:
+#   FOURBIT_BUILD_DIR   build folder (default: build/ in the repository)
+#   FOURBIT_CMAKE_ARGS  extra cmake arguments, e.g. "-DFOURBIT_CUDA=OFF" (CMake keeps them in the
+#                       build folder's cache, so later runs without them keep the setting)
+# The CUDA kernels are compiled when nvcc is found (on PATH or in /usr/local/cuda/bin); the tests
+# labelled `gpu` need a GPU and are run by tools/gpu-test.sh, not here.
+set -u -o pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${FOURBIT_BUILD_DIR:-$root/build}
+jobs=$(nproc)
+t_start=$SECONDS
+
+summary() { printf 'tools/test.sh: %s (%ds total)\n' "$*" $((SECONDS - t_start)); }
+
+"$root/tools/deps.sh" || { summary "FAIL: build dependencies missing (see above)"; exit 1; }
+
+# --- configure and build (tools/fourbit.sh does the same; keep the two in step) ------------------
+if [ -x "$root/build-venv/bin/python3" ]; then  # made by tools/deps.sh under PEP 668
+  export VIRTUAL_ENV="$root/build-venv" PATH="$root/build-venv/bin:$PATH"
+fi
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH="$PATH:/usr/local/cuda/bin"
+fi
+cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=Release --no-warn-unused-cli)
+if command -v ccache >/dev/null 2>&1; then
+  cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
+read -r -a extra_args <<<"${FOURBIT_CMAKE_ARGS:-}"
+mkdir -p "$build"
+if ! cmake -S "$root" -B "$build" "${cmake_args[@]}" ${extra_args[@]+"${extra_args[@]}"} \
+     >"$build/configure.log" 2>&1; then
+  cat "$build/configure.log"
+  summary "FAIL: cmake configure failed (log: $build/configure.log)"
+  exit 1
+fi
+cuda=$(sed -n 's/^FOURBIT_CUDA:BOOL=//p' "$build/CMakeCache.txt")
+echo "tools/test.sh: building in $build (CUDA ${cuda:-?}, $jobs jobs)"
+t_build=$SECONDS
+if ! cmake --build "$build" -j "$jobs"; then
+  summary "FAIL: build failed (CUDA ${cuda:-?}; see the compiler output above)"
+  exit 1
+fi
+build_s=$((SECONDS - t_build))
+
+# --- CPU tests -----------------------------------------------------------------------------------
+t_test=$SECONDS
+(cd "$build" && ctest -L cpu --output-on-failure --no-tests=error -j "$jobs" "$@") |
+  tee "$build/test-cpu.log"
+rc=${PIPESTATUS[0]}
+test_s=$((SECONDS - t_test))
+
+counts=$(grep -E '^[0-9]+% tests passed' "$build/test-cpu.log" | tail -n 1)
+if [ "$rc" -eq 0 ]; then
+  summary "PASS: ${counts:-ctest passed} [cpu label, CUDA ${cuda:-?}; build ${build_s}s, tests ${test_s}s]"
+else
+  summary "FAIL (ctest exit $rc): ${counts:-see the output above} [cpu label, CUDA ${cuda:-?};" \
+          "build ${build_s}s, tests ${test_s}s]"
+fi
+exit "$rc"
