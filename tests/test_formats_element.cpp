@@ -244,14 +244,36 @@ TEST(Encode, E2M1MatchesBruteForce) { check_against_brute_force<kE2M1>("e2m1"); 
 TEST(Encode, E4M3MatchesBruteForce) { check_against_brute_force<kE4M3>("e4m3"); }
 TEST(Encode, E5M2MatchesBruteForce) { check_against_brute_force<kE5M2>("e5m2"); }
 
+TEST(Encode, FastE2M1EqualsGeneric) {
+  const Grid g = make_grid<kE2M1>();
+  int64_t n = 0;
+  for (float x : dense_sweep(g.values)) {
+    ASSERT_EQ(encode_e2m1_rn_fast(x), encode_e2m1_rn(x)) << x;
+    ++n;
+  }
+  // Every float whose exponent is in the E2M1 neighbourhood, at a stride.
+  for (uint64_t b = 0; b < (1ull << 32); b += 97) {
+    const float x = bits((uint32_t)b);
+    ASSERT_EQ(encode_e2m1_rn_fast(x), encode_e2m1_rn(x)) << std::hex << b;
+    ++n;
+  }
+  EXPECT_GT(n, 40000000);
+}
+
 TEST(Encode, EveryCodeRoundTrips) {
   for (int c = 0; c < 16; ++c) EXPECT_EQ(encode_e2m1_rn(decode_e2m1((uint8_t)c)), c);
   for (int c = 0; c < 256; ++c) {
-    if ((c & 0x7F) != 0x7F) EXPECT_EQ(encode_e4m3_rn(decode_e4m3((uint8_t)c)), c) << c;
-    if ((c & 0x7C) != 0x7C) EXPECT_EQ(encode_e5m2_rn(decode_e5m2((uint8_t)c)), c) << c;
+    if ((c & 0x7F) != 0x7F) {
+      EXPECT_EQ(encode_e4m3_rn(decode_e4m3((uint8_t)c)), c) << c;
+    }
+    if ((c & 0x7C) != 0x7C) {
+      EXPECT_EQ(encode_e5m2_rn(decode_e5m2((uint8_t)c)), c) << c;
+    }
   }
   for (uint32_t b = 0; b < 65536; ++b) {
-    if ((b & 0x7FFF) <= 0x7F80) EXPECT_EQ(encode_bf16_rn(decode_bf16((uint16_t)b)), b);
+    if ((b & 0x7FFF) <= 0x7F80) {
+      EXPECT_EQ(encode_bf16_rn(decode_bf16((uint16_t)b)), b);
+    }
   }
 }
 

@@ -84,6 +84,13 @@ Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
   return t;
 }
 
+Tensor Tensor::alias(const TensorView& view, std::shared_ptr<void> storage) {
+  Tensor t;
+  t.view_ = view;
+  t.storage_ = std::move(storage);
+  return t;
+}
+
 Tensor Tensor::to(Device device) const {
   FOURBIT_CHECK(view_.is_contiguous(), "Tensor::to needs a contiguous tensor, got {}",
                 view_.describe());

@@ -63,6 +63,8 @@ class Tensor {
   Tensor() = default;
   static Tensor empty(Shape shape, DType dtype, Device device);
   static Tensor zeros(Shape shape, DType dtype, Device device);
+  // A tensor over memory owned by `storage` (e.g. a region of a larger allocation).
+  static Tensor alias(const TensorView& view, std::shared_ptr<void> storage);
 
   const TensorView& view() const { return view_; }
   operator const TensorView&() const { return view_; }

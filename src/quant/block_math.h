@@ -156,6 +156,12 @@ FOURBIT_HD float four_over_six_accumulate_error(float err, float dequantized, fl
   return err;
 }
 
+// Combines partial errors (2D tiles: per-row sums combined in row order).
+FOURBIT_HD float four_over_six_combine_errors(float total, float part, FourOverSixMetric metric) {
+  return metric == FourOverSixMetric::kAbsMax ? formats::fmax_ieee(total, part)
+                                              : add_rn(total, part);
+}
+
 // ---------------------------------------------------------------------------------------------
 // MXFP8: E4M3 elements, E8M0 scale per 32 (NUMERICS 2.2-2.4)
 // ---------------------------------------------------------------------------------------------

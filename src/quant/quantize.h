@@ -34,6 +34,7 @@
 #include "core/rng.h"
 #include "core/tensor.h"
 #include "quant/block_math.h"
+#include "quant/format.h"
 
 #include <cstdint>
 #include <optional>
@@ -41,11 +42,6 @@
 #include <string_view>
 
 namespace fourbit::quant {
-
-enum class Format : uint8_t { kNvfp4, kMxfp8, kFp8Tensor, kFp8Block };
-enum class Rounding : uint8_t { kNearest, kStochastic };
-enum class Nvfp4ScaleRule : uint8_t { kAmaxTo6, kFourOverSix };
-enum class HadamardSigns : uint8_t { kNone, kFixed, kRandom };
 
 std::string_view format_name(Format f);
 

@@ -270,15 +270,20 @@ void nvfp4_quantize_2d(const Matrix& m, float amax, const QuantConfig& cfg,
         const FourOverSixScalePair pair = four_over_six_scales(tile_amax, ts46);
         float err[2] = {0.0f, 0.0f};
         const uint8_t cand[2] = {pair.map6, pair.map4};
+        // Error order: each row's 16 elements summed in order, then the row sums in row order
+        // (what one thread per row and a fixed reduction do on the GPU).
         for (int k = 0; k < 2; ++k) {
           const float mk = four_over_six_multiplier(cand[k], ts46);
-          for (int64_t r = r0; r < r1; ++r)
+          for (int64_t r = r0; r < r1; ++r) {
+            float row_err = 0.0f;
             for (int64_t c = c0; c < c1; ++c) {
               const uint8_t q = four_over_six_encode_element(m.at(r, c), mk, stochastic, rbits(r, c));
-              err[k] = four_over_six_accumulate_error(
-                  err[k], four_over_six_dequantize_element(q, cand[k], ts46), m.at(r, c),
+              row_err = four_over_six_accumulate_error(
+                  row_err, four_over_six_dequantize_element(q, cand[k], ts46), m.at(r, c),
                   cfg.four_over_six_metric);
             }
+            err[k] = four_over_six_combine_errors(err[k], row_err, cfg.four_over_six_metric);
+          }
         }
         s = err[1] < err[0] ? pair.map4 : pair.map6;
         mult = four_over_six_multiplier(s, ts46);

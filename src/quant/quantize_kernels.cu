@@ -1,0 +1,768 @@
+// Fused CUDA quantizers: one pass over a BF16/FP32 source writes the row-wise and column-wise
+// copies (packed values + scales, and/or the scaled-domain BF16 that the exact Hopper GEMM
+// emulation consumes), with optional RHT and stochastic rounding. All arithmetic comes from
+// block_math.h / formats/element.h, so results equal the CPU reference (reference.cpp) bit for bit.
+//
+// Structure (per CTA, one tile of kTileRows x kTileCols source elements):
+//   1. the tile is loaded into shared memory with 16-byte loads;
+//   2. "micro-blocks" of 16 elements are the unit of work: a row micro-block is 16 consecutive
+//      elements of a row (blocks along K), a column micro-block 16 consecutive rows of one
+//      column (blocks along M; for BF16 sources a thread takes two adjacent columns so that its
+//      shared-memory reads are 4 bytes wide). Scale blocks of 32 (MXFP8) or 128 (FP8) elements,
+//      16x16 (NVFP4 2D) or 128x128 (FP8 2D) tiles combine the micro-block amaxes through shared
+//      memory; NVFP4 1D needs no second phase;
+//   3. each micro-block is encoded and written: 8 bytes of packed FP4 or 16 bytes of E4M3, one
+//      scale, and optionally 32 bytes of BF16.
+// NVFP4 and FP8-tensor need the global amax before encoding: amax_kernel computes it (and the
+// post-RHT column-wise amax) in a separate pass unless the caller supplies it.
+// Non-finite inputs set bit 0 of the error flag; MXFP8 scaled-domain BF16 with a scale code
+// outside [3, 246] (not exact in BF16) sets bit 1.
+#include "quant/quantize_kernels.h"
+
+#include "core/error.h"
+#include "formats/element.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+namespace fourbit::quant {
+namespace {
+
+using formats::abs_f32;
+using formats::f32_bits;
+using formats::f32_from_bits;
+using kernels::DequantParams;
+using kernels::OrientationOut;
+using kernels::Params;
+using kernels::kErrMxfp8NotExact;
+using kernels::kErrNonFinite;
+
+constexpr int kThreads = 256;
+
+template <typename InT>
+__device__ __forceinline__ float load_as_float(const InT* p);
+template <>
+__device__ __forceinline__ float load_as_float<float>(const float* p) { return *p; }
+template <>
+__device__ __forceinline__ float load_as_float<uint16_t>(const uint16_t* p) {
+  return __uint_as_float((uint32_t)*p << 16);
+}
+
+__device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
+  uint16_t d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// --- per-format encoding of one 16-element micro-block ------------------------------------------
+
+struct Nvfp4Tensor {
+  Nvfp4TensorScales ts;
+  FourOverSixTensorScales ts46;
+};
+
+__device__ __forceinline__ Nvfp4Tensor nvfp4_tensor(const Params& p, const float* amax_ptr) {
+  const float amax = *amax_ptr;
+  return {nvfp4_tensor_scales(amax, p.nvfp4_scale_constant, p.nvfp4_element_constant),
+          four_over_six_tensor_scales(amax, p.nvfp4_scale_constant, p.nvfp4_element_constant)};
+}
+
+// 16 random bytes for the micro-block starting at stored element `index` (a multiple of 16).
+__device__ __forceinline__ Philox4x32Result micro_block_bits(const RandomStream& s, uint64_t index) {
+  return s.block(index >> 4);
+}
+__device__ __forceinline__ uint32_t rbyte(const Philox4x32Result& r, int i) {
+  return (r.v[i >> 2] >> (8 * (i & 3))) & 0xFFu;
+}
+
+// Encodes 16 values with an NVFP4 scale already chosen; returns the packed 8 bytes.
+__device__ __forceinline__ uint2 nvfp4_encode16(const float v[16], float mult, bool four_over_six,
+                                                bool stochastic, const Philox4x32Result& rb) {
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    uint8_t q;
+    if (four_over_six) {
+      q = four_over_six_encode_element(v[i], mult, stochastic, rbyte(rb, i));
+    } else if (stochastic) {
+      q = nvfp4_encode_element(v[i], mult, true, rbyte(rb, i));
+    } else {
+      q = formats::encode_e2m1_rn_fast(formats::mul_rn(v[i], mult));
+    }
+    w[i >> 3] |= (uint32_t)q << (4 * (i & 7));
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+// Four Over Six error of one candidate scale over 16 values (sequential, like the reference).
+__device__ __forceinline__ float four_over_six_error16(const float v[16], uint8_t scale,
+                                                       const FourOverSixTensorScales& ts,
+                                                       FourOverSixMetric metric, bool stochastic,
+                                                       const Philox4x32Result& rb) {
+  const float mult = four_over_six_multiplier(scale, ts);
+  float err = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const uint8_t q = four_over_six_encode_element(v[i], mult, stochastic, rbyte(rb, i));
+    err = four_over_six_accumulate_error(err, four_over_six_dequantize_element(q, scale, ts), v[i],
+                                         metric);
+  }
+  return err;
+}
+
+__device__ __forceinline__ void store_bf16x16(uint16_t* dst, const float v[16]) {
+  uint32_t w[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    w[i] = (uint32_t)formats::encode_bf16_rn(v[2 * i]) |
+           ((uint32_t)formats::encode_bf16_rn(v[2 * i + 1]) << 16);
+  }
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+// NVFP4 scaled-domain values q * s_b from packed codes.
+__device__ __forceinline__ void nvfp4_scaled16(uint2 packed, uint8_t scale, float out[16]) {
+  const float s = formats::decode_e4m3(scale);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t word = i < 8 ? packed.x : packed.y;
+    out[i] = formats::mul_rn(formats::decode_e2m1((uint8_t)((word >> (4 * (i & 7))) & 0xF)), s);
+  }
+}
+
+// Encodes 16 values to E4M3 with multiplier `mult` (FP8) or E8M0 reciprocal (MXFP8).
+__device__ __forceinline__ uint4 e4m3_encode16(const float v[16], float mult, bool stochastic,
+                                               const Philox4x32Result& rb) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k += 2) {
+      const int i = 4 * j + k;
+      const float a = formats::mul_rn(v[i], mult), b = formats::mul_rn(v[i + 1], mult);
+      uint32_t pair;
+      if (stochastic) {
+        pair = (uint32_t)formats::encode_e4m3_sr(a, rbyte(rb, i)) |
+               ((uint32_t)formats::encode_e4m3_sr(b, rbyte(rb, i + 1)) << 8);
+      } else {
+        pair = e4m3x2(a, b);
+      }
+      word |= pair << (8 * k);
+    }
+    w[j] = word;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ void e4m3_scaled16(uint4 codes, float decode, float out[16], bool check_mx,
+                                              int* error_flags) {
+  const uint32_t w[4] = {codes.x, codes.y, codes.z, codes.w};
+  bool inexact = false;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    out[i] = formats::mul_rn(formats::decode_e4m3((uint8_t)(w[i >> 2] >> (8 * (i & 3)))), decode);
+    if (check_mx) inexact |= formats::round_to_bf16(out[i]) != out[i];
+  }
+  if (inexact) atomicOr(error_flags, kErrMxfp8NotExact);
+}
+
+// --- the tile kernel ---------------------------------------------------------------------------
+
+template <Format F, bool kTwoD>
+struct TileShape {
+  static constexpr int kRows = (F == Format::kFp8Block) ? 128 : 64;
+  static constexpr int kCols = 128;
+};
+
+template <typename InT, Format F, bool kTwoD>
+__global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
+  constexpr int TR = TileShape<F, kTwoD>::kRows;
+  constexpr int TC = TileShape<F, kTwoD>::kCols;
+  constexpr int kPad = 16 / sizeof(InT);
+  constexpr int kStride = TC + kPad;               // elements per shared-memory row
+  constexpr int kColPair = 4 / sizeof(InT);        // columns per column task (2 for BF16)
+  constexpr int kRowTasks = TR * TC / 16;
+  constexpr int kColTasks = (TC / kColPair) * (TR / 16);
+  constexpr int kGroup = F == Format::kMxfp8 ? 2 : (F == Format::kFp8Block ? 8 : 1);
+  constexpr bool kSinglePhase = F == Format::kNvfp4 && !kTwoD;
+  static_assert(kRowTasks % kThreads == 0 && kColTasks % kThreads == 0, "tile/thread mismatch");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  InT* tile = reinterpret_cast<InT*>(smem_raw);
+  float* row_amax16 = reinterpret_cast<float*>(smem_raw + TR * kStride * sizeof(InT));  // [TR][TC/16]
+  float* col_amax16 = row_amax16 + TR * (TC / 16);                                     // [TR/16][TC]
+  float* err_rows = col_amax16 + (TR / 16) * TC;                                       // [TR][TC/16][2]
+  __shared__ uint8_t tile_choice[TR / 16][TC / 16];  // 4/6 2D: 1 = map to 4
+  __shared__ float block_amax_2d;
+
+  const int64_t r0 = (int64_t)blockIdx.y * TR;
+  const int64_t c0 = (int64_t)blockIdx.x * TC;
+  const int64_t M = p.rows, K = p.cols;
+  const InT* src = static_cast<const InT*>(p.src);
+
+  // 1. Load the tile (16-byte chunks, coalesced along rows).
+  constexpr int kChunksPerRow = TC * (int)sizeof(InT) / 16;
+  for (int chunk = threadIdx.x; chunk < TR * kChunksPerRow; chunk += kThreads) {
+    const int r = chunk / kChunksPerRow, cc = chunk % kChunksPerRow;
+    const uint4 v = *reinterpret_cast<const uint4*>(src + (r0 + r) * K + c0 + cc * (16 / sizeof(InT)));
+    *reinterpret_cast<uint4*>(tile + r * kStride + cc * (16 / sizeof(InT))) = v;
+  }
+  if (kTwoD && threadIdx.x == 0) block_amax_2d = 0.0f;
+  __syncthreads();
+
+  const bool do_row = p.row.data != nullptr || p.row.bf16 != nullptr;
+  const bool do_col = p.col.data != nullptr || p.col.bf16 != nullptr;
+  Nvfp4Tensor nv_row{}, nv_col{};
+  if constexpr (F == Format::kNvfp4) {
+    if (do_row) nv_row = nvfp4_tensor(p, p.row.amax);
+    if (do_col) nv_col = nvfp4_tensor(p, p.col.amax);
+  }
+
+  auto read_row16 = [&](int r, int b, float v[16]) {
+    const InT* base = tile + r * kStride + b * 16;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = load_as_float(base + i);
+  };
+  auto read_col16 = [&](int mb, int c, float v[16]) {
+    const InT* base = tile + (mb * 16) * kStride + c;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = load_as_float(base + i * kStride);
+  };
+  auto amax16 = [&](const float v[16], bool& bad) {
+    float a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float x = abs_f32(v[i]);
+      bad |= !(x <= formats::kFloatMax);
+      a = fmaxf(a, x);
+    }
+    return a;
+  };
+
+  bool bad = false;
+
+  // --- NVFP4 1D: a single phase --------------------------------------------------------------
+  auto nvfp4_1d_encode_store = [&](const float v[16], float amax, const Nvfp4Tensor& t,
+                                   const OrientationOut& out, int64_t out_row, int64_t out_col,
+                                   int64_t out_cols) {
+    const int64_t index = out_row * out_cols + out_col;
+    Philox4x32Result rb{};
+    if (p.stochastic) rb = micro_block_bits(out.sr, (uint64_t)index);
+    uint8_t s;
+    float mult;
+    if (p.four_over_six) {
+      const FourOverSixScalePair pair = four_over_six_scales(amax, t.ts46);
+      const float e6 = four_over_six_error16(v, pair.map6, t.ts46, p.metric, p.stochastic, rb);
+      const float e4 = four_over_six_error16(v, pair.map4, t.ts46, p.metric, p.stochastic, rb);
+      s = e4 < e6 ? pair.map4 : pair.map6;
+      mult = four_over_six_multiplier(s, t.ts46);
+    } else {
+      s = nvfp4_block_scale(amax, t.ts);
+      mult = nvfp4_element_multiplier(s, t.ts);
+    }
+    const uint2 packed = nvfp4_encode16(v, mult, p.four_over_six, p.stochastic, rb);
+    if (out.data) {
+      *reinterpret_cast<uint2*>(out.data + index / 2) = packed;
+      static_cast<uint8_t*>(out.scales)[out_row * (out_cols / 16) + out_col / 16] = s;
+    }
+    if (out.bf16) {
+      float sv[16];
+      nvfp4_scaled16(packed, s, sv);
+      store_bf16x16(out.bf16 + index, sv);
+    }
+  };
+
+  if constexpr (kSinglePhase) {
+    if (do_row) {
+      for (int task = threadIdx.x; task < kRowTasks; task += kThreads) {
+        const int r = task / (TC / 16), b = task % (TC / 16);
+        float v[16];
+        read_row16(r, b, v);
+        nvfp4_1d_encode_store(v, amax16(v, bad), nv_row, p.row, r0 + r, c0 + b * 16, K);
+      }
+    }
+    if (do_col) {
+      for (int task = threadIdx.x; task < kColTasks; task += kThreads) {
+        const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
+#pragma unroll
+        for (int j = 0; j < kColPair; ++j) {
+          const int c = cp * kColPair + j;
+          float v[16];
+          read_col16(mb, c, v);
+          if (p.rht) rht16_forward(v, p.rht_sign_mask);
+          nvfp4_1d_encode_store(v, amax16(v, bad), nv_col, p.col, c0 + c, r0 + mb * 16, M);
+        }
+      }
+    }
+    if (bad) atomicOr(p.error_flags, kErrNonFinite);
+  } else {
+  // --- two phases: micro-block amaxes, then scale blocks ---------------------------------------
+  for (int task = threadIdx.x; task < kRowTasks; task += kThreads) {
+    const int r = task / (TC / 16), b = task % (TC / 16);
+    float v[16];
+    read_row16(r, b, v);
+    row_amax16[r * (TC / 16) + b] = amax16(v, bad);
+  }
+  if (!kTwoD && do_col) {
+    for (int task = threadIdx.x; task < kColTasks; task += kThreads) {
+      const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
+#pragma unroll
+      for (int j = 0; j < kColPair; ++j) {
+        float v[16];
+        read_col16(mb, cp * kColPair + j, v);
+        bool ignore = false;
+        col_amax16[mb * TC + cp * kColPair + j] = amax16(v, ignore);
+      }
+    }
+  }
+  if (bad) atomicOr(p.error_flags, kErrNonFinite);
+  __syncthreads();
+  if constexpr (kTwoD && F == Format::kFp8Block) {
+    // One 128x128 tile = the whole CTA tile.
+    float a = 0.0f;
+    for (int i = threadIdx.x; i < kRowTasks; i += kThreads) a = fmaxf(a, row_amax16[i]);
+    for (int off = 16; off > 0; off >>= 1) a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
+    if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<unsigned int*>(&block_amax_2d), __float_as_uint(a));
+    __syncthreads();
+  }
+
+  // Scale-block amax of a row micro-block / column micro-block.
+  auto row_group_amax = [&](int r, int b) {
+    if constexpr (kTwoD && F == Format::kNvfp4) {
+      float a = 0.0f;
+      const int rb = r / 16 * 16;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) a = fmaxf(a, row_amax16[(rb + i) * (TC / 16) + b]);
+      return a;
+    } else if constexpr (kTwoD) {
+      return block_amax_2d;
+    } else {
+      float a = 0.0f;
+      const int g0 = b / kGroup * kGroup;
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) a = fmaxf(a, row_amax16[r * (TC / 16) + g0 + i]);
+      return a;
+    }
+  };
+  auto col_group_amax = [&](int mb, int c) {
+    if constexpr (kTwoD) {
+      return row_group_amax(mb * 16, c / 16);
+    } else {
+      float a = 0.0f;
+      const int g0 = mb / kGroup * kGroup;
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) a = fmaxf(a, col_amax16[(g0 + i) * TC + c]);
+      return a;
+    }
+  };
+
+  if constexpr (F == Format::kNvfp4) {
+    // NVFP4 16x16 tiles (weights). Four Over Six chooses per tile from per-row partial errors.
+    if (p.four_over_six) {
+      for (int task = threadIdx.x; task < kRowTasks; task += kThreads) {
+        const int r = task / (TC / 16), b = task % (TC / 16);
+        float v[16];
+        read_row16(r, b, v);
+        Philox4x32Result rb{};
+        const int64_t index = (r0 + r) * K + c0 + b * 16;
+        if (p.stochastic) rb = micro_block_bits(p.row.sr, (uint64_t)index);
+        const Nvfp4Tensor& t = do_row ? nv_row : nv_col;
+        const FourOverSixScalePair pair = four_over_six_scales(row_group_amax(r, b), t.ts46);
+        err_rows[task * 2 + 0] = four_over_six_error16(v, pair.map6, t.ts46, p.metric, p.stochastic, rb);
+        err_rows[task * 2 + 1] = four_over_six_error16(v, pair.map4, t.ts46, p.metric, p.stochastic, rb);
+      }
+      __syncthreads();
+      for (int t = threadIdx.x; t < (TR / 16) * (TC / 16); t += kThreads) {
+        const int tr = t / (TC / 16), b = t % (TC / 16);
+        float e6 = 0.0f, e4 = 0.0f;
+        for (int i = 0; i < 16; ++i) {
+          const int task = (tr * 16 + i) * (TC / 16) + b;
+          e6 = four_over_six_combine_errors(e6, err_rows[task * 2 + 0], p.metric);
+          e4 = four_over_six_combine_errors(e4, err_rows[task * 2 + 1], p.metric);
+        }
+        tile_choice[tr][b] = e4 < e6 ? 1 : 0;
+      }
+      __syncthreads();
+    }
+    // 2D: the column-wise copy uses the tile's scale and the row-wise stream's draws (it is the
+    // transpose of the row-wise copy).
+    const Nvfp4Tensor& t = do_row ? nv_row : nv_col;
+    auto tile_scale = [&](int tr, int b, float& mult) {
+      const float a = row_group_amax(tr * 16, b);
+      uint8_t s;
+      if (p.four_over_six) {
+        const FourOverSixScalePair pair = four_over_six_scales(a, t.ts46);
+        s = tile_choice[tr][b] ? pair.map4 : pair.map6;
+        mult = four_over_six_multiplier(s, t.ts46);
+      } else {
+        s = nvfp4_block_scale(a, t.ts);
+        mult = nvfp4_element_multiplier(s, t.ts);
+      }
+      return s;
+    };
+    if (do_row) {
+      for (int task = threadIdx.x; task < kRowTasks; task += kThreads) {
+        const int r = task / (TC / 16), b = task % (TC / 16);
+        float v[16];
+        read_row16(r, b, v);
+        float mult;
+        const uint8_t s = tile_scale(r / 16, b, mult);
+        const int64_t index = (r0 + r) * K + c0 + b * 16;
+        Philox4x32Result rb{};
+        if (p.stochastic) rb = micro_block_bits(p.row.sr, (uint64_t)index);
+        const uint2 packed = nvfp4_encode16(v, mult, p.four_over_six, p.stochastic, rb);
+        if (p.row.data) {
+          *reinterpret_cast<uint2*>(p.row.data + index / 2) = packed;
+          static_cast<uint8_t*>(p.row.scales)[(r0 + r) * (K / 16) + (c0 / 16 + b)] = s;
+        }
+        if (p.row.bf16) {
+          float sv[16];
+          nvfp4_scaled16(packed, s, sv);
+          store_bf16x16(p.row.bf16 + index, sv);
+        }
+      }
+    }
+    if (do_col) {
+      for (int task = threadIdx.x; task < kColTasks; task += kThreads) {
+        const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
+#pragma unroll
+        for (int j = 0; j < kColPair; ++j) {
+          const int c = cp * kColPair + j;
+          float v[16];
+          read_col16(mb, c, v);
+          float mult;
+          const uint8_t s = tile_scale(mb, c / 16, mult);
+          uint32_t w[2] = {0, 0};
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            uint32_t rbits = 0;
+            if (p.stochastic) rbits = p.row.sr.byte_at((uint64_t)((r0 + mb * 16 + i) * K + c0 + c));
+            const uint8_t q = p.four_over_six
+                                  ? four_over_six_encode_element(v[i], mult, p.stochastic, rbits)
+                                  : nvfp4_encode_element(v[i], mult, p.stochastic, rbits);
+            w[i >> 3] |= (uint32_t)q << (4 * (i & 7));
+          }
+          const uint2 packed = make_uint2(w[0], w[1]);
+          const int64_t index = (c0 + c) * M + r0 + mb * 16;
+          if (p.col.data) {
+            *reinterpret_cast<uint2*>(p.col.data + index / 2) = packed;
+            static_cast<uint8_t*>(p.col.scales)[(c0 + c) * (M / 16) + (r0 / 16 + mb)] = s;
+          }
+          if (p.col.bf16) {
+            float sv[16];
+            nvfp4_scaled16(packed, s, sv);
+            store_bf16x16(p.col.bf16 + index, sv);
+          }
+        }
+      }
+    }
+  } else {
+    // MXFP8 (E8M0 per 32) and FP8 (FP32 decode scale per 128 / 128x128 / tensor).
+    float tensor_encode = 0.0f;
+    if constexpr (F == Format::kFp8Tensor) tensor_encode = fp8_encode_scale(*p.row.amax, p.fp8_pow2);
+    auto scale_for = [&](float group_amax, float& mult, float& decode, uint8_t& code) {
+      if constexpr (F == Format::kMxfp8) {
+        code = mxfp8_scale_code(group_amax, p.mx_rule);
+        mult = formats::e8m0_reciprocal(code);
+        decode = formats::decode_e8m0(code);
+      } else if constexpr (F == Format::kFp8Tensor) {
+        mult = tensor_encode;
+        decode = formats::div_rn(1.0f, mult);
+      } else {
+        mult = fp8_encode_scale(group_amax, p.fp8_pow2);
+        decode = formats::div_rn(1.0f, mult);
+      }
+    };
+    auto encode_store = [&](const float v[16], float group_amax, const OrientationOut& out,
+                            int64_t out_row, int64_t out_col, int64_t out_cols, bool write_scale,
+                            int64_t scale_index) {
+      float mult, decode;
+      uint8_t code = 0;
+      scale_for(group_amax, mult, decode, code);
+      const int64_t index = out_row * out_cols + out_col;
+      Philox4x32Result rb{};
+      if (p.stochastic) rb = micro_block_bits(out.sr, (uint64_t)index);
+      // MXFP8: x * 2^(127 - code) then RNE + saturate (TE order); FP8: x * encode scale.
+      const uint4 codes = e4m3_encode16(v, mult, p.stochastic, rb);
+      if (out.data) {
+        *reinterpret_cast<uint4*>(out.data + index) = codes;
+        if (write_scale) {
+          if constexpr (F == Format::kMxfp8) {
+            static_cast<uint8_t*>(out.scales)[scale_index] = code;
+          } else {
+            static_cast<float*>(out.scales)[scale_index] = decode;
+          }
+        }
+      }
+      if (out.bf16) {
+        float sv[16];
+        e4m3_scaled16(codes, decode, sv, F == Format::kMxfp8, p.error_flags);
+        store_bf16x16(out.bf16 + index, sv);
+      }
+    };
+    if (do_row) {
+      for (int task = threadIdx.x; task < kRowTasks; task += kThreads) {
+        const int r = task / (TC / 16), b = task % (TC / 16);
+        float v[16];
+        read_row16(r, b, v);
+        const int64_t gr = r0 + r, gc = c0 + b * 16;
+        int64_t scale_index;
+        bool write_scale;
+        if constexpr (F == Format::kFp8Tensor) {
+          scale_index = 0;
+          write_scale = blockIdx.x == 0 && blockIdx.y == 0 && task == 0;
+        } else if constexpr (kTwoD) {
+          scale_index = (gr / 128) * (K / 128) + gc / 128;
+          write_scale = task == 0;
+        } else {
+          const int block = F == Format::kMxfp8 ? 32 : 128;
+          scale_index = gr * (K / block) + gc / block;
+          write_scale = b % kGroup == 0;
+        }
+        encode_store(v, row_group_amax(r, b), p.row, gr, gc, K, write_scale, scale_index);
+      }
+    }
+    if (do_col) {
+      for (int task = threadIdx.x; task < kColTasks; task += kThreads) {
+        const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
+#pragma unroll
+        for (int j = 0; j < kColPair; ++j) {
+          const int c = cp * kColPair + j;
+          float v[16];
+          read_col16(mb, c, v);
+          const int64_t gc = c0 + c, gr = r0 + mb * 16;
+          int64_t scale_index;
+          bool write_scale;
+          if constexpr (F == Format::kFp8Tensor) {
+            scale_index = 0;
+            write_scale = blockIdx.x == 0 && blockIdx.y == 0 && task == 0 && j == 0;
+          } else if constexpr (kTwoD) {
+            scale_index = (gc / 128) * (M / 128) + gr / 128;
+            write_scale = task == 0 && j == 0;
+          } else {
+            const int block = F == Format::kMxfp8 ? 32 : 128;
+            scale_index = gc * (M / block) + gr / block;
+            write_scale = mb % kGroup == 0;
+          }
+          // 2D FP8: the column-wise copy is the transpose (same tile scale, RN codes equal);
+          // with SR the row-wise stream's draws are used element by element.
+          if (kTwoD && p.stochastic) {
+            float mult, decode;
+            uint8_t code = 0;
+            scale_for(col_group_amax(mb, c), mult, decode, code);
+            uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+              const uint32_t rbits = p.row.sr.byte_at((uint64_t)((gr + i) * K + gc));
+              w[i >> 2] |= (uint32_t)fp8_encode_element(v[i], mult, true, rbits) << (8 * (i & 3));
+            }
+            const uint4 codes = make_uint4(w[0], w[1], w[2], w[3]);
+            const int64_t index = gc * M + gr;
+            if (p.col.data) {
+              *reinterpret_cast<uint4*>(p.col.data + index) = codes;
+              if (write_scale) static_cast<float*>(p.col.scales)[scale_index] = decode;
+            }
+            if (p.col.bf16) {
+              float sv[16];
+              e4m3_scaled16(codes, decode, sv, false, p.error_flags);
+              store_bf16x16(p.col.bf16 + index, sv);
+            }
+          } else {
+            OrientationOut out = p.col;
+            encode_store(v, col_group_amax(mb, c), out, gc, gr, M, write_scale, scale_index);
+          }
+        }
+      }
+    }
+  }
+  }  // two phases
+}
+
+// --- global amax ---------------------------------------------------------------------------------
+
+// Each thread reduces a 16-row strip of kColPair columns: the plain amax (row-wise) and, when
+// `rht`, the amax of the BF16-rounded Hadamard transform of each 16-row column segment.
+template <typename InT>
+__global__ void __launch_bounds__(kThreads) amax_kernel(const InT* src, int64_t rows, int64_t cols,
+                                                        bool rht, uint16_t sign_mask,
+                                                        float* row_amax, float* col_amax,
+                                                        int* error_flags) {
+  constexpr int kColPair = 4 / sizeof(InT);
+  const int64_t col_groups = cols / kColPair;
+  const int64_t strips = (rows / 16) * col_groups;
+  float a_row = 0.0f, a_col = 0.0f;
+  bool bad = false;
+  for (int64_t s = (int64_t)blockIdx.x * kThreads + threadIdx.x; s < strips;
+       s += (int64_t)gridDim.x * kThreads) {
+    const int64_t rb = s / col_groups, cg = s % col_groups;
+#pragma unroll
+    for (int j = 0; j < kColPair; ++j) {
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        v[i] = load_as_float(src + (rb * 16 + i) * cols + cg * kColPair + j);
+        const float x = abs_f32(v[i]);
+        bad |= !(x <= formats::kFloatMax);
+        a_row = fmaxf(a_row, x);
+      }
+      if (rht) {
+        rht16_forward(v, sign_mask);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) a_col = fmaxf(a_col, abs_f32(v[i]));
+      }
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    a_row = fmaxf(a_row, __shfl_xor_sync(0xFFFFFFFFu, a_row, off));
+    a_col = fmaxf(a_col, __shfl_xor_sync(0xFFFFFFFFu, a_col, off));
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicMax(reinterpret_cast<unsigned int*>(row_amax), __float_as_uint(a_row));
+    if (col_amax) {
+      atomicMax(reinterpret_cast<unsigned int*>(col_amax), __float_as_uint(rht ? a_col : a_row));
+    }
+  }
+  if (bad) atomicOr(error_flags, kErrNonFinite);
+}
+
+// --- dequantize ------------------------------------------------------------------------------------
+
+__global__ void fill_normal_kernel(void* dst, bool bf16, int64_t n, uint64_t seed) {
+  const RandomStream rs{seed, 0x4E4F524Dull};
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const float u1 = 1.0f - rs.uniform_at(2 * (uint64_t)i);
+    const float u2 = rs.uniform_at(2 * (uint64_t)i + 1);
+    const float x = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    if (bf16) {
+      static_cast<uint16_t*>(dst)[i] = formats::encode_bf16_rn(x);
+    } else {
+      static_cast<float*>(dst)[i] = x;
+    }
+  }
+}
+
+__global__ void dequantize_kernel(DequantParams p) {
+  const int64_t n = p.rows * p.cols;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / p.cols, c = i % p.cols;
+    float v = 0.0f;
+    switch (p.format) {
+      case Format::kNvfp4: {
+        const uint8_t code = formats::unpack_e2m1(p.data[i / 2], (int)(i & 1));
+        const uint8_t s = static_cast<const uint8_t*>(p.scales)[r * (p.cols / 16) + c / 16];
+        v = nvfp4_dequantize_element(code, s, *p.amax, p.nvfp4_constant);
+        break;
+      }
+      case Format::kMxfp8:
+        v = mxfp8_dequantize_element(p.data[i], static_cast<const uint8_t*>(p.scales)[r * (p.cols / 32) + c / 32]);
+        break;
+      case Format::kFp8Block: {
+        const float* s = static_cast<const float*>(p.scales);
+        v = fp8_dequantize_element(p.data[i], p.block_2d ? s[(r / 128) * (p.cols / 128) + c / 128]
+                                                         : s[r * (p.cols / 128) + c / 128]);
+        break;
+      }
+      case Format::kFp8Tensor:
+        v = fp8_dequantize_element(p.data[i], *static_cast<const float*>(p.scales));
+        break;
+    }
+    p.out[i] = v;
+  }
+}
+
+template <typename InT, Format F, bool kTwoD>
+void launch_tile(const Params& p, cudaStream_t stream) {
+  constexpr int TR = TileShape<F, kTwoD>::kRows;
+  constexpr int TC = TileShape<F, kTwoD>::kCols;
+  constexpr int kStride = TC + 16 / (int)sizeof(InT);
+  const size_t smem = (size_t)TR * kStride * sizeof(InT) + sizeof(float) * (TR * (TC / 16) * 3 + (TR / 16) * TC);
+  auto kernel = quantize_tile_kernel<InT, F, kTwoD>;
+  static bool configured = false;
+  if (!configured) {
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    configured = true;
+  }
+  const dim3 grid((unsigned)(p.cols / TC), (unsigned)(p.rows / TR));
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+template <typename InT>
+void launch_format(Format format, bool block_2d, const Params& p, cudaStream_t stream) {
+  switch (format) {
+    case Format::kNvfp4:
+      if (block_2d) {
+        launch_tile<InT, Format::kNvfp4, true>(p, stream);
+      } else {
+        launch_tile<InT, Format::kNvfp4, false>(p, stream);
+      }
+      break;
+    case Format::kMxfp8: launch_tile<InT, Format::kMxfp8, false>(p, stream); break;
+    case Format::kFp8Block:
+      if (block_2d) {
+        launch_tile<InT, Format::kFp8Block, true>(p, stream);
+      } else {
+        launch_tile<InT, Format::kFp8Block, false>(p, stream);
+      }
+      break;
+    case Format::kFp8Tensor: launch_tile<InT, Format::kFp8Tensor, false>(p, stream); break;
+  }
+}
+
+}  // namespace
+
+namespace kernels {
+
+int tile_rows(Format format) { return format == Format::kFp8Block ? 128 : 64; }
+int tile_cols(Format) { return 128; }
+
+void launch_quantize(Format format, bool block_2d, bool bf16_source, const Params& p,
+                     cudaStream_t stream) {
+  if (bf16_source) {
+    launch_format<uint16_t>(format, block_2d, p, stream);
+  } else {
+    launch_format<float>(format, block_2d, p, stream);
+  }
+}
+
+void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, bool rht,
+                 uint16_t sign_mask, float* row_amax, float* col_amax, int* error_flags,
+                 cudaStream_t stream) {
+  FOURBIT_CUDA_CHECK(cudaMemsetAsync(row_amax, 0, sizeof(float), stream));
+  if (col_amax) FOURBIT_CUDA_CHECK(cudaMemsetAsync(col_amax, 0, sizeof(float), stream));
+  int sms = 0, dev = 0;
+  FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));
+  FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int64_t strips = (rows / 16) * cols;
+  const int blocks = (int)std::min<int64_t>((strips + kThreads - 1) / kThreads, (int64_t)sms * 8);
+  if (bf16_source) {
+    amax_kernel<uint16_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(src), rows,
+        cols, rht, sign_mask, row_amax, col_amax, error_flags);
+  } else {
+    amax_kernel<float><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(src), rows, cols,
+        rht, sign_mask, row_amax, col_amax, error_flags);
+  }
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+void launch_dequantize(const DequantParams& p, cudaStream_t stream) {
+  const int64_t n = p.rows * p.cols;
+  const int blocks = (int)std::min<int64_t>((n + 255) / 256, 65536);
+  dequantize_kernel<<<blocks, 256, 0, stream>>>(p);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+void launch_fill_normal(void* dst, bool bf16, int64_t n, uint64_t seed, cudaStream_t stream) {
+  const int blocks = (int)std::min<int64_t>((n + 255) / 256, 132 * 16);
+  fill_normal_kernel<<<blocks, 256, 0, stream>>>(dst, bf16, n, seed);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kernels
+}  // namespace fourbit::quant

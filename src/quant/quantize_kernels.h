@@ -1,0 +1,69 @@
+// Internal interface between the host side of the CUDA quantizers (quantize_cuda.cpp, compiled by
+// the C++ compiler) and the kernels (quantize_kernels.cu, compiled by nvcc). Plain structs and
+// launch functions only; validation and error messages live on the host side.
+#pragma once
+
+#include "core/rng.h"
+#include "quant/block_math.h"
+#include "quant/format.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fourbit::quant::kernels {
+
+inline constexpr int kErrNonFinite = 1;      // a NaN or Inf in the source
+inline constexpr int kErrMxfp8NotExact = 2;  // MXFP8 scaled-domain BF16 would not be exact
+
+// Everything a kernel needs to know about one orientation's outputs.
+struct OrientationOut {
+  uint8_t* data = nullptr;        // packed FP4 or E4M3, stored [R, C]; null: not written
+  void* scales = nullptr;         // E4M3 / E8M0 bytes or f32 (layout in quantize.h)
+  uint16_t* bf16 = nullptr;       // optional scaled-domain BF16, stored [R, C]
+  const float* amax = nullptr;    // NVFP4 / FP8-tensor global amax of this orientation (device)
+  RandomStream sr;
+};
+
+struct Params {
+  const void* src;
+  int64_t rows, cols;  // source [M, K]
+  OrientationOut row, col;
+  bool stochastic;
+  bool rht;
+  uint16_t rht_sign_mask;
+  bool four_over_six;
+  FourOverSixMetric metric;
+  MxScaleRule mx_rule;
+  bool fp8_pow2;
+  float nvfp4_scale_constant, nvfp4_element_constant;
+  int* error_flags;  // device int: kErr* bits are OR-ed in
+};
+
+struct DequantParams {
+  Format format;
+  bool block_2d;
+  const uint8_t* data;
+  const void* scales;
+  const float* amax;
+  float nvfp4_constant;
+  int64_t rows, cols;  // stored [R, C]
+  float* out;          // f32 [R, C]
+};
+
+// Tile of source elements per CTA: the source must be a whole number of tiles.
+int tile_rows(Format format);
+int tile_cols(Format format);
+
+void launch_quantize(Format format, bool block_2d, bool bf16_source, const Params& p,
+                     cudaStream_t stream);
+void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, bool rht,
+                 uint16_t sign_mask, float* row_amax, float* col_amax, int* error_flags,
+                 cudaStream_t stream);
+void launch_dequantize(const DequantParams& p, cudaStream_t stream);
+
+// Fills a device buffer with seeded standard-normal values (Philox + Box-Muller), as f32 or bf16:
+// benchmark inputs, generated on the GPU.
+void launch_fill_normal(void* dst, bool bf16, int64_t n, uint64_t seed, cudaStream_t stream);
+
+}  // namespace fourbit::quant::kernels

@@ -1,0 +1,351 @@
+// quant (gpu): every CUDA quantizer against the CPU reference, bit for bit: packed values, scales,
+// global amaxes, scaled-domain BF16 and dequantized values, for every format and option, BF16 and
+// FP32 sources, several shapes and edge-case fills. Outputs live inside guard regions that must
+// stay untouched, and each case runs twice with two different poison patterns so that an output
+// byte the kernel forgot to write cannot match the reference by accident.
+#include "core/device.h"
+#include "formats/element.h"
+#include "quant/quantize.h"
+#include "quant/report.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace fourbit::quant {
+namespace {
+
+constexpr int64_t kGuard = 256;  // bytes of guard on each side of every device output
+
+// A device allocation with guard bytes around the usable region.
+struct Guarded {
+  std::shared_ptr<void> storage;
+  int64_t bytes = 0;
+  TensorView view;
+
+  static Guarded make(Shape shape, DType dtype) {
+    Guarded g;
+    g.bytes = dtype_bytes(dtype, shape.numel());
+    g.storage = allocate_bytes(g.bytes + 2 * kGuard, Device::kCuda);
+    g.view = TensorView::contiguous(static_cast<char*>(g.storage.get()) + kGuard, dtype, shape,
+                                    Device::kCuda);
+    return g;
+  }
+  void poison(uint8_t byte) const {
+    device_memset(g_base(), byte, bytes + 2 * kGuard);
+  }
+  void* g_base() const { return storage.get(); }
+  // Returns the number of guard bytes that are not `byte`.
+  int64_t damaged_guard_bytes(uint8_t byte) const {
+    std::vector<uint8_t> h((size_t)(bytes + 2 * kGuard));
+    device_memcpy(h.data(), Device::kCpu, g_base(), Device::kCuda, (int64_t)h.size());
+    int64_t bad = 0;
+    for (int64_t i = 0; i < kGuard; ++i) bad += h[(size_t)i] != byte;
+    for (int64_t i = kGuard + bytes; i < (int64_t)h.size(); ++i) bad += h[(size_t)i] != byte;
+    return bad;
+  }
+  Tensor tensor() const { return Tensor::alias(view, storage); }
+};
+
+enum class Fill { kNormal, kHeavyTailed, kOutliers, kZeros, kAllEqualBlocks, kOneOutlier, kSubnormal, kNearMax, kRowScales };
+
+const char* fill_name(Fill f) {
+  switch (f) {
+    case Fill::kNormal: return "normal";
+    case Fill::kHeavyTailed: return "student-t";
+    case Fill::kOutliers: return "outliers";
+    case Fill::kZeros: return "zeros";
+    case Fill::kAllEqualBlocks: return "all-equal-blocks";
+    case Fill::kOneOutlier: return "one-outlier";
+    case Fill::kSubnormal: return "subnormal";
+    case Fill::kNearMax: return "near-max";
+    case Fill::kRowScales: return "row-scales";
+  }
+  return "?";
+}
+
+// f32 host tensor, then optionally rounded to BF16 (the source dtype).
+Tensor make_source(Fill fill, int64_t rows, int64_t cols, bool bf16, uint64_t seed) {
+  Tensor x = make_synthetic(fill == Fill::kHeavyTailed ? Distribution::kHeavyTailed
+                            : fill == Fill::kOutliers  ? Distribution::kOutliers
+                                                       : Distribution::kNormal,
+                            rows, cols, seed);
+  float* p = x.ptr<float>();
+  const int64_t n = rows * cols;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = i / cols, c = i % cols;
+    switch (fill) {
+      case Fill::kZeros: p[i] = (i % 3 == 0) ? -0.0f : 0.0f; break;
+      case Fill::kAllEqualBlocks: p[i] = ((r / 16 + c / 16) % 2 ? -1.0f : 1.0f) * (1 + (c / 32) % 5); break;
+      case Fill::kOneOutlier: if (i == n / 3) p[i] = 3.0e4f; break;
+      case Fill::kSubnormal: p[i] *= bf16 ? 1e-39f : 1e-40f; break;  // FP32/BF16 subnormals
+      case Fill::kNearMax: p[i] = p[i] * 1e37f; break;
+      case Fill::kRowScales: p[i] *= std::ldexp(1.0f, (int)(r % 40) - 30); break;  // incl. tiny block scales
+      default: break;
+    }
+  }
+  if (!bf16) return x;
+  Tensor b = Tensor::empty({rows, cols}, DType::kBF16, Device::kCpu);
+  for (int64_t i = 0; i < n; ++i) b.ptr<uint16_t>()[i] = formats::encode_bf16_rn(p[i]);
+  return b;
+}
+
+// The device bundle with guarded tensors, mirroring allocate_quantized's shapes.
+struct GuardedBundle {
+  QuantizedTensor q;
+  std::vector<Guarded> buffers;
+};
+
+GuardedBundle allocate_guarded(const QuantConfig& cfg, int64_t rows, int64_t cols, Orientations o) {
+  const QuantizedTensor shape_only = allocate_quantized(cfg, rows, cols, o, Device::kCpu);
+  GuardedBundle gb;
+  gb.q = shape_only;
+  gb.q.device = Device::kCuda;
+  auto guard = [&](Tensor& t) {
+    if (!t.defined() || t.numel() == 0) return;
+    Guarded g = Guarded::make(t.shape(), t.dtype());
+    t = g.tensor();
+    gb.buffers.push_back(g);
+  };
+  for (std::optional<QuantizedData>* d : {&gb.q.rowwise, &gb.q.colwise}) {
+    if (!d->has_value()) continue;
+    guard((*d)->data);
+    guard((*d)->scales);
+    guard((*d)->amax);
+  }
+  return gb;
+}
+
+::testing::AssertionResult same_bytes(const Tensor& gpu, const Tensor& ref, const std::string& what) {
+  const Tensor h = gpu.to(Device::kCpu);
+  if (h.nbytes() != ref.nbytes()) return ::testing::AssertionFailure() << what << ": size differs";
+  const uint8_t* a = h.ptr<uint8_t>();
+  const uint8_t* b = ref.ptr<uint8_t>();
+  int64_t first = -1, count = 0;
+  for (int64_t i = 0; i < h.nbytes(); ++i) {
+    if (a[i] != b[i]) {
+      if (first < 0) first = i;
+      ++count;
+    }
+  }
+  if (count == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << count << " of " << h.nbytes()
+                                       << " bytes differ, first at byte " << first << " (gpu 0x"
+                                       << std::hex << (int)a[first] << ", cpu 0x" << (int)b[first]
+                                       << ")";
+}
+
+struct Case {
+  std::string name;
+  QuantConfig config;
+};
+
+std::vector<Case> all_configs() {
+  std::vector<Case> v;
+  for (bool two_d : {false, true})
+    for (bool sr : {false, true})
+      for (bool rht : {false, true})
+        for (bool fos : {false, true})
+          for (bool unbiased : {false, true}) {
+            if (two_d && rht) continue;
+            if (unbiased && !sr) continue;
+            QuantConfig c;
+            c.block_2d = two_d;
+            c.rounding = sr ? Rounding::kStochastic : Rounding::kNearest;
+            c.rht = rht;
+            c.sr_unbiased_scale = unbiased;
+            if (fos) c.nvfp4_scale_rule = Nvfp4ScaleRule::kFourOverSix;
+            v.push_back({c.describe(), c});
+          }
+  QuantConfig c;
+  c.nvfp4_scale_rule = Nvfp4ScaleRule::kFourOverSix;
+  c.four_over_six_metric = FourOverSixMetric::kMae;
+  v.push_back({c.describe(), c});
+  c.block_2d = true;
+  c.four_over_six_metric = FourOverSixMetric::kAbsMax;
+  v.push_back({c.describe(), c});
+  c = {};
+  c.rht = true;
+  c.rht_signs = HadamardSigns::kRandom;
+  c.rht_seed = 99;
+  v.push_back({c.describe(), c});
+  for (MxScaleRule rule : {MxScaleRule::kRoundUp, MxScaleRule::kFloor})
+    for (bool sr : {false, true}) {
+      QuantConfig m;
+      m.format = Format::kMxfp8;
+      m.mx_scale_rule = rule;
+      m.rounding = sr ? Rounding::kStochastic : Rounding::kNearest;
+      v.push_back({m.describe(), m});
+    }
+  for (bool two_d : {false, true})
+    for (bool pow2 : {true, false})
+      for (bool sr : {false, true}) {
+        QuantConfig f;
+        f.format = Format::kFp8Block;
+        f.block_2d = two_d;
+        f.fp8_pow2_scales = pow2;
+        f.rounding = sr ? Rounding::kStochastic : Rounding::kNearest;
+        v.push_back({f.describe(), f});
+      }
+  for (bool pow2 : {true, false}) {
+    QuantConfig t;
+    t.format = Format::kFp8Tensor;
+    t.fp8_pow2_scales = pow2;
+    v.push_back({t.describe(), t});
+  }
+  return v;
+}
+
+// Quantizes on the GPU (twice, two poisons) and compares everything with the CPU reference.
+void check_case(const QuantConfig& cfg, Fill fill, int64_t rows, int64_t cols, bool bf16,
+                Orientations o, uint64_t seed) {
+  SCOPED_TRACE(::testing::Message() << cfg.describe() << " | " << fill_name(fill) << " | " << rows
+                                    << "x" << cols << (bf16 ? " bf16" : " f32") << " | row "
+                                    << o.rowwise << " col " << o.colwise);
+  const Tensor host = make_source(fill, rows, cols, bf16, seed);
+  QuantizeOptions ro;
+  ro.tensor_name = "test";
+  ro.sr = RandomStream{seed, 77};
+  const QuantizedTensor ref = quantize_reference(host.view(), cfg, o, ro);
+  const Tensor dev = host.to(Device::kCuda);
+  const bool mx_exact_ok = !(cfg.format == Format::kMxfp8 && (fill == Fill::kSubnormal || fill == Fill::kRowScales || fill == Fill::kNearMax));
+
+  for (uint8_t poison : {(uint8_t)0xA5, (uint8_t)0x3C}) {
+    GuardedBundle gb = allocate_guarded(cfg, rows, cols, o);
+    for (const Guarded& g : gb.buffers) g.poison(poison);
+    std::vector<Guarded> bf16_out;
+    bf16_out.push_back(Guarded::make({rows, cols}, DType::kBF16));
+    bf16_out.push_back(Guarded::make({cols, rows}, DType::kBF16));
+    for (const Guarded& g : bf16_out) g.poison(poison);
+    CudaQuantizeOptions co;
+    co.tensor_name = "test";
+    co.sr = ro.sr;
+    co.write_bf16_scaled = mx_exact_ok;
+    quantize_cuda(dev.view(), gb.q, co, &bf16_out[0].view, &bf16_out[1].view);
+    device_synchronize();
+    for (const Guarded& g : gb.buffers) ASSERT_EQ(g.damaged_guard_bytes(poison), 0) << "guard overwritten";
+    for (const Guarded& g : bf16_out) ASSERT_EQ(g.damaged_guard_bytes(poison), 0) << "bf16 guard overwritten";
+    for (bool col : {false, true}) {
+      const std::optional<QuantizedData>& g = col ? gb.q.colwise : gb.q.rowwise;
+      const std::optional<QuantizedData>& r = col ? ref.colwise : ref.rowwise;
+      if (!r) continue;
+      const std::string which = col ? "colwise" : "rowwise";
+      ASSERT_TRUE(same_bytes(g->data, r->data, which + " data"));
+      ASSERT_TRUE(same_bytes(g->scales, r->scales, which + " scales"));
+      if (r->amax.numel()) {
+        ASSERT_TRUE(same_bytes(g->amax, r->amax, which + " amax"));
+      }
+      if (mx_exact_ok) {
+        const Tensor want = dequantize_bf16_scaled_reference(ref, col);
+        ASSERT_TRUE(same_bytes(bf16_out[col ? 1 : 0].tensor(), want, which + " bf16 scaled"));
+      }
+      if (poison == 0xA5) {
+        Tensor out = Tensor::empty({r->rows, r->cols}, DType::kF32, Device::kCuda);
+        dequantize_cuda(gb.q, col, out.view(), nullptr);
+        ASSERT_TRUE(same_bytes(out, dequantize_reference(ref, col), which + " dequantized"));
+      }
+    }
+  }
+}
+
+class QuantCuda : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_GT(cuda_device_count(), 0) << "the gpu tests need a CUDA GPU";
+  }
+};
+
+TEST_F(QuantCuda, EveryConfigMatchesTheReferenceOnRandomData) {
+  uint64_t seed = 1;
+  for (const Case& c : all_configs()) {
+    const int64_t tr = c.config.format == Format::kFp8Block ? 128 : 64;
+    for (bool bf16 : {true, false}) {
+      check_case(c.config, Fill::kNormal, 2 * tr, 256, bf16, {true, true}, seed++);
+      check_case(c.config, Fill::kHeavyTailed, tr, 384, bf16, {true, true}, seed++);
+    }
+    check_case(c.config, Fill::kOutliers, 4 * tr, 128, true, {false, true}, seed++);
+    check_case(c.config, Fill::kNormal, 2 * tr, 128, true, {true, false}, seed++);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(QuantCuda, EdgeFillsMatchTheReference) {
+  const Fill fills[] = {Fill::kZeros, Fill::kAllEqualBlocks, Fill::kOneOutlier, Fill::kSubnormal,
+                        Fill::kNearMax, Fill::kRowScales, Fill::kOutliers};
+  uint64_t seed = 1000;
+  for (const Case& c : all_configs()) {
+    const int64_t tr = c.config.format == Format::kFp8Block ? 128 : 64;
+    for (Fill f : fills) {
+      for (bool bf16 : {true, false}) check_case(c.config, f, 2 * tr, 256, bf16, {true, true}, seed++);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST_F(QuantCuda, LargeTensorMatchesTheReference) {
+  QuantConfig c;
+  check_case(c, Fill::kNormal, 1024, 2048, true, {true, true}, 5);
+  c.rht = true;
+  c.rounding = Rounding::kStochastic;
+  check_case(c, Fill::kHeavyTailed, 1024, 2048, true, {true, true}, 6);
+  QuantConfig f;
+  f.format = Format::kFp8Block;
+  f.block_2d = true;
+  check_case(f, Fill::kNormal, 1024, 1024, true, {true, true}, 7);
+}
+
+TEST_F(QuantCuda, GivenAmaxIsUsedInsteadOfAPass) {
+  const Tensor host = make_source(Fill::kNormal, 128, 256, true, 3);
+  const Tensor dev = host.to(Device::kCuda);
+  QuantConfig cfg;
+  QuantizedTensor a = allocate_quantized(cfg, 128, 256, {true, false}, Device::kCuda);
+  QuantizedTensor b = allocate_quantized(cfg, 128, 256, {true, false}, Device::kCuda);
+  quantize_cuda(dev.view(), a, CudaQuantizeOptions{});
+  // A larger given amax changes the global scale: the scales must differ from a's.
+  Tensor given = Tensor::empty({1}, DType::kF32, Device::kCpu);
+  *given.ptr<float>() = 100.0f;
+  const Tensor given_dev = given.to(Device::kCuda);
+  CudaQuantizeOptions co;
+  co.given_rowwise_amax = given_dev.ptr<float>();
+  quantize_cuda(dev.view(), b, co);
+  EXPECT_EQ(*b.rowwise->amax.to(Device::kCpu).ptr<float>(), 100.0f);
+  EXPECT_FALSE(same_bytes(a.rowwise->scales, b.rowwise->scales.to(Device::kCpu), "scales"));
+}
+
+TEST_F(QuantCuda, NonFiniteInputIsReportedWithTheTensorName) {
+  for (Format f : {Format::kNvfp4, Format::kMxfp8, Format::kFp8Block}) {
+    Tensor host = make_source(Fill::kNormal, 128, 128, false, 4);
+    host.ptr<float>()[777] = std::numeric_limits<float>::quiet_NaN();
+    const Tensor dev = host.to(Device::kCuda);
+    QuantConfig cfg;
+    cfg.format = f;
+    QuantizedTensor q = allocate_quantized(cfg, 128, 128, {true, true}, Device::kCuda);
+    CudaQuantizeOptions co;
+    co.tensor_name = "blocks.7.attn.qkv.grad_output";
+    try {
+      quantize_cuda(dev.view(), q, co);
+      ADD_FAILURE() << format_name(f) << ": NaN was quantized silently";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("blocks.7.attn.qkv.grad_output"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST_F(QuantCuda, UnalignedShapesAreRejectedClearly) {
+  const Tensor dev = make_source(Fill::kNormal, 64, 100, true, 1).to(Device::kCuda);
+  QuantizedTensor q = allocate_quantized(QuantConfig{}, 64, 100, {true, false}, Device::kCuda);
+  CudaQuantizeOptions co;
+  co.tensor_name = "odd";
+  try {
+    quantize_cuda(dev.view(), q, co);
+    FAIL() << "accepted a 64 x 100 tensor";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("pad"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace fourbit::quant
