@@ -297,6 +297,21 @@ TEST_F(QuantCuda, LargeTensorMatchesTheReference) {
   check_case(f, Fill::kNormal, 1024, 1024, true, {true, true}, 7);
 }
 
+TEST_F(QuantCuda, QuantReportOnTheGpuEqualsTheCpuReport) {
+  ReportOptions o;
+  o.rows = 256;
+  o.cols = 256;
+  o.device = Device::kCpu;
+  const std::vector<ReportRow> cpu = run_quant_report(o);
+  o.device = Device::kCuda;
+  const std::vector<ReportRow> gpu = run_quant_report(o);
+  ASSERT_EQ(cpu.size(), gpu.size());
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    EXPECT_EQ(cpu[i].stats.relative_error, gpu[i].stats.relative_error) << cpu[i].case_name;
+    EXPECT_EQ(cpu[i].stats.relative_bias, gpu[i].stats.relative_bias) << cpu[i].case_name;
+  }
+}
+
 TEST_F(QuantCuda, GivenAmaxIsUsedInsteadOfAPass) {
   const Tensor host = make_source(Fill::kNormal, 128, 256, true, 3);
   const Tensor dev = host.to(Device::kCuda);

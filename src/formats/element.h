@@ -156,6 +156,19 @@ FOURBIT_HD uint8_t encode_e2m1_rn_fast(float x) {
   return (uint8_t)((n < 7u ? n : 7u) | ((bits >> 28) & 0x8u));
 }
 
+// encode_e2m1_rn for any x that is not NaN, in about a dozen FP32-pipe-heavy instructions: the
+// magnitude is clamped to 6 first (saturation, Inf included), so the code never needs a final
+// min. For NaN it returns sign | 7 instead of 0x7; the CUDA kernels never feed it NaN (their
+// inputs are checked finite and the element multipliers are finite and positive).
+FOURBIT_HD uint32_t encode_e2m1_rn_not_nan(float x) {
+  const float a = fmin_ieee(abs_f32(x), 6.0f);
+  const bool below2 = a < 2.0f, below4 = a < 4.0f;
+  const float magic = below2 ? 4194304.0f : (below4 ? 8388608.0f : 16777216.0f);  // 2^22..2^24
+  // bits(magic) minus the range's first code (0, 2, 4).
+  const uint32_t offset = below2 ? 0x4A800000u : (below4 ? 0x4B000000u - 2u : 0x4B800000u - 4u);
+  return (f32_bits(add_rn(a, magic)) - offset) | ((f32_bits(x) >> 28) & 0x8u);
+}
+
 FOURBIT_HD uint8_t encode_e2m1_sr(float x, uint32_t rbits8) {
   return encode_minifloat_sr<kE2M1>(x, rbits8);
 }

@@ -88,7 +88,7 @@ __device__ __forceinline__ uint2 nvfp4_encode16(const float v[16], float mult, b
     } else if (stochastic) {
       q = nvfp4_encode_element(v[i], mult, true, rbyte(rb, i));
     } else {
-      q = formats::encode_e2m1_rn_fast(formats::mul_rn(v[i], mult));
+      q = (uint8_t)formats::encode_e2m1_rn_not_nan(formats::mul_rn(v[i], mult));
     }
     w[i >> 3] |= (uint32_t)q << (4 * (i & 7));
   }
