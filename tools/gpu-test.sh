@@ -21,8 +21,8 @@
 # Environment:
 #   FOURBIT_GPU_BUILD_DIR  build folder (default: build-gpu/ in the repository)
 #   FOURBIT_CMAKE_ARGS     extra cmake arguments, e.g. "-DFOURBIT_CUDA_GENCODE=..."
-#   FOURBIT_COMMIT         the commit to report where the copy has no .git (the device machine
-#                          receives the working tree without it)
+#   FOURBIT_COMMIT         the commit to report, where git cannot read it (the device machine
+#                          gets a copy of the working tree whose .git it cannot use)
 set -u -o pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -40,9 +40,9 @@ benches=(
 
 # --- identity of this run ------------------------------------------------------------------------
 commit=${FOURBIT_COMMIT:-}
-if [ -z "$commit" ] && git -C "$root" rev-parse --git-dir >/dev/null 2>&1; then
-  commit=$(git -C "$root" rev-parse --short=12 HEAD)
-  [ -z "$(git -C "$root" status --porcelain --untracked-files=no)" ] || commit="$commit-dirty"
+if [ -z "$commit" ] && commit=$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null); then
+  changes=$(git -C "$root" status --porcelain --untracked-files=no 2>/dev/null) || changes=unknown
+  [ -z "$changes" ] || commit="$commit-dirty"
 fi
 commit=${commit:-unknown}
 date_utc=$(date -u '+%Y-%m-%d %H:%M UTC')
@@ -131,8 +131,16 @@ for line in "${benches[@]}"; do
 done
 
 # --- reports -------------------------------------------------------------------------------------
-csv_to_markdown() {  # plain CSV (no quoted commas) -> markdown table
-  awk -F, '{ printf "|"; for (i = 1; i <= NF; i++) printf " %s |", $i; printf "\n" }
+csv_to_markdown() {  # CSV file -> markdown table (python3's csv module; awk if there is none)
+  python3 - "$1" 2>/dev/null <<'EOF' ||
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1], newline="")))
+for i, row in enumerate(rows):
+    print("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+    if i == 0:
+        print("|" + "---|" * len(row))
+EOF
+  awk -F, '{ gsub(/"/, ""); printf "|"; for (i = 1; i <= NF; i++) printf " %s |", $i; printf "\n" }
            NR == 1 { printf "|"; for (i = 1; i <= NF; i++) printf "---|"; printf "\n" }' "$1"
 }
 step_table() {
