@@ -376,6 +376,15 @@ TEST(MlDtypes, EncodeE8M0) {
       mm.check(want == 0xFF && lo == lo_abs && hi == hi_abs, b, got,
                hex(want, 2) + " (negative quirk)");
       ++quirks;
+    } else if ((b & 0x7F800000u) == 0) {
+      // Positive FP32 subnormals (< 2^-126): ml_dtypes versions disagree. 0.7.0 (CI, pip) follows
+      // the nearest rule below; the version on the H200 image returned 0x01 for inputs from
+      // 0x00400000 (2^-127 exactly, code 0x00) up to 0x00408000 (seen 2026-12-03). Either
+      // neighbour code of the E8M0 subnormal range is accepted; fourbit's own codes for these
+      // inputs are pinned by the CUDA host oracle and NUMERICS 9.5.
+      mm.check((want == 0x00 || want == 0x01) && lo == 0x00 && (hi == 0x00 || hi == 0x01), b,
+               got, hex(want, 2) + " (FP32-subnormal input)");
+      ++quirks;
     } else if (!(x < kOverflow)) {  // overflow: ml NaN, fourbit saturates
       mm.check(want == 0xFF && hi == 0xFE, b, got, hex(want, 2) + " (overflow quirk)");
       ++quirks;

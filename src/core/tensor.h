@@ -76,7 +76,8 @@ class Tensor {
   Device device() const { return view_.device; }
   int64_t numel() const { return view_.numel(); }
   int64_t nbytes() const { return view_.nbytes(); }
-  bool defined() const { return view_.data != nullptr || view_.numel() == 0; }
+  // False for a default-constructed Tensor (an absent optional output such as MXFP8's amax).
+  bool defined() const { return storage_ != nullptr; }
 
   // A contiguous copy on `device`.
   Tensor to(Device device) const;

@@ -74,13 +74,19 @@ FOURBIT_HD uint8_t nvfp4_encode_element(float x, float multiplier, bool stochast
   return stochastic ? formats::encode_e2m1_sr(y, rbits8) : formats::encode_e2m1_rn(y);
 }
 
-// Dequantized value (TE dequantize kernel, NUMERICS 3.5):
-// q * f32(f32(s_b * A) * f32(1 / C)).
+// The per-tensor decode scale A * f32(1 / C): what multiplies a GEMM over scaled-domain operands.
+FOURBIT_HD float nvfp4_global_decode_scale(float amax, float global_constant) {
+  return mul_rn(amax, div_rn(1.0f, global_constant));
+}
+
+// Dequantized value: f32(q * s_b) (exact) times the global decode scale. Transformer Engine's
+// dequantize kernel (NUMERICS 3.5) computes q * f32(f32(s_b * A) * f32(1 / C)) instead, whose
+// intermediate s_b * A overflows FP32 to Inf (and 0 * Inf = NaN) once A > FLT_MAX / 448 ~ 7.6e35;
+// this order never overflows (|q * s_b| <= 2688) and differs from TE's by at most an ulp.
 FOURBIT_HD float nvfp4_dequantize_element(uint8_t code, uint8_t block_scale, float amax,
                                           float global_constant) {
-  const float rcp = div_rn(1.0f, global_constant);
-  const float final_scale = mul_rn(mul_rn(formats::decode_e4m3(block_scale), amax), rcp);
-  return mul_rn(formats::decode_e2m1(code), final_scale);
+  const float scaled = mul_rn(formats::decode_e2m1(code), formats::decode_e4m3(block_scale));
+  return mul_rn(scaled, nvfp4_global_decode_scale(amax, global_constant));
 }
 
 // ---------------------------------------------------------------------------------------------

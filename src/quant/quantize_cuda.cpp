@@ -131,9 +131,9 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
     }
     const bool given = o.given_rowwise_amax != nullptr;
     if (given) {
-      if (out.rowwise && out.rowwise->amax.numel())
+      if (out.rowwise && out.rowwise->amax.defined())
         FOURBIT_CUDA_CHECK(cudaMemcpyAsync(out.rowwise->amax.data(), o.given_rowwise_amax, sizeof(float), cudaMemcpyDeviceToDevice, stream));
-      if (out.colwise && out.colwise->amax.numel()) {
+      if (out.colwise && out.colwise->amax.defined()) {
         const float* g = (cfg.rht && o.given_colwise_amax) ? o.given_colwise_amax : o.given_rowwise_amax;
         FOURBIT_CHECK(!cfg.rht || o.given_colwise_amax != nullptr,
                       "quantize_cuda('{}'): with RHT the column-wise amax (after the transform) "
@@ -151,8 +151,8 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
       }
       amax_cuda(src, first, second, rht_col, p.rht_sign_mask, flags, o.stream);
     }
-    if (out.rowwise) p.row.amax = out.rowwise->amax.numel() ? out.rowwise->amax.ptr<float>() : row_amax;
-    if (out.colwise) p.col.amax = out.colwise->amax.numel() ? out.colwise->amax.ptr<float>() : row_amax;
+    if (out.rowwise) p.row.amax = out.rowwise->amax.defined() ? out.rowwise->amax.ptr<float>() : row_amax;
+    if (out.colwise) p.col.amax = out.colwise->amax.defined() ? out.colwise->amax.ptr<float>() : row_amax;
     if (cfg.format == Format::kFp8Tensor) p.row.amax = any->amax.ptr<float>();
   }
 
@@ -179,7 +179,7 @@ void dequantize_cuda(const QuantizedTensor& q, bool colwise, const TensorView& o
   p.block_2d = q.config.block_2d;
   p.data = od->data.ptr<const uint8_t>();
   p.scales = od->scales.data();
-  p.amax = od->amax.numel() ? od->amax.ptr<const float>() : nullptr;
+  p.amax = od->amax.defined() ? od->amax.ptr<const float>() : nullptr;
   p.nvfp4_constant = q.config.nvfp4_global_constant();
   p.rows = od->rows;
   p.cols = od->cols;

@@ -172,30 +172,48 @@ __device__ __forceinline__ void e4m3_scaled16(uint4 codes, float decode, float o
 
 // --- the tile kernel ---------------------------------------------------------------------------
 
-template <Format F, bool kTwoD>
-struct TileShape {
-  static constexpr int kRows = (F == Format::kFp8Block) ? 128 : 64;
-  static constexpr int kCols = 128;
+// Geometry of one CTA's tile and of its shared memory, per source type and format.
+template <typename InT, Format F, bool kTwoD>
+struct Tile {
+  static constexpr int kRows = (F == Format::kFp8Block) ? 128 : 64;  // TR
+  static constexpr int kCols = 128;                                  // TC
+  static constexpr int kChunk = 16 / (int)sizeof(InT);   // elements per 16-byte chunk
+  static constexpr int kMicroChunks = 16 / kChunk;       // chunks per 16-element micro-block
+  static constexpr int kStride = kCols + kChunk;         // smem row, elements (one chunk of pad)
+  static constexpr int kColPair = 4 / (int)sizeof(InT);  // columns per column task
+  static constexpr int kRowTasks = kRows * kCols / 16;
+  static constexpr int kColTasks = (kCols / kColPair) * (kRows / 16);
+  static constexpr int kGroup = F == Format::kMxfp8 ? 2 : (F == Format::kFp8Block ? 8 : 1);
+  static constexpr bool kSinglePhase = F == Format::kNvfp4 && !kTwoD;
+  // Column-wise packed output staged per column: FP4 TR/2 bytes, E4M3 TR bytes, + 16 pad.
+  static constexpr int kStageColBytes = (F == Format::kNvfp4 ? kRows / 2 : kRows);
+  static constexpr int kStageStride = kStageColBytes + 16;
+  static constexpr size_t kTileBytes = (size_t)kRows * kStride * sizeof(InT);
+  static constexpr size_t kStageBytes = (size_t)kCols * kStageStride;
+  static constexpr size_t kAmaxFloats =
+      kSinglePhase ? 0 : (size_t)kRows * (kCols / 16) * 3 + (size_t)(kRows / 16) * kCols;
+  static constexpr size_t kSmemBytes = kTileBytes + kStageBytes + kAmaxFloats * sizeof(float);
+
+  // XOR swizzle of 16-byte chunks within a row: the kMicroChunks loads of a quarter-warp's eight
+  // row micro-blocks then hit 32 distinct banks (chunk c of micro-block b: c ^ (b / 2 ...)).
+  __device__ static int phys_chunk(int c) { return c ^ ((c >> 3) & (kMicroChunks - 1)); }
+  __device__ static int element_offset(int r, int col) {
+    return r * kStride + phys_chunk(col / kChunk) * kChunk + col % kChunk;
+  }
 };
 
 template <typename InT, Format F, bool kTwoD>
 __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
-  constexpr int TR = TileShape<F, kTwoD>::kRows;
-  constexpr int TC = TileShape<F, kTwoD>::kCols;
-  constexpr int kPad = 16 / sizeof(InT);
-  constexpr int kStride = TC + kPad;               // elements per shared-memory row
-  constexpr int kColPair = 4 / sizeof(InT);        // columns per column task (2 for BF16)
-  constexpr int kRowTasks = TR * TC / 16;
-  constexpr int kColTasks = (TC / kColPair) * (TR / 16);
-  constexpr int kGroup = F == Format::kMxfp8 ? 2 : (F == Format::kFp8Block ? 8 : 1);
-  constexpr bool kSinglePhase = F == Format::kNvfp4 && !kTwoD;
-  static_assert(kRowTasks % kThreads == 0 && kColTasks % kThreads == 0, "tile/thread mismatch");
+  using T = Tile<InT, F, kTwoD>;
+  constexpr int TR = T::kRows, TC = T::kCols, kColPair = T::kColPair, kGroup = T::kGroup;
+  static_assert(T::kRowTasks % kThreads == 0 && T::kColTasks % kThreads == 0, "tile/threads");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   InT* tile = reinterpret_cast<InT*>(smem_raw);
-  float* row_amax16 = reinterpret_cast<float*>(smem_raw + TR * kStride * sizeof(InT));  // [TR][TC/16]
-  float* col_amax16 = row_amax16 + TR * (TC / 16);                                     // [TR/16][TC]
-  float* err_rows = col_amax16 + (TR / 16) * TC;                                       // [TR][TC/16][2]
+  uint8_t* stage = smem_raw + T::kTileBytes;                                   // [TC][stride]
+  float* row_amax16 = reinterpret_cast<float*>(stage + T::kStageBytes);        // [TR][TC/16]
+  float* col_amax16 = row_amax16 + TR * (TC / 16);                             // [TR/16][TC]
+  float* err_rows = col_amax16 + (TR / 16) * TC;                               // [TR*TC/16][2]
   __shared__ uint8_t tile_choice[TR / 16][TC / 16];  // 4/6 2D: 1 = map to 4
   __shared__ float block_amax_2d;
 
@@ -204,33 +222,49 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
   const int64_t M = p.rows, K = p.cols;
   const InT* src = static_cast<const InT*>(p.src);
 
-  // 1. Load the tile (16-byte chunks, coalesced along rows).
-  constexpr int kChunksPerRow = TC * (int)sizeof(InT) / 16;
+  // 1. Load the tile (16-byte chunks, coalesced along rows, swizzled in shared memory).
+  constexpr int kChunksPerRow = TC / T::kChunk;
+#pragma unroll
   for (int chunk = threadIdx.x; chunk < TR * kChunksPerRow; chunk += kThreads) {
     const int r = chunk / kChunksPerRow, cc = chunk % kChunksPerRow;
-    const uint4 v = *reinterpret_cast<const uint4*>(src + (r0 + r) * K + c0 + cc * (16 / sizeof(InT)));
-    *reinterpret_cast<uint4*>(tile + r * kStride + cc * (16 / sizeof(InT))) = v;
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + (r0 + r) * K + c0 + cc * T::kChunk));
+    *reinterpret_cast<uint4*>(tile + r * T::kStride + T::phys_chunk(cc) * T::kChunk) = v;
   }
   if (kTwoD && threadIdx.x == 0) block_amax_2d = 0.0f;
   __syncthreads();
 
   const bool do_row = p.row.data != nullptr || p.row.bf16 != nullptr;
   const bool do_col = p.col.data != nullptr || p.col.bf16 != nullptr;
-  Nvfp4Tensor nv_row{}, nv_col{};
-  if constexpr (F == Format::kNvfp4) {
-    if (do_row) nv_row = nvfp4_tensor(p, p.row.amax);
-    if (do_col) nv_col = nvfp4_tensor(p, p.col.amax);
-  }
 
   auto read_row16 = [&](int r, int b, float v[16]) {
-    const InT* base = tile + r * kStride + b * 16;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = load_as_float(base + i);
+    for (int j = 0; j < T::kMicroChunks; ++j) {
+      const int c = b * T::kMicroChunks + j;
+      const uint4 w = *reinterpret_cast<const uint4*>(tile + r * T::kStride + T::phys_chunk(c) * T::kChunk);
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (sizeof(InT) == 2) {
+          v[j * 8 + 2 * k] = __uint_as_float(words[k] << 16);
+          v[j * 8 + 2 * k + 1] = __uint_as_float(words[k] & 0xFFFF0000u);
+        } else {
+          v[j * 4 + k] = __uint_as_float(words[k]);
+        }
+      }
+    }
   };
-  auto read_col16 = [&](int mb, int c, float v[16]) {
-    const InT* base = tile + (mb * 16) * kStride + c;
+  // Column pair cp (kColPair adjacent columns), rows mb*16 .. mb*16+15.
+  auto read_cols16 = [&](int mb, int cp, float v[kColPair][16]) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = load_as_float(base + i * kStride);
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(tile + T::element_offset(mb * 16 + i, cp * kColPair));
+      if constexpr (sizeof(InT) == 2) {
+        v[0][i] = __uint_as_float(w << 16);
+        v[kColPair - 1][i] = __uint_as_float(w & 0xFFFF0000u);
+      } else {
+        v[0][i] = __uint_as_float(w);
+      }
+    }
   };
   auto amax16 = [&](const float v[16], bool& bad) {
     float a = 0.0f;
@@ -242,344 +276,366 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
     }
     return a;
   };
+  // Writes the staged column-wise packed data: each column's TR/2 or TR bytes of this tile are
+  // contiguous in the transposed output, so every 16-byte store fills half a 32-byte sector and
+  // its neighbour lane the other half.
+  auto flush_stage = [&]() {
+    __syncthreads();
+    if (p.col.data == nullptr) return;
+    constexpr int kChunksPerCol = T::kStageColBytes / 16;
+    const int64_t out_row_bytes = F == Format::kNvfp4 ? M / 2 : M;
+    const int64_t out_col0 = F == Format::kNvfp4 ? r0 / 2 : r0;
+    for (int t = threadIdx.x; t < TC * kChunksPerCol; t += kThreads) {
+      const int c = t / kChunksPerCol, h = t % kChunksPerCol;
+      *reinterpret_cast<uint4*>(p.col.data + (c0 + c) * out_row_bytes + out_col0 + h * 16) =
+          *reinterpret_cast<const uint4*>(stage + c * T::kStageStride + h * 16);
+    }
+  };
 
   bool bad = false;
 
-  // --- NVFP4 1D: a single phase --------------------------------------------------------------
-  auto nvfp4_1d_encode_store = [&](const float v[16], float amax, const Nvfp4Tensor& t,
-                                   const OrientationOut& out, int64_t out_row, int64_t out_col,
-                                   int64_t out_cols) {
-    const int64_t index = out_row * out_cols + out_col;
-    Philox4x32Result rb{};
-    if (p.stochastic) rb = micro_block_bits(out.sr, (uint64_t)index);
-    uint8_t s;
-    float mult;
-    if (p.four_over_six) {
-      const FourOverSixScalePair pair = four_over_six_scales(amax, t.ts46);
-      const float e6 = four_over_six_error16(v, pair.map6, t.ts46, p.metric, p.stochastic, rb);
-      const float e4 = four_over_six_error16(v, pair.map4, t.ts46, p.metric, p.stochastic, rb);
-      s = e4 < e6 ? pair.map4 : pair.map6;
-      mult = four_over_six_multiplier(s, t.ts46);
-    } else {
-      s = nvfp4_block_scale(amax, t.ts);
-      mult = nvfp4_element_multiplier(s, t.ts);
-    }
-    const uint2 packed = nvfp4_encode16(v, mult, p.four_over_six, p.stochastic, rb);
-    if (out.data) {
-      *reinterpret_cast<uint2*>(out.data + index / 2) = packed;
-      static_cast<uint8_t*>(out.scales)[out_row * (out_cols / 16) + out_col / 16] = s;
-    }
-    if (out.bf16) {
-      float sv[16];
-      nvfp4_scaled16(packed, s, sv);
-      store_bf16x16(out.bf16 + index, sv);
-    }
-  };
-
-  if constexpr (kSinglePhase) {
-    if (do_row) {
-      for (int task = threadIdx.x; task < kRowTasks; task += kThreads) {
-        const int r = task / (TC / 16), b = task % (TC / 16);
-        float v[16];
-        read_row16(r, b, v);
-        nvfp4_1d_encode_store(v, amax16(v, bad), nv_row, p.row, r0 + r, c0 + b * 16, K);
-      }
-    }
-    if (do_col) {
-      for (int task = threadIdx.x; task < kColTasks; task += kThreads) {
-        const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
-#pragma unroll
-        for (int j = 0; j < kColPair; ++j) {
-          const int c = cp * kColPair + j;
-          float v[16];
-          read_col16(mb, c, v);
-          if (p.rht) rht16_forward(v, p.rht_sign_mask);
-          nvfp4_1d_encode_store(v, amax16(v, bad), nv_col, p.col, c0 + c, r0 + mb * 16, M);
-        }
-      }
-    }
-    if (bad) atomicOr(p.error_flags, kErrNonFinite);
-  } else {
-  // --- two phases: micro-block amaxes, then scale blocks ---------------------------------------
-  for (int task = threadIdx.x; task < kRowTasks; task += kThreads) {
-    const int r = task / (TC / 16), b = task % (TC / 16);
-    float v[16];
-    read_row16(r, b, v);
-    row_amax16[r * (TC / 16) + b] = amax16(v, bad);
-  }
-  if (!kTwoD && do_col) {
-    for (int task = threadIdx.x; task < kColTasks; task += kThreads) {
-      const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
-#pragma unroll
-      for (int j = 0; j < kColPair; ++j) {
-        float v[16];
-        read_col16(mb, cp * kColPair + j, v);
-        bool ignore = false;
-        col_amax16[mb * TC + cp * kColPair + j] = amax16(v, ignore);
-      }
-    }
-  }
-  if (bad) atomicOr(p.error_flags, kErrNonFinite);
-  __syncthreads();
-  if constexpr (kTwoD && F == Format::kFp8Block) {
-    // One 128x128 tile = the whole CTA tile.
-    float a = 0.0f;
-    for (int i = threadIdx.x; i < kRowTasks; i += kThreads) a = fmaxf(a, row_amax16[i]);
-    for (int off = 16; off > 0; off >>= 1) a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
-    if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<unsigned int*>(&block_amax_2d), __float_as_uint(a));
-    __syncthreads();
-  }
-
-  // Scale-block amax of a row micro-block / column micro-block.
-  auto row_group_amax = [&](int r, int b) {
-    if constexpr (kTwoD && F == Format::kNvfp4) {
-      float a = 0.0f;
-      const int rb = r / 16 * 16;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) a = fmaxf(a, row_amax16[(rb + i) * (TC / 16) + b]);
-      return a;
-    } else if constexpr (kTwoD) {
-      return block_amax_2d;
-    } else {
-      float a = 0.0f;
-      const int g0 = b / kGroup * kGroup;
-#pragma unroll
-      for (int i = 0; i < kGroup; ++i) a = fmaxf(a, row_amax16[r * (TC / 16) + g0 + i]);
-      return a;
-    }
-  };
-  auto col_group_amax = [&](int mb, int c) {
-    if constexpr (kTwoD) {
-      return row_group_amax(mb * 16, c / 16);
-    } else {
-      float a = 0.0f;
-      const int g0 = mb / kGroup * kGroup;
-#pragma unroll
-      for (int i = 0; i < kGroup; ++i) a = fmaxf(a, col_amax16[(g0 + i) * TC + c]);
-      return a;
-    }
-  };
-
-  if constexpr (F == Format::kNvfp4) {
-    // NVFP4 16x16 tiles (weights). Four Over Six chooses per tile from per-row partial errors.
-    if (p.four_over_six) {
-      for (int task = threadIdx.x; task < kRowTasks; task += kThreads) {
-        const int r = task / (TC / 16), b = task % (TC / 16);
-        float v[16];
-        read_row16(r, b, v);
-        Philox4x32Result rb{};
-        const int64_t index = (r0 + r) * K + c0 + b * 16;
-        if (p.stochastic) rb = micro_block_bits(p.row.sr, (uint64_t)index);
-        const Nvfp4Tensor& t = do_row ? nv_row : nv_col;
-        const FourOverSixScalePair pair = four_over_six_scales(row_group_amax(r, b), t.ts46);
-        err_rows[task * 2 + 0] = four_over_six_error16(v, pair.map6, t.ts46, p.metric, p.stochastic, rb);
-        err_rows[task * 2 + 1] = four_over_six_error16(v, pair.map4, t.ts46, p.metric, p.stochastic, rb);
-      }
-      __syncthreads();
-      for (int t = threadIdx.x; t < (TR / 16) * (TC / 16); t += kThreads) {
-        const int tr = t / (TC / 16), b = t % (TC / 16);
-        float e6 = 0.0f, e4 = 0.0f;
-        for (int i = 0; i < 16; ++i) {
-          const int task = (tr * 16 + i) * (TC / 16) + b;
-          e6 = four_over_six_combine_errors(e6, err_rows[task * 2 + 0], p.metric);
-          e4 = four_over_six_combine_errors(e4, err_rows[task * 2 + 1], p.metric);
-        }
-        tile_choice[tr][b] = e4 < e6 ? 1 : 0;
-      }
-      __syncthreads();
-    }
-    // 2D: the column-wise copy uses the tile's scale and the row-wise stream's draws (it is the
-    // transpose of the row-wise copy).
-    const Nvfp4Tensor& t = do_row ? nv_row : nv_col;
-    auto tile_scale = [&](int tr, int b, float& mult) {
-      const float a = row_group_amax(tr * 16, b);
-      uint8_t s;
-      if (p.four_over_six) {
-        const FourOverSixScalePair pair = four_over_six_scales(a, t.ts46);
-        s = tile_choice[tr][b] ? pair.map4 : pair.map6;
-        mult = four_over_six_multiplier(s, t.ts46);
-      } else {
-        s = nvfp4_block_scale(a, t.ts);
-        mult = nvfp4_element_multiplier(s, t.ts);
-      }
-      return s;
-    };
-    if (do_row) {
-      for (int task = threadIdx.x; task < kRowTasks; task += kThreads) {
-        const int r = task / (TC / 16), b = task % (TC / 16);
-        float v[16];
-        read_row16(r, b, v);
-        float mult;
-        const uint8_t s = tile_scale(r / 16, b, mult);
-        const int64_t index = (r0 + r) * K + c0 + b * 16;
-        Philox4x32Result rb{};
-        if (p.stochastic) rb = micro_block_bits(p.row.sr, (uint64_t)index);
-        const uint2 packed = nvfp4_encode16(v, mult, p.four_over_six, p.stochastic, rb);
-        if (p.row.data) {
-          *reinterpret_cast<uint2*>(p.row.data + index / 2) = packed;
-          static_cast<uint8_t*>(p.row.scales)[(r0 + r) * (K / 16) + (c0 / 16 + b)] = s;
-        }
-        if (p.row.bf16) {
-          float sv[16];
-          nvfp4_scaled16(packed, s, sv);
-          store_bf16x16(p.row.bf16 + index, sv);
-        }
-      }
-    }
-    if (do_col) {
-      for (int task = threadIdx.x; task < kColTasks; task += kThreads) {
-        const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
-#pragma unroll
-        for (int j = 0; j < kColPair; ++j) {
-          const int c = cp * kColPair + j;
-          float v[16];
-          read_col16(mb, c, v);
-          float mult;
-          const uint8_t s = tile_scale(mb, c / 16, mult);
-          uint32_t w[2] = {0, 0};
-#pragma unroll
-          for (int i = 0; i < 16; ++i) {
-            uint32_t rbits = 0;
-            if (p.stochastic) rbits = p.row.sr.byte_at((uint64_t)((r0 + mb * 16 + i) * K + c0 + c));
-            const uint8_t q = p.four_over_six
-                                  ? four_over_six_encode_element(v[i], mult, p.stochastic, rbits)
-                                  : nvfp4_encode_element(v[i], mult, p.stochastic, rbits);
-            w[i >> 3] |= (uint32_t)q << (4 * (i & 7));
-          }
-          const uint2 packed = make_uint2(w[0], w[1]);
-          const int64_t index = (c0 + c) * M + r0 + mb * 16;
-          if (p.col.data) {
-            *reinterpret_cast<uint2*>(p.col.data + index / 2) = packed;
-            static_cast<uint8_t*>(p.col.scales)[(c0 + c) * (M / 16) + (r0 / 16 + mb)] = s;
-          }
-          if (p.col.bf16) {
-            float sv[16];
-            nvfp4_scaled16(packed, s, sv);
-            store_bf16x16(p.col.bf16 + index, sv);
-          }
-        }
-      }
-    }
-  } else {
-    // MXFP8 (E8M0 per 32) and FP8 (FP32 decode scale per 128 / 128x128 / tensor).
-    float tensor_encode = 0.0f;
-    if constexpr (F == Format::kFp8Tensor) tensor_encode = fp8_encode_scale(*p.row.amax, p.fp8_pow2);
-    auto scale_for = [&](float group_amax, float& mult, float& decode, uint8_t& code) {
-      if constexpr (F == Format::kMxfp8) {
-        code = mxfp8_scale_code(group_amax, p.mx_rule);
-        mult = formats::e8m0_reciprocal(code);
-        decode = formats::decode_e8m0(code);
-      } else if constexpr (F == Format::kFp8Tensor) {
-        mult = tensor_encode;
-        decode = formats::div_rn(1.0f, mult);
-      } else {
-        mult = fp8_encode_scale(group_amax, p.fp8_pow2);
-        decode = formats::div_rn(1.0f, mult);
-      }
-    };
-    auto encode_store = [&](const float v[16], float group_amax, const OrientationOut& out,
-                            int64_t out_row, int64_t out_col, int64_t out_cols, bool write_scale,
-                            int64_t scale_index) {
-      float mult, decode;
-      uint8_t code = 0;
-      scale_for(group_amax, mult, decode, code);
+  if constexpr (T::kSinglePhase) {
+    // --- NVFP4 1x16: one phase ---------------------------------------------------------------
+    const Nvfp4Tensor nv_row = do_row ? nvfp4_tensor(p, p.row.amax) : Nvfp4Tensor{};
+    const Nvfp4Tensor nv_col = do_col ? nvfp4_tensor(p, p.col.amax) : Nvfp4Tensor{};
+    // Returns the packed codes; writes the scale (and BF16) for the micro-block at stored
+    // (out_row, out_col) of an [*, out_cols] matrix.
+    auto encode = [&](const float v[16], float amax, const Nvfp4Tensor& t, const OrientationOut& out,
+                      int64_t out_row, int64_t out_col, int64_t out_cols) {
       const int64_t index = out_row * out_cols + out_col;
       Philox4x32Result rb{};
       if (p.stochastic) rb = micro_block_bits(out.sr, (uint64_t)index);
-      // MXFP8: x * 2^(127 - code) then RNE + saturate (TE order); FP8: x * encode scale.
-      const uint4 codes = e4m3_encode16(v, mult, p.stochastic, rb);
-      if (out.data) {
-        *reinterpret_cast<uint4*>(out.data + index) = codes;
-        if (write_scale) {
+      uint8_t s;
+      float mult;
+      if (p.four_over_six) {
+        const FourOverSixScalePair pair = four_over_six_scales(amax, t.ts46);
+        const float e6 = four_over_six_error16(v, pair.map6, t.ts46, p.metric, p.stochastic, rb);
+        const float e4 = four_over_six_error16(v, pair.map4, t.ts46, p.metric, p.stochastic, rb);
+        s = e4 < e6 ? pair.map4 : pair.map6;
+        mult = four_over_six_multiplier(s, t.ts46);
+      } else {
+        s = nvfp4_block_scale(amax, t.ts);
+        mult = nvfp4_element_multiplier(s, t.ts);
+      }
+      const uint2 packed = nvfp4_encode16(v, mult, p.four_over_six, p.stochastic, rb);
+      if (out.scales) static_cast<uint8_t*>(out.scales)[index / 16] = s;
+      if (out.bf16) {
+        float sv[16];
+        nvfp4_scaled16(packed, s, sv);
+        store_bf16x16(out.bf16 + index, sv);
+      }
+      return packed;
+    };
+    if (do_row) {
+#pragma unroll 1
+      for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
+        const int r = task / (TC / 16), b = task % (TC / 16);
+        float v[16];
+        read_row16(r, b, v);
+        const uint2 packed = encode(v, amax16(v, bad), nv_row, p.row, r0 + r, c0 + b * 16, K);
+        if (p.row.data) *reinterpret_cast<uint2*>(p.row.data + ((r0 + r) * K + c0 + b * 16) / 2) = packed;
+      }
+    }
+    if (do_col) {
+#pragma unroll 1
+      for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) {
+        const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
+        float v[kColPair][16];
+        read_cols16(mb, cp, v);
+#pragma unroll
+        for (int j = 0; j < kColPair; ++j) {
+          const int c = cp * kColPair + j;
+          if (p.rht) rht16_forward(v[j], p.rht_sign_mask);
+          bool ignore = false;  // the row-wise pass (or below) reports non-finite inputs
+          const uint2 packed = encode(v[j], amax16(v[j], do_row ? ignore : bad), nv_col, p.col,
+                                      c0 + c, r0 + mb * 16, M);
+          *reinterpret_cast<uint2*>(stage + c * T::kStageStride + mb * 8) = packed;
+        }
+      }
+      flush_stage();
+    }
+    if (bad) atomicOr(p.error_flags, kErrNonFinite);
+  } else {
+    // --- two phases: micro-block amaxes, then scale blocks ------------------------------------
+#pragma unroll 1
+    for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
+      const int r = task / (TC / 16), b = task % (TC / 16);
+      float v[16];
+      read_row16(r, b, v);
+      row_amax16[r * (TC / 16) + b] = amax16(v, bad);
+    }
+    if (!kTwoD && do_col) {
+#pragma unroll 1
+      for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) {
+        const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
+        float v[kColPair][16];
+        read_cols16(mb, cp, v);
+        bool ignore = false;
+#pragma unroll
+        for (int j = 0; j < kColPair; ++j) col_amax16[mb * TC + cp * kColPair + j] = amax16(v[j], ignore);
+      }
+    }
+    if (bad) atomicOr(p.error_flags, kErrNonFinite);
+    __syncthreads();
+    if constexpr (kTwoD && F == Format::kFp8Block) {
+      // One 128x128 block = the whole CTA tile.
+      float a = 0.0f;
+      for (int i = threadIdx.x; i < T::kRowTasks; i += kThreads) a = fmaxf(a, row_amax16[i]);
+      for (int off = 16; off > 0; off >>= 1) a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
+      if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<unsigned int*>(&block_amax_2d), __float_as_uint(a));
+      __syncthreads();
+    }
+
+    // Scale-block amax of a row micro-block (r, b) / column micro-block (mb, c).
+    auto row_group_amax = [&](int r, int b) {
+      if constexpr (kTwoD && F == Format::kNvfp4) {
+        float a = 0.0f;
+        const int rb = r / 16 * 16;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) a = fmaxf(a, row_amax16[(rb + i) * (TC / 16) + b]);
+        return a;
+      } else if constexpr (kTwoD) {
+        return block_amax_2d;
+      } else {
+        float a = 0.0f;
+        const int g0 = b / kGroup * kGroup;
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i) a = fmaxf(a, row_amax16[r * (TC / 16) + g0 + i]);
+        return a;
+      }
+    };
+    auto col_group_amax = [&](int mb, int c) {
+      if constexpr (kTwoD) {
+        return row_group_amax(mb * 16, c / 16);
+      } else {
+        float a = 0.0f;
+        const int g0 = mb / kGroup * kGroup;
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i) a = fmaxf(a, col_amax16[(g0 + i) * TC + c]);
+        return a;
+      }
+    };
+
+    if constexpr (F == Format::kNvfp4) {
+      // NVFP4 16x16 tiles (weights). The column-wise copy is the transpose of the row-wise one:
+      // same tile scales, and with SR the row-wise stream's draws, element by element.
+      const Nvfp4Tensor t = nvfp4_tensor(p, do_row ? p.row.amax : p.col.amax);
+      if (p.four_over_six) {
+        // Four Over Six chooses per tile from per-row partial errors, summed in row order.
+#pragma unroll 1
+        for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
+          const int r = task / (TC / 16), b = task % (TC / 16);
+          float v[16];
+          read_row16(r, b, v);
+          Philox4x32Result rb{};
+          if (p.stochastic) rb = micro_block_bits(p.row.sr, (uint64_t)((r0 + r) * K + c0 + b * 16));
+          const FourOverSixScalePair pair = four_over_six_scales(row_group_amax(r, b), t.ts46);
+          err_rows[task * 2 + 0] = four_over_six_error16(v, pair.map6, t.ts46, p.metric, p.stochastic, rb);
+          err_rows[task * 2 + 1] = four_over_six_error16(v, pair.map4, t.ts46, p.metric, p.stochastic, rb);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < (TR / 16) * (TC / 16); i += kThreads) {
+          const int tr = i / (TC / 16), b = i % (TC / 16);
+          float e6 = 0.0f, e4 = 0.0f;
+          for (int k = 0; k < 16; ++k) {
+            const int task = (tr * 16 + k) * (TC / 16) + b;
+            e6 = four_over_six_combine_errors(e6, err_rows[task * 2 + 0], p.metric);
+            e4 = four_over_six_combine_errors(e4, err_rows[task * 2 + 1], p.metric);
+          }
+          tile_choice[tr][b] = e4 < e6 ? 1 : 0;
+        }
+        __syncthreads();
+      }
+      auto tile_scale = [&](int tr, int b, float& mult) {
+        const float a = row_group_amax(tr * 16, b);
+        uint8_t s;
+        if (p.four_over_six) {
+          const FourOverSixScalePair pair = four_over_six_scales(a, t.ts46);
+          s = tile_choice[tr][b] ? pair.map4 : pair.map6;
+          mult = four_over_six_multiplier(s, t.ts46);
+        } else {
+          s = nvfp4_block_scale(a, t.ts);
+          mult = nvfp4_element_multiplier(s, t.ts);
+        }
+        return s;
+      };
+      if (do_row) {
+#pragma unroll 1
+        for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
+          const int r = task / (TC / 16), b = task % (TC / 16);
+          float v[16];
+          read_row16(r, b, v);
+          float mult;
+          const uint8_t s = tile_scale(r / 16, b, mult);
+          const int64_t index = (r0 + r) * K + c0 + b * 16;
+          Philox4x32Result rb{};
+          if (p.stochastic) rb = micro_block_bits(p.row.sr, (uint64_t)index);
+          const uint2 packed = nvfp4_encode16(v, mult, p.four_over_six, p.stochastic, rb);
+          if (p.row.data) {
+            *reinterpret_cast<uint2*>(p.row.data + index / 2) = packed;
+            static_cast<uint8_t*>(p.row.scales)[index / 16] = s;
+          }
+          if (p.row.bf16) {
+            float sv[16];
+            nvfp4_scaled16(packed, s, sv);
+            store_bf16x16(p.row.bf16 + index, sv);
+          }
+        }
+      }
+      if (do_col) {
+#pragma unroll 1
+        for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) {
+          const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
+          float v[kColPair][16];
+          read_cols16(mb, cp, v);
+#pragma unroll
+          for (int j = 0; j < kColPair; ++j) {
+            const int c = cp * kColPair + j;
+            float mult;
+            const uint8_t s = tile_scale(mb, c / 16, mult);
+            uint2 packed;
+            if (p.stochastic) {
+              uint32_t w[2] = {0, 0};
+#pragma unroll
+              for (int i = 0; i < 16; ++i) {
+                const uint32_t rbits = p.row.sr.byte_at((uint64_t)((r0 + mb * 16 + i) * K + c0 + c));
+                const uint8_t q = p.four_over_six ? four_over_six_encode_element(v[j][i], mult, true, rbits)
+                                                  : nvfp4_encode_element(v[j][i], mult, true, rbits);
+                w[i >> 3] |= (uint32_t)q << (4 * (i & 7));
+              }
+              packed = make_uint2(w[0], w[1]);
+            } else {
+              packed = nvfp4_encode16(v[j], mult, p.four_over_six, false, Philox4x32Result{});
+            }
+            const int64_t index = (c0 + c) * M + r0 + mb * 16;
+            *reinterpret_cast<uint2*>(stage + c * T::kStageStride + mb * 8) = packed;
+            if (p.col.scales) static_cast<uint8_t*>(p.col.scales)[index / 16] = s;
+            if (p.col.bf16) {
+              float sv[16];
+              nvfp4_scaled16(packed, s, sv);
+              store_bf16x16(p.col.bf16 + index, sv);
+            }
+          }
+        }
+        flush_stage();
+      }
+    } else {
+      // MXFP8 (E8M0 per 32) and FP8 (FP32 decode scale per 128 / 128x128 / tensor).
+      float tensor_encode = 0.0f;
+      if constexpr (F == Format::kFp8Tensor) tensor_encode = fp8_encode_scale(*p.row.amax, p.fp8_pow2);
+      auto scale_for = [&](float group_amax, float& mult, float& decode, uint8_t& code) {
+        if constexpr (F == Format::kMxfp8) {
+          code = mxfp8_scale_code(group_amax, p.mx_rule);
+          mult = formats::e8m0_reciprocal(code);
+          decode = formats::decode_e8m0(code);
+        } else if constexpr (F == Format::kFp8Tensor) {
+          mult = tensor_encode;
+          decode = formats::div_rn(1.0f, mult);
+        } else {
+          mult = fp8_encode_scale(group_amax, p.fp8_pow2);
+          decode = formats::div_rn(1.0f, mult);
+        }
+      };
+      // Encodes one micro-block; returns the 16 E4M3 codes, writes the scale and BF16.
+      auto encode = [&](const float v[16], float group_amax, const OrientationOut& out,
+                        int64_t index, bool write_scale, int64_t scale_index) {
+        float mult, decode;
+        uint8_t code = 0;
+        scale_for(group_amax, mult, decode, code);
+        Philox4x32Result rb{};
+        if (p.stochastic) rb = micro_block_bits(out.sr, (uint64_t)index);
+        // MXFP8: x * 2^(127 - code) then RNE + saturate (TE order); FP8: x * encode scale.
+        const uint4 codes = e4m3_encode16(v, mult, p.stochastic, rb);
+        if (out.scales && write_scale) {
           if constexpr (F == Format::kMxfp8) {
             static_cast<uint8_t*>(out.scales)[scale_index] = code;
           } else {
             static_cast<float*>(out.scales)[scale_index] = decode;
           }
         }
-      }
-      if (out.bf16) {
-        float sv[16];
-        e4m3_scaled16(codes, decode, sv, F == Format::kMxfp8, p.error_flags);
-        store_bf16x16(out.bf16 + index, sv);
-      }
-    };
-    if (do_row) {
-      for (int task = threadIdx.x; task < kRowTasks; task += kThreads) {
-        const int r = task / (TC / 16), b = task % (TC / 16);
-        float v[16];
-        read_row16(r, b, v);
-        const int64_t gr = r0 + r, gc = c0 + b * 16;
-        int64_t scale_index;
-        bool write_scale;
-        if constexpr (F == Format::kFp8Tensor) {
-          scale_index = 0;
-          write_scale = blockIdx.x == 0 && blockIdx.y == 0 && task == 0;
-        } else if constexpr (kTwoD) {
-          scale_index = (gr / 128) * (K / 128) + gc / 128;
-          write_scale = task == 0;
-        } else {
-          const int block = F == Format::kMxfp8 ? 32 : 128;
-          scale_index = gr * (K / block) + gc / block;
-          write_scale = b % kGroup == 0;
+        if (out.bf16) {
+          float sv[16];
+          e4m3_scaled16(codes, decode, sv, F == Format::kMxfp8, p.error_flags);
+          store_bf16x16(out.bf16 + index, sv);
         }
-        encode_store(v, row_group_amax(r, b), p.row, gr, gc, K, write_scale, scale_index);
-      }
-    }
-    if (do_col) {
-      for (int task = threadIdx.x; task < kColTasks; task += kThreads) {
-        const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
-#pragma unroll
-        for (int j = 0; j < kColPair; ++j) {
-          const int c = cp * kColPair + j;
+        return codes;
+      };
+      if (do_row) {
+#pragma unroll 1
+        for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
+          const int r = task / (TC / 16), b = task % (TC / 16);
           float v[16];
-          read_col16(mb, c, v);
-          const int64_t gc = c0 + c, gr = r0 + mb * 16;
+          read_row16(r, b, v);
+          const int64_t gr = r0 + r, gc = c0 + b * 16;
           int64_t scale_index;
           bool write_scale;
           if constexpr (F == Format::kFp8Tensor) {
             scale_index = 0;
-            write_scale = blockIdx.x == 0 && blockIdx.y == 0 && task == 0 && j == 0;
+            write_scale = blockIdx.x == 0 && blockIdx.y == 0 && task == 0;
           } else if constexpr (kTwoD) {
-            scale_index = (gc / 128) * (M / 128) + gr / 128;
-            write_scale = task == 0 && j == 0;
+            scale_index = (gr / 128) * (K / 128) + gc / 128;
+            write_scale = task == 0;
           } else {
-            const int block = F == Format::kMxfp8 ? 32 : 128;
-            scale_index = gc * (M / block) + gr / block;
-            write_scale = mb % kGroup == 0;
+            constexpr int kBlock = F == Format::kMxfp8 ? 32 : 128;
+            scale_index = gr * (K / kBlock) + gc / kBlock;
+            write_scale = b % kGroup == 0;
           }
-          // 2D FP8: the column-wise copy is the transpose (same tile scale, RN codes equal);
-          // with SR the row-wise stream's draws are used element by element.
-          if (kTwoD && p.stochastic) {
-            float mult, decode;
-            uint8_t code = 0;
-            scale_for(col_group_amax(mb, c), mult, decode, code);
-            uint32_t w[4] = {0, 0, 0, 0};
+          const uint4 codes = encode(v, row_group_amax(r, b), p.row, gr * K + gc, write_scale, scale_index);
+          if (p.row.data) *reinterpret_cast<uint4*>(p.row.data + gr * K + gc) = codes;
+        }
+      }
+      if (do_col) {
+#pragma unroll 1
+        for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) {
+          const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
+          float v[kColPair][16];
+          read_cols16(mb, cp, v);
 #pragma unroll
-            for (int i = 0; i < 16; ++i) {
-              const uint32_t rbits = p.row.sr.byte_at((uint64_t)((gr + i) * K + gc));
-              w[i >> 2] |= (uint32_t)fp8_encode_element(v[i], mult, true, rbits) << (8 * (i & 3));
+          for (int j = 0; j < kColPair; ++j) {
+            const int c = cp * kColPair + j;
+            const int64_t gc = c0 + c, gr = r0 + mb * 16;
+            int64_t scale_index;
+            bool write_scale;
+            if constexpr (F == Format::kFp8Tensor) {
+              scale_index = 0;
+              write_scale = blockIdx.x == 0 && blockIdx.y == 0 && task == 0 && j == 0;
+            } else if constexpr (kTwoD) {
+              scale_index = (gc / 128) * (M / 128) + gr / 128;
+              write_scale = task == 0 && j == 0;
+            } else {
+              constexpr int kBlock = F == Format::kMxfp8 ? 32 : 128;
+              scale_index = gc * (M / kBlock) + gr / kBlock;
+              write_scale = mb % kGroup == 0;
             }
-            const uint4 codes = make_uint4(w[0], w[1], w[2], w[3]);
-            const int64_t index = gc * M + gr;
-            if (p.col.data) {
-              *reinterpret_cast<uint4*>(p.col.data + index) = codes;
-              if (write_scale) static_cast<float*>(p.col.scales)[scale_index] = decode;
+            uint4 codes;
+            if (kTwoD && p.stochastic) {
+              // 2D FP8 with SR: the transpose of the row-wise copy, row-wise draws per element.
+              float mult, decode;
+              uint8_t code = 0;
+              scale_for(col_group_amax(mb, c), mult, decode, code);
+              uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+              for (int i = 0; i < 16; ++i) {
+                const uint32_t rbits = p.row.sr.byte_at((uint64_t)((gr + i) * K + gc));
+                w[i >> 2] |= (uint32_t)fp8_encode_element(v[j][i], mult, true, rbits) << (8 * (i & 3));
+              }
+              codes = make_uint4(w[0], w[1], w[2], w[3]);
+              if (p.col.scales && write_scale) static_cast<float*>(p.col.scales)[scale_index] = decode;
+              if (p.col.bf16) {
+                float sv[16];
+                e4m3_scaled16(codes, decode, sv, false, p.error_flags);
+                store_bf16x16(p.col.bf16 + gc * M + gr, sv);
+              }
+            } else {
+              codes = encode(v[j], col_group_amax(mb, c), p.col, gc * M + gr, write_scale, scale_index);
             }
-            if (p.col.bf16) {
-              float sv[16];
-              e4m3_scaled16(codes, decode, sv, false, p.error_flags);
-              store_bf16x16(p.col.bf16 + index, sv);
-            }
-          } else {
-            OrientationOut out = p.col;
-            encode_store(v, col_group_amax(mb, c), out, gc, gr, M, write_scale, scale_index);
+            *reinterpret_cast<uint4*>(stage + c * T::kStageStride + mb * 16) = codes;
           }
         }
+        flush_stage();
       }
     }
   }
-  }  // two phases
 }
 
 // --- global amax ---------------------------------------------------------------------------------
@@ -678,18 +734,16 @@ __global__ void dequantize_kernel(DequantParams p) {
 
 template <typename InT, Format F, bool kTwoD>
 void launch_tile(const Params& p, cudaStream_t stream) {
-  constexpr int TR = TileShape<F, kTwoD>::kRows;
-  constexpr int TC = TileShape<F, kTwoD>::kCols;
-  constexpr int kStride = TC + 16 / (int)sizeof(InT);
-  const size_t smem = (size_t)TR * kStride * sizeof(InT) + sizeof(float) * (TR * (TC / 16) * 3 + (TR / 16) * TC);
+  using T = Tile<InT, F, kTwoD>;
   auto kernel = quantize_tile_kernel<InT, F, kTwoD>;
-  static bool configured = false;
+  static bool configured = false;  // per instantiation; the device is set once per process
   if (!configured) {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)T::kSmemBytes));
     configured = true;
   }
-  const dim3 grid((unsigned)(p.cols / TC), (unsigned)(p.rows / TR));
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  const dim3 grid((unsigned)(p.cols / T::kCols), (unsigned)(p.rows / T::kRows));
+  kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 

@@ -567,7 +567,7 @@ float global_decode_scale(const QuantizedTensor& q, bool colwise) {
   FOURBIT_CHECK(od.has_value(), "global_decode_scale: the {} copy was not quantized",
                 colwise ? "column-wise" : "row-wise");
   FOURBIT_CHECK(od->amax.device() == Device::kCpu, "global_decode_scale reads a host amax");
-  return mul_rn(*od->amax.ptr<const float>(), div_rn(1.0f, q.config.nvfp4_global_constant()));
+  return nvfp4_global_decode_scale(*od->amax.ptr<const float>(), q.config.nvfp4_global_constant());
 }
 
 }  // namespace fourbit::quant

@@ -144,7 +144,7 @@ Tensor round_trip(const ReportCase& rc, const Tensor& x, const ReportOptions& op
   QuantizedData& d = *h.colwise;
   d.data = d.data.to(Device::kCpu);
   d.scales = d.scales.to(Device::kCpu);
-  if (d.amax.defined() && d.amax.numel() > 0) d.amax = d.amax.to(Device::kCpu);
+  if (d.amax.defined()) d.amax = d.amax.to(Device::kCpu);
   return dequantize_to_source_reference(h, true);
 #else
   FOURBIT_CHECK(false, "quant-report --device cuda needs a CUDA build");
