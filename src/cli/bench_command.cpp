@@ -2,27 +2,50 @@
 #include "cli/commands.h"
 #include "core/check.h"
 #include "core/device.h"
+#include "gemm/bench.h"
 #include "quant/bench.h"
 
 namespace fourbit::cli {
 
+namespace {
+void require_gpu(std::string_view what) {
+  FOURBIT_CHECK(built_with_cuda() && cuda_device_count() > 0,
+                "bench {} needs a CUDA GPU (this binary: {}; GPUs visible: {})", what,
+                built_with_cuda() ? "CUDA build" : "CPU-only build", cuda_device_count());
+}
+}  // namespace
+
 Command add_bench_command(CLI::App& app) {
-  auto opts = std::make_shared<quant::QuantBenchOptions>();
+  auto quant_opts = std::make_shared<quant::QuantBenchOptions>();
+  auto gemm_opts = std::make_shared<gemm::GemmBenchOptions>();
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks against the GPU's ceilings");
   bench->require_subcommand(1);
   CLI::App* q = bench->add_subcommand(
       "quant", "GB/s of every CUDA quantize kernel and its fraction of the copy bandwidth");
-  q->add_option("--rows", opts->rows, "rows of the BF16 source")->capture_default_str();
-  q->add_option("--cols", opts->cols, "columns of the BF16 source")->capture_default_str();
-  q->add_option("--reps", opts->reps, "timed repetitions (median reported)")->capture_default_str();
-  q->add_option("--csv", opts->csv_path, "also write the table as CSV to this file");
-  return {bench, [opts] {
-            FOURBIT_CHECK(built_with_cuda() && cuda_device_count() > 0,
-                          "bench quant needs a CUDA GPU (this binary: {}; GPUs visible: {})",
-                          built_with_cuda() ? "CUDA build" : "CPU-only build", cuda_device_count());
+  q->add_option("--rows", quant_opts->rows, "rows of the BF16 source")->capture_default_str();
+  q->add_option("--cols", quant_opts->cols, "columns of the BF16 source")->capture_default_str();
+  q->add_option("--reps", quant_opts->reps, "timed repetitions (median reported)")->capture_default_str();
+  q->add_option("--csv", quant_opts->csv_path, "also write the table as CSV to this file");
+  CLI::App* g = bench->add_subcommand(
+      "gemm", "TFLOP/s of every CUDA GEMM backend and its ratio to cuBLASLt BF16, quantization "
+              "excluded and included");
+  g->add_option("--reps", gemm_opts->reps, "timed repetitions (median reported)")->capture_default_str();
+  g->add_option("--shapes", gemm_opts->shape_filter,
+                "only the shapes whose name contains this text (e.g. gpt2, 1.3b, 8192^3)");
+  g->add_option("--csv", gemm_opts->csv_path, "also write the table as CSV to this file");
+  return {bench, [q, g, quant_opts, gemm_opts] {
+            if (q->parsed()) {
+              require_gpu("quant");
 #if defined(FOURBIT_WITH_CUDA)
-            quant::run_quant_bench(*opts);
+              quant::run_quant_bench(*quant_opts);
 #endif
+            }
+            if (g->parsed()) {
+              require_gpu("gemm");
+#if defined(FOURBIT_WITH_CUDA)
+              gemm::run_gemm_bench(*gemm_opts);
+#endif
+            }
           }};
 }
 
