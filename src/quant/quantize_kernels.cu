@@ -266,6 +266,27 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
       }
     }
   };
+  // Calls fn(task, r, b, v) for each of this thread's row micro-blocks (row r, 16-column block b,
+  // values v[16]) and fn(task, mb, cp, v) for each column task (rows mb*16.., columns
+  // cp*kColPair.., values v[kColPair][16]).
+  auto for_each_row_block = [&](auto&& fn) {
+#pragma unroll 1
+    for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
+      const int r = task / (TC / 16), b = task % (TC / 16);
+      float v[16];
+      read_row16(r, b, v);
+      fn(task, r, b, v);
+    }
+  };
+  auto for_each_col_pair = [&](auto&& fn) {
+#pragma unroll 1
+    for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) {
+      const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
+      float v[kColPair][16];
+      read_cols16(mb, cp, v);
+      fn(task, mb, cp, v);
+    }
+  };
   auto amax16 = [&](const float v[16], bool& bad) {
     float a = 0.0f;
 #pragma unroll
@@ -327,21 +348,13 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
       return packed;
     };
     if (do_row) {
-#pragma unroll 1
-      for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
-        const int r = task / (TC / 16), b = task % (TC / 16);
-        float v[16];
-        read_row16(r, b, v);
+      for_each_row_block([&](int task, int r, int b, float* v) {
         const uint2 packed = encode(v, amax16(v, bad), nv_row, p.row, r0 + r, c0 + b * 16, K);
         if (p.row.data) *reinterpret_cast<uint2*>(p.row.data + ((r0 + r) * K + c0 + b * 16) / 2) = packed;
-      }
+      });
     }
     if (do_col) {
-#pragma unroll 1
-      for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) {
-        const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
-        float v[kColPair][16];
-        read_cols16(mb, cp, v);
+for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
 #pragma unroll
         for (int j = 0; j < kColPair; ++j) {
           const int c = cp * kColPair + j;
@@ -351,29 +364,21 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
                                       c0 + c, r0 + mb * 16, M);
           *reinterpret_cast<uint2*>(stage + c * T::kStageStride + mb * 8) = packed;
         }
-      }
+      });
       flush_stage();
     }
     if (bad) atomicOr(p.error_flags, kErrNonFinite);
   } else {
     // --- two phases: micro-block amaxes, then scale blocks ------------------------------------
-#pragma unroll 1
-    for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
-      const int r = task / (TC / 16), b = task % (TC / 16);
-      float v[16];
-      read_row16(r, b, v);
+    for_each_row_block([&](int task, int r, int b, float* v) {
       row_amax16[r * (TC / 16) + b] = amax16(v, bad);
-    }
+    });
     if (!kTwoD && do_col) {
-#pragma unroll 1
-      for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) {
-        const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
-        float v[kColPair][16];
-        read_cols16(mb, cp, v);
+      for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
         bool ignore = false;
 #pragma unroll
         for (int j = 0; j < kColPair; ++j) col_amax16[mb * TC + cp * kColPair + j] = amax16(v[j], ignore);
-      }
+      });
     }
     if (bad) atomicOr(p.error_flags, kErrNonFinite);
     __syncthreads();
@@ -422,17 +427,13 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
       const Nvfp4Tensor t = nvfp4_tensor(p, do_row ? p.row.amax : p.col.amax);
       if (p.four_over_six) {
         // Four Over Six chooses per tile from per-row partial errors, summed in row order.
-#pragma unroll 1
-        for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
-          const int r = task / (TC / 16), b = task % (TC / 16);
-          float v[16];
-          read_row16(r, b, v);
+        for_each_row_block([&](int task, int r, int b, float* v) {
           Philox4x32Result rb{};
           if (p.stochastic) rb = micro_block_bits(p.row.sr, (uint64_t)((r0 + r) * K + c0 + b * 16));
           const FourOverSixScalePair pair = four_over_six_scales(row_group_amax(r, b), t.ts46);
           err_rows[task * 2 + 0] = four_over_six_error16(v, pair.map6, t.ts46, p.metric, p.stochastic, rb);
           err_rows[task * 2 + 1] = four_over_six_error16(v, pair.map4, t.ts46, p.metric, p.stochastic, rb);
-        }
+        });
         __syncthreads();
         for (int i = threadIdx.x; i < (TR / 16) * (TC / 16); i += kThreads) {
           const int tr = i / (TC / 16), b = i % (TC / 16);
@@ -460,11 +461,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
         return s;
       };
       if (do_row) {
-#pragma unroll 1
-        for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
-          const int r = task / (TC / 16), b = task % (TC / 16);
-          float v[16];
-          read_row16(r, b, v);
+        for_each_row_block([&](int task, int r, int b, float* v) {
           float mult;
           const uint8_t s = tile_scale(r / 16, b, mult);
           const int64_t index = (r0 + r) * K + c0 + b * 16;
@@ -480,14 +477,10 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
             nvfp4_scaled16(packed, s, sv);
             store_bf16x16(p.row.bf16 + index, sv);
           }
-        }
+        });
       }
       if (do_col) {
-#pragma unroll 1
-        for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) {
-          const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
-          float v[kColPair][16];
-          read_cols16(mb, cp, v);
+for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
 #pragma unroll
           for (int j = 0; j < kColPair; ++j) {
             const int c = cp * kColPair + j;
@@ -516,7 +509,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
               store_bf16x16(p.col.bf16 + index, sv);
             }
           }
-        }
+        });
         flush_stage();
       }
     } else {
@@ -561,11 +554,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
         return codes;
       };
       if (do_row) {
-#pragma unroll 1
-        for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
-          const int r = task / (TC / 16), b = task % (TC / 16);
-          float v[16];
-          read_row16(r, b, v);
+        for_each_row_block([&](int task, int r, int b, float* v) {
           const int64_t gr = r0 + r, gc = c0 + b * 16;
           int64_t scale_index;
           bool write_scale;
@@ -582,14 +571,10 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
           }
           const uint4 codes = encode(v, row_group_amax(r, b), p.row, gr * K + gc, write_scale, scale_index);
           if (p.row.data) *reinterpret_cast<uint4*>(p.row.data + gr * K + gc) = codes;
-        }
+        });
       }
       if (do_col) {
-#pragma unroll 1
-        for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) {
-          const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
-          float v[kColPair][16];
-          read_cols16(mb, cp, v);
+for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
 #pragma unroll
           for (int j = 0; j < kColPair; ++j) {
             const int c = cp * kColPair + j;
@@ -631,7 +616,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
             }
             *reinterpret_cast<uint4*>(stage + c * T::kStageStride + mb * 16) = codes;
           }
-        }
+        });
         flush_stage();
       }
     }
