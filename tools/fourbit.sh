@@ -14,22 +14,9 @@ build=${FOURBIT_BUILD_DIR:-$root/build}
 
 "$root/tools/deps.sh" >&2 || exit 1
 
-# --- configure and build (tools/test.sh does the same; keep the two in step) --------------------
-if [ -x "$root/build-venv/bin/python3" ]; then  # made by tools/deps.sh under PEP 668
-  export VIRTUAL_ENV="$root/build-venv" PATH="$root/build-venv/bin:$PATH"
-fi
-if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
-  export PATH="$PATH:/usr/local/cuda/bin"
-fi
-cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=Release --no-warn-unused-cli)
-if command -v ccache >/dev/null 2>&1; then
-  cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
-fi
-read -r -a extra_args <<<"${FOURBIT_CMAKE_ARGS:-}"
-mkdir -p "$build"
-if ! cmake -S "$root" -B "$build" "${cmake_args[@]}" ${extra_args[@]+"${extra_args[@]}"} \
-     >"$build/configure.log" 2>&1; then
-  cat "$build/configure.log" >&2
+# shellcheck source=tools/configure.sh
+. "$root/tools/configure.sh"
+if ! fourbit_configure; then
   echo "tools/fourbit.sh: cmake configure failed (log: $build/configure.log)" >&2
   exit 1
 fi
