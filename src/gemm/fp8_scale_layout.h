@@ -16,6 +16,7 @@
 
 #include "core/hd.h"
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -53,8 +54,8 @@ FOURBIT_HD float cublas_fp8_scale_at(const Fp8BlockScaleSlice& s, int64_t i) {
 
 // CPU reference of the conversion (host scales).
 inline std::vector<float> convert_fp8_block_scales_reference(const Fp8BlockScaleSlice& s) {
-  std::vector<float> out((size_t)cublas_fp8_scale_count(s.block_2d, s.rows, s.blocks));
-  for (int64_t i = 0; i < (int64_t)out.size(); ++i) out[(size_t)i] = cublas_fp8_scale_at(s, i);
+  std::vector<float> out((std::size_t)cublas_fp8_scale_count(s.block_2d, s.rows, s.blocks));
+  for (int64_t i = 0; i < (int64_t)out.size(); ++i) out[(std::size_t)i] = cublas_fp8_scale_at(s, i);
   return out;
 }
 
