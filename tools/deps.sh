@@ -2,7 +2,8 @@
 # Checks that this machine has what fourbit needs to build and test, and installs what is missing
 # (Debian/Ubuntu). Silent and quick when everything is present; safe to run any number of times.
 #
-#   C++ build: cmake >= 3.25, ninja, g++ >= 10 (C++20), fmt, CLI11, nlohmann-json, googletest
+#   C++ build: cmake >= 3.25, ninja, g++ >= 10 (C++20), fmt, CLI11, nlohmann-json, googletest,
+#              OpenBLAS (the CPU GEMM backend; configure with -DFOURBIT_BLAS=OFF to build without it)
 #   tests:     python3 with numpy and ml_dtypes (an independent reference for the element codecs)
 #   optional:  ccache (used when present), nvcc (CUDA kernels are built when it is found; this
 #              script never installs CUDA)
@@ -57,6 +58,18 @@ if command -v g++ >/dev/null 2>&1; then
     have_header nlohmann/json.hpp || apt_missing+=(nlohmann-json3-dev)
     have_header gtest/gtest.h || apt_missing+=(libgtest-dev)
   fi
+  have_openblas() {  # the library (Debian installs it under an alternatives link) and a cblas.h
+    local f lib=0
+    [ "$(g++ -print-file-name=libopenblas.so)" != libopenblas.so ] && lib=1
+    for f in /usr/lib/*/openblas*/libopenblas.so; do [ -e "$f" ] && lib=1; done
+    [ "$lib" -eq 1 ] || return 1
+    for f in /usr/include/*/openblas*/cblas.h /usr/include/openblas/cblas.h /usr/include/*/cblas.h \
+             /usr/include/cblas.h; do
+      [ -e "$f" ] && return 0
+    done
+    return 1
+  }
+  have_openblas || apt_missing+=(libopenblas-dev)
   have_gtest_lib() {  # -print-file-name echoes the bare name when the library is not found
     [ "$(g++ -print-file-name=libgtest.a)" != libgtest.a ] ||
       [ "$(g++ -print-file-name=libgtest.so)" != libgtest.so ]
@@ -64,7 +77,7 @@ if command -v g++ >/dev/null 2>&1; then
   have_gtest_lib || apt_missing+=(libgtest-dev)
 else
   # No compiler yet: a fresh machine. apt-get skips whatever is already installed.
-  apt_missing+=(libfmt-dev libcli11-dev nlohmann-json3-dev libgtest-dev)
+  apt_missing+=(libfmt-dev libcli11-dev nlohmann-json3-dev libgtest-dev libopenblas-dev)
 fi
 
 py_has_modules() {  # py_has_modules <python>
