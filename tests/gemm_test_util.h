@@ -21,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -109,6 +110,17 @@ inline ::testing::AssertionResult within_bound(const std::vector<double>& got, c
          << ref[f] << ", |error| " << std::fabs(got[f] - ref[f]) << " > bound "
          << tol * s[f] + out * std::fabs(ref[f]) << " (tol " << tol << " x S " << s[f]
          << "); worst error / bound " << worst;
+}
+
+// Expects `fn` to throw fourbit::Error whose message contains every one of `words`.
+template <typename Fn>
+void expect_error(Fn fn, std::initializer_list<const char*> words) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected a fourbit::Error";
+  } catch (const Error& e) {
+    for (const char* w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace fourbit::gemm::testing

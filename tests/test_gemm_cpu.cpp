@@ -15,6 +15,7 @@
 namespace fourbit::gemm {
 namespace {
 
+using testing::expect_error;
 using testing::fp32_accumulation_tolerance;
 using testing::logical_values;
 using testing::magnitude_sums;
@@ -22,16 +23,6 @@ using testing::random_matrix;
 using testing::to_doubles;
 using testing::within_bound;
 
-// Expects `fn` to throw fourbit::Error whose message contains every one of `words`.
-template <typename Fn>
-void expect_error(Fn fn, std::initializer_list<const char*> words) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected a fourbit::Error";
-  } catch (const Error& e) {
-    for (const char* w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
-  }
-}
 
 quant::QuantConfig config(quant::Format f, bool two_d = false) {
   quant::QuantConfig c;
@@ -146,9 +137,9 @@ TEST(GemmReference, Nvfp4ScaledDomainFormulaMatchesReference) {
     }
 }
 
-// Wgrad over RHT-transformed column-wise copies: the transform cancels, so the product matches
-// the plain Wgrad of the dequantized-and-untransformed copies up to their quantization error;
-// without RHT on one operand the GEMM is rejected.
+// Wgrad over RHT-transformed column-wise copies: the transform cancels, so the product equals dY^T X
+// over the copies dequantized back to the token domain, up to the FP32 rounding of the inverse
+// transform; with RHT on only one operand the GEMM is rejected.
 TEST(GemmReference, HadamardDomainsMustMatch) {
   const int64_t m = 64, n = 32, k = 48;  // dY [M, N], X [M, K]
   const Tensor dy = random_matrix(m, n, 7), x = random_matrix(m, k, 8);

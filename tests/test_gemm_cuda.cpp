@@ -21,6 +21,7 @@
 namespace fourbit::gemm {
 namespace {
 
+using testing::expect_error;
 using testing::fp32_accumulation_tolerance;
 using testing::kFp8AccumulationTolerance;
 using testing::logical_values;
@@ -181,16 +182,6 @@ void check_gemm(TestOperand& a, TestOperand& b, const GemmCase& gc, const std::s
                            gc.c_dtype, n, what));
 }
 
-// Expects a fourbit::Error whose message contains every word.
-template <typename Fn>
-void expect_error(Fn fn, std::initializer_list<const char*> words) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected a fourbit::Error";
-  } catch (const Error& e) {
-    for (const char* w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
-  }
-}
 
 std::vector<GemmCase> epilogue_variants(Backend expected, double tol) {
   return {{1.0f, 0.0f, DType::kF32, tol, expected}, {0.5f, 1.0f, DType::kF32, tol, expected},
