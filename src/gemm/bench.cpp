@@ -186,6 +186,13 @@ class ShapeBench {
   Tensor c_;
 };
 
+// The first line of an error message, without double quotes (it becomes a quoted CSV field).
+std::string csv_safe(const std::string& message) {
+  std::string line = message.substr(0, message.find('\n'));
+  std::replace(line.begin(), line.end(), '"', '\'');
+  return line;
+}
+
 }  // namespace
 
 std::vector<GemmBenchRow> run_gemm_bench(const GemmBenchOptions& o) {
@@ -202,21 +209,26 @@ std::vector<GemmBenchRow> run_gemm_bench(const GemmBenchOptions& o) {
     const double flops = 2.0 * (double)s.m * (double)s.n * (double)s.k;
     double bf16_ms = 0;
     for (const BenchCase& bc : bench_cases()) {
-      const auto [gemm_ms, total_ms] = bench.time(bc, o.reps);
-      if (!bc.a) bf16_ms = gemm_ms;
       GemmBenchRow r;
       r.shape = s.name;
       r.m = s.m;
       r.n = s.n;
       r.k = s.k;
       r.backend = bc.name;
-      r.gemm_ms = gemm_ms;
-      r.total_ms = total_ms;
-      r.gemm_tflops = flops / (gemm_ms * 1e9);
-      r.total_tflops = flops / (total_ms * 1e9);
-      r.gemm_ratio = bf16_ms / gemm_ms;
-      r.total_ratio = bf16_ms / total_ms;
       r.target_ratio = bc.target_ratio;
+      try {  // one failing case (e.g. a configuration cuBLASLt rejects) must not hide the others
+        const auto [gemm_ms, total_ms] = bench.time(bc, o.reps);
+        if (!bc.a) bf16_ms = gemm_ms;
+        r.gemm_ms = gemm_ms;
+        r.total_ms = total_ms;
+        r.gemm_tflops = flops / (gemm_ms * 1e9);
+        r.total_tflops = flops / (total_ms * 1e9);
+        r.gemm_ratio = bf16_ms / gemm_ms;
+        r.total_ratio = bf16_ms / total_ms;
+      } catch (const Error& e) {
+        r.error = e.what();
+        log_warn("bench gemm: {} / {} failed: {}", s.name, bc.name, e.what());
+      }
       rows.push_back(r);
     }
   }
@@ -228,9 +240,10 @@ std::vector<GemmBenchRow> run_gemm_bench(const GemmBenchOptions& o) {
               "gemm ms", "TFLOP/s", "x bf16", "+quant ms", "TFLOP/s", "x bf16", "target");
   for (const GemmBenchRow& r : rows) {
     const std::string target =
-        r.target_ratio > 0 ? fmt::format(">= {:.1f}x with quantization: {}", r.target_ratio,
-                                         r.total_ratio >= r.target_ratio ? "met" : "MISSED")
-                           : "";
+        !r.error.empty()    ? "FAILED (see the warning above)"
+        : r.target_ratio > 0 ? fmt::format(">= {:.1f}x with quantization: {}", r.target_ratio,
+                                           r.total_ratio >= r.target_ratio ? "met" : "MISSED")
+                             : "";
     const std::string shape = fmt::format("{} ({}x{}x{})", r.shape, r.m, r.n, r.k);
     std::printf("%-32.32s %-32s %9.4f %8.1f %6.2f | %9.4f %8.1f %6.2f  %s\n", shape.c_str(),
                 r.backend.c_str(), r.gemm_ms, r.gemm_tflops, r.gemm_ratio, r.total_ms,
@@ -243,13 +256,16 @@ std::vector<GemmBenchRow> run_gemm_bench(const GemmBenchOptions& o) {
     std::ofstream f(o.csv_path);
     FOURBIT_CHECK(f.good(), "bench gemm: cannot write '{}'", o.csv_path);
     f << "shape,m,n,k,backend,gemm_ms,gemm_tflops,gemm_ratio_bf16,total_ms,total_tflops,"
-         "total_ratio_bf16,target_ratio\n";
+         "total_ratio_bf16,target_ratio,error\n";
     for (const GemmBenchRow& r : rows) {
       f << '"' << r.shape << "\"," << r.m << ',' << r.n << ',' << r.k << ",\"" << r.backend << "\","
         << r.gemm_ms << ',' << r.gemm_tflops << ',' << r.gemm_ratio << ',' << r.total_ms << ','
-        << r.total_tflops << ',' << r.total_ratio << ',' << r.target_ratio << '\n';
+        << r.total_tflops << ',' << r.total_ratio << ',' << r.target_ratio << ",\""
+        << csv_safe(r.error) << "\"\n";
     }
   }
+  const int64_t failed = std::count_if(rows.begin(), rows.end(), [](const GemmBenchRow& r) { return !r.error.empty(); });
+  FOURBIT_CHECK(failed == 0, "bench gemm: {} of {} cases failed (their errors are above)", failed, rows.size());
   return rows;
 }
 

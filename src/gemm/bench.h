@@ -24,6 +24,7 @@ struct GemmBenchRow {
   double gemm_tflops = 0, total_tflops = 0;
   double gemm_ratio = 0, total_ratio = 0;  // vs cuBLASLt BF16 on this shape
   double target_ratio = 0;   // BENCHMARKS.md target for total_ratio (0: none)
+  std::string error;         // non-empty: this case failed (the message), its figures are 0
 };
 
 std::vector<GemmBenchRow> run_gemm_bench(const GemmBenchOptions& options);
