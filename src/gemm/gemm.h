@@ -22,7 +22,8 @@
 // Hopper as an exact emulation (NUMERICS.md 3.7): operands in the "scaled domain" (e2m1 * s_b,
 // P * 2^(k-127)), exactly representable in BF16, through a BF16 tensor-core GEMM. Unsupported
 // combinations are errors that name the operand and say what to do; nothing falls back silently to
-// different numerics. Random-Hadamard-transformed copies (Wgrad operands) may only be multiplied
+// different numerics. There is no Blackwell-native block-scaled path (VEC16_UE4M3 / VEC32_UE8M0):
+// NVFP4 / MXFP8 always take the emulation, and the Hopper-only FP8 block modes are refused elsewhere. Random-Hadamard-transformed copies (Wgrad operands) may only be multiplied
 // with a copy transformed with the same signs (H H^T = I cancels in the product).
 //
 // Streams and memory. CUDA GEMMs are asynchronous on `stream`; nothing synchronizes the host,
@@ -120,7 +121,11 @@ Backend select_backend(const GemmArgs& args);
 // The counts are read on the host (the router's counts are copied to the host once per step, not
 // once per expert), so the launches of all groups follow each other without a synchronization;
 // per-group work is one cuBLASLt GEMM (plus, for FP8 block scales, one scale-layout kernel and, for
-// the emulation, one alpha kernel). Shared operands are converted once for all groups.
+// the emulation, one alpha kernel). Shared operands are converted once for all groups. Why a loop
+// of GEMMs: the cuBLAS of CUDA 13.0 (cuBLAS 13.1) has no device-side grouped cuBLASLt matmul
+// (CUBLASLT_BATCH_MODE_GROUPED is documented for later releases only), and cublasGemmGroupedBatchedEx
+// takes host arrays of shapes and no FP8 scales; a device-sized grouped kernel (token counts read
+// on the GPU) would remove the once-per-step copy of the counts and is future work.
 // Alignment: quantized column slices (kReduction) must start at a multiple of the block (FP8: 128;
 // NVFP4 with RHT: 16, so that the transform cancels within the group); cuBLASLt needs 16-byte
 // aligned slices (token offsets multiple of 8 for BF16, 16 for FP8).
