@@ -28,10 +28,11 @@
 //
 // Streams and memory. CUDA GEMMs are asynchronous on `stream`; nothing synchronizes the host,
 // except where documented (a null `error_flag` when the GEMM itself must dequantize MXFP8). Scratch
-// buffers (converted scales, scaled-domain BF16 operands, the alpha scalar, cuBLASLt's workspace)
-// come from `workspace` when given (and are released before returning; later work on the same
-// stream may reuse them), else from a per-process buffer of this module that grows as needed. C may
-// not alias A or B.
+// buffers (converted scales, scaled-domain BF16 operands, the alpha scalar) come from `workspace`
+// when given (and are released before returning; later work on the same stream may reuse them),
+// else from a per-process buffer of this module that grows as needed; cuBLASLt's 32 MiB workspace
+// is the module's own. Both per-process buffers assume that concurrent GEMMs run on one stream.
+// C may not alias A or B.
 #pragma once
 
 #include "core/arena.h"
