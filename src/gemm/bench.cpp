@@ -14,7 +14,6 @@
 #include "core/device.h"
 #include "core/log.h"
 #include "gemm/gemm.h"
-#include "quant/quantize_kernels.h"
 
 #include <cuda_runtime_api.h>
 
@@ -117,8 +116,8 @@ class ShapeBench {
       InputSet in;
       in.a_src = Tensor::empty({s.m, s.k}, DType::kBF16, Device::kCuda);
       in.b_src = Tensor::empty({s.n, s.k}, DType::kBF16, Device::kCuda);
-      quant::kernels::launch_fill_normal(in.a_src.data(), true, in.a_src.numel(), 100 + 2 * i, nullptr);
-      quant::kernels::launch_fill_normal(in.b_src.data(), true, in.b_src.numel(), 101 + 2 * i, nullptr);
+      quant::fill_normal_cuda(in.a_src.view(), 100 + 2 * i, nullptr);
+      quant::fill_normal_cuda(in.b_src.view(), 101 + 2 * i, nullptr);
       sets_.push_back(std::move(in));
     }
     c_ = Tensor::empty({s.m, s.n}, DType::kBF16, Device::kCuda);

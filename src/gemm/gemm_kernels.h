@@ -13,9 +13,9 @@
 
 namespace fourbit::gemm::kernels {
 
-// Bits OR-ed into GemmArgs::error_flag; the same bit, with the same meaning, as the quantizer's
-// quant::kernels::kErrMxfp8NotExact, so that one device flag can serve quantizers and GEMMs.
-inline constexpr int kErrMxfp8NotExact = 2;  // an MXFP8 scale code outside [3, 246]
+// Bits OR-ed into GemmArgs::error_flag: the quantizers' (quant/format.h), so that one device flag
+// serves quantizers and GEMMs.
+inline constexpr int kErrMxfp8NotExact = quant::kDeviceErrMxfp8NotExact;
 
 // NVFP4 / MXFP8 stored [rows, cols] -> scaled-domain BF16 [rows, cols] (contiguous): NVFP4
 // e2m1 * s_b, MXFP8 P * 2^(k-127), both exact. An MXFP8 element with a nonzero code in a block whose

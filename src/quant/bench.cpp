@@ -11,7 +11,6 @@
 #include "core/device.h"
 #include "core/log.h"
 #include "quant/quantize.h"
-#include "quant/quantize_kernels.h"
 
 #include <cuda_runtime_api.h>
 
@@ -134,7 +133,7 @@ std::vector<QuantBenchRow> run_quant_bench(const QuantBenchOptions& o) {
   const int64_t copy_bytes = 1ll << 30;
   Tensor a = Tensor::empty({copy_bytes}, DType::kU8, Device::kCuda);
   Tensor b = Tensor::empty({copy_bytes}, DType::kU8, Device::kCuda);
-  kernels::launch_fill_normal(a.data(), false, copy_bytes / 4, 1, nullptr);
+  fill_normal_cuda(TensorView::contiguous(a.data(), DType::kF32, {copy_bytes / 4}, Device::kCuda), 1, nullptr);
   const double copy_ms = timer.median_ms(o.reps, [&] {
     FOURBIT_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), copy_bytes, cudaMemcpyDeviceToDevice));
   });
@@ -144,7 +143,7 @@ std::vector<QuantBenchRow> run_quant_bench(const QuantBenchOptions& o) {
   b = Tensor();
 
   Tensor src = Tensor::empty({o.rows, o.cols}, DType::kBF16, Device::kCuda);
-  kernels::launch_fill_normal(src.data(), true, src.numel(), 7, nullptr);
+  fill_normal_cuda(src.view(), 7, nullptr);
   Tensor bf16_row = Tensor::empty({o.rows, o.cols}, DType::kBF16, Device::kCuda);
   Tensor bf16_col = Tensor::empty({o.cols, o.rows}, DType::kBF16, Device::kCuda);
   Tensor flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);

@@ -167,6 +167,10 @@ void amax_cuda(const TensorView& src, float* rowwise_amax, float* colwise_amax, 
 
 // Dequantizes one orientation on the device to f32 [R, C] (stored layout).
 void dequantize_cuda(const QuantizedTensor& q, bool colwise, const TensorView& out, void* stream);
+
+// Fills a contiguous f32 or bf16 CUDA tensor with seeded standard-normal values (Philox +
+// Box-Muller, on the GPU): benchmark and test inputs.
+void fill_normal_cuda(const TensorView& dst, uint64_t seed, void* stream);
 #endif
 
 }  // namespace fourbit::quant

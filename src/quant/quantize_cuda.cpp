@@ -187,4 +187,12 @@ void dequantize_cuda(const QuantizedTensor& q, bool colwise, const TensorView& o
   kernels::launch_dequantize(p, static_cast<cudaStream_t>(stream));
 }
 
+void fill_normal_cuda(const TensorView& dst, uint64_t seed, void* stream) {
+  FOURBIT_CHECK(dst.device == Device::kCuda && dst.is_contiguous() &&
+                    (dst.dtype == DType::kF32 || dst.dtype == DType::kBF16),
+                "fill_normal_cuda needs a contiguous f32 or bf16 CUDA tensor, got {}", dst.describe());
+  kernels::launch_fill_normal(dst.data, dst.dtype == DType::kBF16, dst.numel(), seed,
+                              static_cast<cudaStream_t>(stream));
+}
+
 }  // namespace fourbit::quant

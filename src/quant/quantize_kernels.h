@@ -13,8 +13,8 @@
 
 namespace fourbit::quant::kernels {
 
-inline constexpr int kErrNonFinite = 1;      // a NaN or Inf in the source
-inline constexpr int kErrMxfp8NotExact = 2;  // MXFP8 scaled-domain BF16 would not be exact
+inline constexpr int kErrNonFinite = kDeviceErrNonFinite;
+inline constexpr int kErrMxfp8NotExact = kDeviceErrMxfp8NotExact;
 
 // Everything a kernel needs to know about one orientation's outputs.
 struct OrientationOut {
