@@ -1,0 +1,199 @@
+// Host side of RMSNorm: checks, dispatch, and the CPU reference (naive loops over rows and
+// columns, templated over f32/f64, accumulating in the scalar type).
+#include "ops/rmsnorm.h"
+
+#include "ops/arg_checks.h"
+
+#include <cmath>
+
+#if defined(FOURBIT_WITH_CUDA)
+#include "ops/rmsnorm_kernels.h"
+#endif
+
+namespace fourbit::ops {
+namespace {
+
+using detail::check_dtype;
+using detail::check_shape;
+
+constexpr int64_t kMaxRowChunks = 256;  // CUDA backward: rows are split into at most this many chunks
+
+int64_t rows_per_chunk(int64_t n_rows) { return (n_rows + kMaxRowChunks - 1) / kMaxRowChunks; }
+int64_t n_chunks(int64_t n_rows) {
+  return n_rows == 0 ? 0 : (n_rows + rows_per_chunk(n_rows) - 1) / rows_per_chunk(n_rows);
+}
+
+template <typename T>
+void forward_reference(T* y, T* rstd, const T* x, const T* w, int64_t n_rows, int64_t cols,
+                       T eps) {
+  for (int64_t n = 0; n < n_rows; ++n) {
+    const T* xr = x + n * cols;
+    T ss = 0;
+    for (int64_t c = 0; c < cols; ++c) ss += xr[c] * xr[c];
+    const T r = T(1) / std::sqrt(ss / T(cols) + eps);
+    rstd[n] = r;
+    for (int64_t c = 0; c < cols; ++c) y[n * cols + c] = xr[c] * r * w[c];
+  }
+}
+
+template <typename T>
+void backward_reference(T* dx, T* dw, const T* dy, const T* x, const T* w, const T* rstd,
+                        int64_t n_rows, int64_t cols) {
+  for (int64_t n = 0; n < n_rows; ++n) {
+    const T* xr = x + n * cols;
+    const T* dyr = dy + n * cols;
+    const T r = rstd[n];
+    T dot = 0;  // sum_c g * xhat
+    for (int64_t c = 0; c < cols; ++c) dot += dyr[c] * w[c] * (xr[c] * r);
+    const T mean = dot / T(cols);
+    for (int64_t c = 0; c < cols; ++c) {
+      const T xhat = xr[c] * r;
+      dx[n * cols + c] = r * (dyr[c] * w[c] - xhat * mean);
+      dw[c] += dyr[c] * xhat;
+    }
+  }
+}
+
+#if defined(FOURBIT_WITH_CUDA)
+kernels::FloatType float_type(const TensorView& t) {
+  return t.dtype == DType::kBF16 ? kernels::FloatType::kBF16 : kernels::FloatType::kF32;
+}
+#endif
+
+// [N, C] of x, after checking that it is 2-D with C >= 1.
+std::pair<int64_t, int64_t> rows_cols(std::string_view op, const TensorView& x) {
+  FOURBIT_CHECK(x.shape.ndim == 2, "{}: x must be [N, C] (2-D; view [B, T, C] as [B*T, C]), got {}",
+                op, x.describe());
+  FOURBIT_CHECK(x.shape[1] >= 1, "{}: x must have at least one column, got {}", op, x.describe());
+  return {x.shape[0], x.shape[1]};
+}
+
+}  // namespace
+
+void rmsnorm_forward(const TensorView& y, const TensorView& rstd, const TensorView& x,
+                     const TensorView& weight, float eps, void* stream) {
+  constexpr std::string_view op = "rmsnorm_forward";
+  const Device dev =
+      detail::common_device(op, {{"y", &y}, {"rstd", &rstd}, {"x", &x}, {"weight", &weight}});
+  const auto [N, C] = rows_cols(op, x);
+  check_shape(op, "x", x, {N, C});
+  check_shape(op, "y", y, {N, C});
+  check_shape(op, "rstd", rstd, {N});
+  check_shape(op, "weight", weight, {C});
+  FOURBIT_CHECK(std::isfinite(eps) && eps >= 0, "{}: eps must be finite and >= 0, got {}", op, eps);
+  FOURBIT_CHECK(y.data != x.data, "{}: y must not alias x", op);
+  if (dev == Device::kCpu) {
+    const DType dt = detail::cpu_float_dtype(
+        op, {{"y", &y}, {"rstd", &rstd}, {"x", &x}, {"weight", &weight}});
+    if (dt == DType::kF64) {
+      forward_reference(y.ptr<double>(), rstd.ptr<double>(), x.ptr<const double>(),
+                        weight.ptr<const double>(), N, C, (double)eps);
+    } else {
+      forward_reference(y.ptr<float>(), rstd.ptr<float>(), x.ptr<const float>(),
+                        weight.ptr<const float>(), N, C, eps);
+    }
+    return;
+  }
+#if defined(FOURBIT_WITH_CUDA)
+  check_dtype(op, "x", x, {DType::kBF16, DType::kF32});
+  check_dtype(op, "y", y, {x.dtype});
+  check_dtype(op, "weight", weight, {DType::kBF16, DType::kF32});
+  check_dtype(op, "rstd", rstd, {DType::kF32});
+  FOURBIT_CHECK(C <= kernels::kRmsnormMaxCols, "{}: C = {} exceeds the CUDA kernel's limit of {}",
+                op, C, kernels::kRmsnormMaxCols);
+  kernels::RmsnormForwardArgs a{};
+  a.y = y.data;
+  a.rstd = rstd.ptr<float>();
+  a.x = x.data;
+  a.weight = weight.data;
+  a.act_type = float_type(x);
+  a.weight_type = float_type(weight);
+  a.n_rows = N;
+  a.cols = (int)C;
+  a.eps = eps;
+  kernels::launch_rmsnorm_forward(a, static_cast<cudaStream_t>(stream));
+#else
+  (void)stream;
+  detail::no_cuda_build(op);
+#endif
+}
+
+int64_t rmsnorm_backward_workspace_bytes(int64_t n_rows, int64_t C) {
+  return n_chunks(n_rows) * C * (int64_t)sizeof(float);
+}
+
+void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const TensorView& dy,
+                      const TensorView& x, const TensorView& weight, const TensorView& rstd,
+                      const TensorView& workspace, void* stream) {
+  constexpr std::string_view op = "rmsnorm_backward";
+  const Device dev = detail::common_device(op, {{"dx", &dx},
+                                                {"dweight", &dweight},
+                                                {"dy", &dy},
+                                                {"x", &x},
+                                                {"weight", &weight},
+                                                {"rstd", &rstd}});
+  const auto [N, C] = rows_cols(op, x);
+  check_shape(op, "x", x, {N, C});
+  check_shape(op, "dy", dy, {N, C});
+  check_shape(op, "dx", dx, {N, C});
+  check_shape(op, "rstd", rstd, {N});
+  check_shape(op, "weight", weight, {C});
+  check_shape(op, "dweight", dweight, {C});
+  FOURBIT_CHECK(dx.data != dy.data && dx.data != x.data, "{}: dx must not alias dy or x", op);
+  if (dev == Device::kCpu) {
+    const DType dt = detail::cpu_float_dtype(op, {{"dx", &dx},
+                                                  {"dweight", &dweight},
+                                                  {"dy", &dy},
+                                                  {"x", &x},
+                                                  {"weight", &weight},
+                                                  {"rstd", &rstd}});
+    if (dt == DType::kF64) {
+      backward_reference(dx.ptr<double>(), dweight.ptr<double>(), dy.ptr<const double>(),
+                         x.ptr<const double>(), weight.ptr<const double>(),
+                         rstd.ptr<const double>(), N, C);
+    } else {
+      backward_reference(dx.ptr<float>(), dweight.ptr<float>(), dy.ptr<const float>(),
+                         x.ptr<const float>(), weight.ptr<const float>(), rstd.ptr<const float>(),
+                         N, C);
+    }
+    return;
+  }
+#if defined(FOURBIT_WITH_CUDA)
+  check_dtype(op, "x", x, {DType::kBF16, DType::kF32});
+  check_dtype(op, "dy", dy, {x.dtype});
+  check_dtype(op, "dx", dx, {x.dtype});
+  check_dtype(op, "weight", weight, {DType::kBF16, DType::kF32});
+  check_dtype(op, "rstd", rstd, {DType::kF32});
+  check_dtype(op, "dweight", dweight, {DType::kF32});
+  FOURBIT_CHECK(C <= kernels::kRmsnormMaxCols, "{}: C = {} exceeds the CUDA kernel's limit of {}",
+                op, C, kernels::kRmsnormMaxCols);
+  const int64_t need = rmsnorm_backward_workspace_bytes(N, C);
+  FOURBIT_CHECK(detail::present(workspace) && workspace.device == Device::kCuda &&
+                    workspace.is_contiguous() && workspace.nbytes() >= need &&
+                    reinterpret_cast<uintptr_t>(workspace.data) % 16 == 0,
+                "{}: workspace must be a contiguous, 16-byte aligned CUDA tensor of at least {} bytes "
+                "(rmsnorm_backward_workspace_bytes({}, {})), got {}",
+                op, need, N, C, detail::present(workspace) ? workspace.describe() : "none");
+  kernels::RmsnormBackwardArgs a{};
+  a.dx = dx.data;
+  a.dweight = dweight.ptr<float>();
+  a.partial = static_cast<float*>(workspace.data);
+  a.dy = dy.data;
+  a.x = x.data;
+  a.weight = weight.data;
+  a.rstd = rstd.ptr<const float>();
+  a.act_type = float_type(x);
+  a.weight_type = float_type(weight);
+  a.n_rows = N;
+  a.cols = (int)C;
+  a.n_chunks = n_chunks(N);
+  a.rows_per_chunk = rows_per_chunk(N);
+  kernels::launch_rmsnorm_backward(a, static_cast<cudaStream_t>(stream));
+#else
+  (void)stream;
+  (void)workspace;
+  detail::no_cuda_build(op);
+#endif
+}
+
+}  // namespace fourbit::ops

@@ -1,0 +1,205 @@
+// RMSNorm kernels. A row of C columns is held in registers by one CTA: thread t owns the 8-column
+// groups t, t + T, ..., t + (J-1) T (T <= 1024 threads, J <= 2 groups each: C <= 16384), so each row is read once.
+//
+// Forward: grid-stride over rows.
+// Backward: CTA b processes the rows of chunk b in order, writes dx per row and keeps its
+// partial dweight sums in registers, then stores them to partial[b, :]; a second kernel sums the
+// partials over b in a fixed order (32 columns x 8 row-groups per CTA, then the 8 groups in order)
+// and adds the result to dweight. No float atomics: deterministic.
+#include "ops/rmsnorm_kernels.h"
+
+#include "core/error.h"
+#include "ops/kernel_support.cuh"
+
+#include <type_traits>
+
+namespace fourbit::ops::kernels {
+namespace {
+
+struct RowShape {
+  int threads;
+  int groups;  // J: 8-column groups per thread
+};
+
+RowShape row_shape(int cols) {
+  const int chunks = (cols + 7) / 8;
+  const int j = chunks <= 1024 ? 1 : 2;
+  int t = (chunks + j - 1) / j;
+  t = (t + 31) / 32 * 32;
+  return {t < 32 ? 32 : t, j};
+}
+
+// Registers: at 1024 threads a thread has 64. With J = 1 the weight (and in the backward the row
+// of x and g) stay in registers; with J > 1 they are re-read after the row reduction instead (an
+// L1/L2 hit: the CTA has just read them), which keeps the kernels free of spills.
+template <typename TX, typename TW, int J>
+__global__ void __launch_bounds__(1024)
+    rmsnorm_forward_kernel(TX* __restrict__ y, float* __restrict__ rstd,
+                           const TX* __restrict__ x, const TW* __restrict__ w, int64_t n_rows,
+                           int cols, float eps) {
+  constexpr bool kCacheWeight = J == 1;
+  __shared__ float scratch[32];
+  const bool w_vec = is_aligned16(w);
+  float wv[8];
+  if (kCacheWeight) load8(w, (int64_t)threadIdx.x * 8, cols, w_vec, wv);
+
+  for (int64_t row = blockIdx.x; row < n_rows; row += gridDim.x) {
+    const TX* xr = x + row * cols;
+    TX* yr = y + row * cols;
+    const bool vec = w_vec && is_aligned16(xr) && is_aligned16(yr);
+    float v[J][8];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      load8(xr, (int64_t)(j * blockDim.x + threadIdx.x) * 8, cols, vec, v[j]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) ss = fmaf(v[j][k], v[j][k], ss);
+    }
+    ss = block_sum(ss, scratch);
+    const float r = 1.0f / sqrtf(ss / (float)cols + eps);
+    if (threadIdx.x == 0) rstd[row] = r;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int64_t c = (int64_t)(j * blockDim.x + threadIdx.x) * 8;
+      if (!kCacheWeight) load8(w, c, cols, w_vec, wv);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[j][k] = v[j][k] * r * wv[k];
+      store8(yr, c, cols, vec, v[j]);
+    }
+  }
+}
+
+template <typename TX, typename TW, int J>
+__global__ void __launch_bounds__(1024)
+    rmsnorm_backward_kernel(TX* __restrict__ dx, float* __restrict__ partial,
+                            const TX* __restrict__ dy, const TX* __restrict__ x,
+                            const TW* __restrict__ w, const float* __restrict__ rstd,
+                            int64_t n_rows, int cols, int64_t rows_per_chunk) {
+  constexpr bool kCache = J == 1;
+  __shared__ float scratch[32];
+  const bool w_vec = is_aligned16(w);
+  float wv[8], acc[J][8];
+  if (kCache) load8(w, (int64_t)threadIdx.x * 8, cols, w_vec, wv);
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[j][k] = 0.0f;
+
+  const int64_t first = (int64_t)blockIdx.x * rows_per_chunk;
+  const int64_t last = min(n_rows, first + rows_per_chunk);
+  for (int64_t row = first; row < last; ++row) {
+    const float r = rstd[row];
+    const TX* xr = x + row * cols;
+    const TX* dyr = dy + row * cols;
+    TX* dxr = dx + row * cols;
+    const bool vec = w_vec && is_aligned16(xr) && is_aligned16(dyr) && is_aligned16(dxr);
+    float xv[8], g[8];  // x and g = dy * w of the current group (of the only group when kCache)
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int64_t c = (int64_t)(j * blockDim.x + threadIdx.x) * 8;
+      load8(xr, c, cols, vec, xv);
+      load8(dyr, c, cols, vec, g);
+      if (!kCache) load8(w, c, cols, w_vec, wv);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        acc[j][k] = fmaf(g[k], xv[k] * r, acc[j][k]);  // dy * xhat
+        g[k] *= wv[k];                                  // g = dy * w
+        dot = fmaf(g[k], xv[k], dot);
+      }
+    }
+    dot = block_sum(dot, scratch);
+    // dx = r * (g - xhat * mean(g * xhat)) = r * (g - x * (r * r * dot / C))
+    const float coef = r * r * dot / (float)cols;
+#pragma unroll 1  // no per-group state here; a rolled loop keeps J = 2 free of spills
+    for (int j = 0; j < J; ++j) {
+      const int64_t c = (int64_t)(j * blockDim.x + threadIdx.x) * 8;
+      if (!kCache) {
+        load8(xr, c, cols, vec, xv);
+        load8(dyr, c, cols, vec, g);
+        load8(w, c, cols, w_vec, wv);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) g[k] *= wv[k];
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) g[k] = r * (g[k] - xv[k] * coef);
+      store8(dxr, c, cols, vec, g);
+    }
+  }
+  float* pr = partial + (int64_t)blockIdx.x * cols;
+  const bool p_vec = is_aligned16(pr);
+#pragma unroll
+  for (int j = 0; j < J; ++j) store8(pr, (int64_t)(j * blockDim.x + threadIdx.x) * 8, cols, p_vec, acc[j]);
+}
+
+// dweight[c] += sum_b partial[b, c], b in a fixed order. blockDim (32, 8).
+__global__ void rmsnorm_dweight_kernel(float* __restrict__ dweight,
+                                       const float* __restrict__ partial, int64_t n_chunks,
+                                       int cols) {
+  __shared__ float sums[8][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float s = 0.0f;
+  if (c < cols)
+    for (int64_t b = threadIdx.y; b < n_chunks; b += 8) s += partial[b * cols + c];
+  sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float total = 0.0f;
+#pragma unroll
+    for (int g = 0; g < 8; ++g) total += sums[g][threadIdx.x];
+    dweight[c] += total;
+  }
+}
+
+template <typename F>
+void with_groups(int groups, F&& f) {
+  if (groups == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else {
+    f(std::integral_constant<int, 2>{});
+  }
+}
+
+}  // namespace
+
+void launch_rmsnorm_forward(const RmsnormForwardArgs& a, cudaStream_t stream) {
+  if (a.n_rows == 0) return;
+  const RowShape rs = row_shape(a.cols);
+  const unsigned grid = (unsigned)(a.n_rows < 4096 ? a.n_rows : 4096);
+  with_float_type(a.act_type, [&](auto tx) {
+    with_float_type(a.weight_type, [&](auto tw) {
+      with_groups(rs.groups, [&](auto j) {
+        using TX = decltype(tx);
+        using TW = decltype(tw);
+        rmsnorm_forward_kernel<TX, TW, decltype(j)::value><<<grid, rs.threads, 0, stream>>>(
+            static_cast<TX*>(a.y), a.rstd, static_cast<const TX*>(a.x),
+            static_cast<const TW*>(a.weight), a.n_rows, a.cols, a.eps);
+      });
+    });
+  });
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+void launch_rmsnorm_backward(const RmsnormBackwardArgs& a, cudaStream_t stream) {
+  if (a.n_rows == 0 || a.cols == 0) return;
+  const RowShape rs = row_shape(a.cols);
+  with_float_type(a.act_type, [&](auto tx) {
+    with_float_type(a.weight_type, [&](auto tw) {
+      with_groups(rs.groups, [&](auto j) {
+        using TX = decltype(tx);
+        using TW = decltype(tw);
+        rmsnorm_backward_kernel<TX, TW, decltype(j)::value>
+            <<<(unsigned)a.n_chunks, rs.threads, 0, stream>>>(
+                static_cast<TX*>(a.dx), a.partial, static_cast<const TX*>(a.dy),
+                static_cast<const TX*>(a.x), static_cast<const TW*>(a.weight), a.rstd, a.n_rows,
+                a.cols, a.rows_per_chunk);
+      });
+    });
+  });
+  FOURBIT_CUDA_CHECK_LAUNCH();
+  rmsnorm_dweight_kernel<<<(unsigned)((a.cols + 31) / 32), dim3(32, 8), 0, stream>>>(
+      a.dweight, a.partial, a.n_chunks, a.cols);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace fourbit::ops::kernels

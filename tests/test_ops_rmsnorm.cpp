@@ -1,0 +1,142 @@
+// ops rmsnorm (cpu): the reference against hand-computed values, float64 central differences for
+// dx and dweight, accumulate/overwrite semantics, edge cases (zeros, large and tiny magnitudes,
+// one token, one column) and argument errors.
+#include "dense_ops_test_util.h"
+#include "ops/rmsnorm.h"
+
+#include <gtest/gtest.h>
+
+namespace fourbit::ops {
+namespace {
+
+using testing::check_gradient;
+using testing::dot;
+using testing::host_tensor;
+using testing::random_normal;
+using testing::values_of;
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+struct Forward {
+  std::vector<double> y, rstd;
+};
+
+Forward forward(const std::vector<double>& x, const std::vector<double>& w, int64_t N, int64_t C,
+                double eps, DType dt = DType::kF64) {
+  const Tensor tx = host_tensor({N, C}, dt, x), tw = host_tensor({C}, dt, w);
+  Tensor y = Tensor::empty({N, C}, dt, Device::kCpu), r = Tensor::empty({N}, dt, Device::kCpu);
+  rmsnorm_forward(y, r, tx, tw, (float)eps);
+  return {values_of(y), values_of(r)};
+}
+
+TEST(OpsRmsnorm, HandComputed) {
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    SCOPED_TRACE(dtype_name(dt));
+    // Row 0: mean(9, 16) = 12.5. Row 1: zeros -> rstd = 1/sqrt(eps), y = 0.
+    const Tensor x = host_tensor({2, 2}, dt, {3, 4, 0, 0});
+    const Tensor w = host_tensor({2}, dt, {1, -2});
+    Tensor y = Tensor::empty({2, 2}, dt, Device::kCpu), r = Tensor::empty({2}, dt, Device::kCpu);
+    rmsnorm_forward(y, r, x, w, 0.25f);
+    const double r0 = 1 / std::sqrt(12.75), r1 = 1 / std::sqrt(0.25);
+    const double tol = dt == DType::kF32 ? 1e-6 : 1e-15;
+    const std::vector<double> yv = values_of(y), rv = values_of(r);
+    EXPECT_NEAR(rv[0], r0, tol);
+    EXPECT_NEAR(rv[1], r1, tol);
+    EXPECT_NEAR(yv[0], 3 * r0, tol);
+    EXPECT_NEAR(yv[1], -8 * r0, tol);
+    EXPECT_EQ(yv[2], 0);
+    EXPECT_EQ(yv[3], 0);
+  }
+}
+
+TEST(OpsRmsnorm, ScaleInvarianceAndMagnitudes) {
+  // With eps = 0, y(s x) = y(x) for any s > 0, from tiny to large magnitudes (in f32 too: the sum
+  // of squares of 1e-15 and 1e15 values stays within the normal range).
+  const int64_t N = 3, C = 7;
+  const std::vector<double> x = random_normal(N * C, 11), w = random_normal(C, 12);
+  const Forward base = forward(x, w, N, C, 0.0);
+  for (double s : {1e-15, 1e-3, 1e3, 1e15})
+    for (DType dt : {DType::kF32, DType::kF64}) {
+      std::vector<double> xs(x);
+      for (double& v : xs) v *= s;
+      const Forward f = forward(xs, w, N, C, 0.0, dt);
+      for (size_t i = 0; i < x.size(); ++i)
+        EXPECT_NEAR(f.y[i], base.y[i], (dt == DType::kF32 ? 2e-6 : 1e-13) * (1 + std::fabs(base.y[i])))
+            << "scale " << s << " " << dtype_name(dt) << " element " << i;
+    }
+}
+
+TEST(OpsRmsnorm, FiniteDifferencesFloat64) {
+  struct Case {
+    int64_t N, C;
+    double eps;
+  };
+  for (const Case cs : {Case{3, 5, 1e-5}, Case{1, 1, 1e-3}, Case{2, 16, 0.0}, Case{4, 3, 0.5}}) {
+    SCOPED_TRACE(::testing::Message() << "N " << cs.N << " C " << cs.C << " eps " << cs.eps);
+    const int64_t N = cs.N, C = cs.C;
+    std::vector<double> x = random_normal(N * C, 1 + C), w = random_normal(C, 2 + C);
+    const std::vector<double> R = random_normal(N * C, 3 + C);  // loss = sum(y * R)
+    auto loss = [&] { return dot(forward(x, w, N, C, cs.eps).y, R); };
+
+    const Tensor tx = host_tensor({N, C}, DType::kF64, x), tw = host_tensor({C}, DType::kF64, w);
+    Tensor y = Tensor::empty({N, C}, DType::kF64, Device::kCpu), r = Tensor::empty({N}, DType::kF64, Device::kCpu);
+    rmsnorm_forward(y, r, tx, tw, (float)cs.eps);
+    Tensor dx = host_tensor({N, C}, DType::kF64, std::vector<double>((size_t)(N * C), 1e9));  // overwritten
+    const std::vector<double> dw0 = random_normal(C, 4);  // accumulated into
+    Tensor dw = host_tensor({C}, DType::kF64, dw0);
+    rmsnorm_backward(dx, dw, host_tensor({N, C}, DType::kF64, R), tx, tw, r, TensorView{});
+    std::vector<double> dwv = values_of(dw);
+    for (int64_t c = 0; c < C; ++c) dwv[(size_t)c] -= dw0[(size_t)c];
+    EXPECT_TRUE(check_gradient(loss, x.data(), N * C, values_of(dx), "dx"));
+    EXPECT_TRUE(check_gradient(loss, w.data(), C, dwv, "dweight"));
+  }
+}
+
+TEST(OpsRmsnorm, BackwardFloat32MatchesFloat64) {
+  const int64_t N = 5, C = 33;
+  const std::vector<double> x = random_normal(N * C, 5), w = random_normal(C, 6), R = random_normal(N * C, 7);
+  std::vector<std::vector<double>> dxs, dws;
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    const Tensor tx = host_tensor({N, C}, dt, x), tw = host_tensor({C}, dt, w);
+    Tensor y = Tensor::empty({N, C}, dt, Device::kCpu), r = Tensor::empty({N}, dt, Device::kCpu);
+    rmsnorm_forward(y, r, tx, tw, 1e-5f);
+    Tensor dx = Tensor::empty({N, C}, dt, Device::kCpu), dw = Tensor::zeros({C}, dt, Device::kCpu);
+    rmsnorm_backward(dx, dw, host_tensor({N, C}, dt, R), tx, tw, r, TensorView{});
+    dxs.push_back(values_of(dx));
+    dws.push_back(values_of(dw));
+  }
+  for (size_t i = 0; i < dxs[0].size(); ++i) EXPECT_NEAR(dxs[0][i], dxs[1][i], 1e-5 * (1 + std::fabs(dxs[1][i])));
+  for (size_t i = 0; i < dws[0].size(); ++i) EXPECT_NEAR(dws[0][i], dws[1][i], 1e-5 * (1 + std::fabs(dws[1][i])));
+}
+
+TEST(OpsRmsnorm, Errors) {
+  const Tensor x = host_tensor({2, 3}, DType::kF32, std::vector<double>(6, 1.0));
+  const Tensor w = host_tensor({3}, DType::kF32, {1, 1, 1});
+  const Tensor w64 = host_tensor({3}, DType::kF64, {1, 1, 1});
+  Tensor y = Tensor::empty({2, 3}, DType::kF32, Device::kCpu), r = Tensor::empty({2}, DType::kF32, Device::kCpu);
+  EXPECT_NE(error_of([&] { rmsnorm_forward(y, r, x, w64, 1e-5f); }).find("one dtype"), std::string::npos);
+  Tensor r3 = Tensor::empty({3}, DType::kF32, Device::kCpu);
+  EXPECT_NE(error_of([&] { rmsnorm_forward(y, r3, x, w, 1e-5f); }).find("rstd must have shape (2)"), std::string::npos);
+  EXPECT_NE(error_of([&] { rmsnorm_forward(x, r, x, w, 1e-5f); }).find("alias"), std::string::npos);
+  EXPECT_NE(error_of([&] { rmsnorm_forward(y, r, x, w, -1.0f); }).find("eps"), std::string::npos);
+  const Tensor x3 = host_tensor({1, 2, 3}, DType::kF32, std::vector<double>(6, 1.0));
+  EXPECT_NE(error_of([&] { rmsnorm_forward(y, r, x3, w, 1e-5f); }).find("[N, C]"), std::string::npos);
+  // Zero tokens: a no-op (dweight unchanged).
+  Tensor e = Tensor::empty({0, 3}, DType::kF32, Device::kCpu), er = Tensor::empty({0}, DType::kF32, Device::kCpu);
+  rmsnorm_forward(e, er, Tensor::empty({0, 3}, DType::kF32, Device::kCpu), w, 1e-5f);
+  Tensor dw = host_tensor({3}, DType::kF32, {1, 2, 3});
+  rmsnorm_backward(e, dw, Tensor::empty({0, 3}, DType::kF32, Device::kCpu),
+                   Tensor::empty({0, 3}, DType::kF32, Device::kCpu), w, er, TensorView{});
+  EXPECT_EQ(values_of(dw), (std::vector<double>{1, 2, 3}));
+}
+
+}  // namespace
+}  // namespace fourbit::ops

@@ -1,0 +1,149 @@
+// ops rmsnorm (gpu): the CUDA forward and backward against the CPU reference run in f32 on the same
+// inputs (rounded to the kernel's input dtypes), for bf16 and f32 activations and weights, odd and
+// large shapes (both register-group counts J = 1, 2 of the kernel, the C limit, multi-row backward chunks,
+// a grid-stride forward), misaligned rows (the scalar path), with guard regions around every
+// output and the workspace; and determinism of the backward (same bits twice).
+//
+// Tolerances (u = 2^-24; a sum of n FP32 terms, in any order, is within n u sum|terms| of the
+// exact sum, and both sides make such an error):
+//   rstd:    (2C + 16) u |rstd|                      (sum of C squares, sqrt, division)
+//   y:       (2C + 16) u |y|      + 2^-8 |y| if bf16 (rounding the output to BF16: half an ulp)
+//   dx:      (2C + 16) u M        + 2^-8 |dx| if bf16, M = r |g| + r^3 |x| sum_c |g x| / C
+//   dweight: (2N + 16) u (|dweight_0| + sum_n |dy xhat|)          (f32 accumulation over tokens)
+#include "dense_ops_test_util.h"
+#include "ops/rmsnorm.h"
+
+#include <gtest/gtest.h>
+
+namespace fourbit::ops {
+namespace {
+
+using testing::all_close;
+using testing::Guarded;
+using testing::host_tensor;
+using testing::random_normal;
+using testing::rounded;
+using testing::values_of;
+
+constexpr double kU = 1.0 / (1 << 24);
+constexpr uint8_t kPoison = 0x7F;  // f32 and bf16 0x7F7F... = 3.4e38: an unwritten output shows
+
+class OpsRmsnormCuda : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_GT(cuda_device_count(), 0) << "the gpu tests need a CUDA GPU"; }
+};
+
+struct Case {
+  int64_t N, C;
+  DType act, weight;
+  bool misaligned;
+};
+
+void run_case(const Case& cs) {
+  const int64_t N = cs.N, C = cs.C;
+  SCOPED_TRACE(::testing::Message() << "N " << N << " C " << C << " act " << dtype_name(cs.act)
+                                    << " weight " << dtype_name(cs.weight)
+                                    << (cs.misaligned ? " misaligned" : ""));
+  const float eps = 1e-5f;
+  const int64_t shift = cs.misaligned ? (cs.act == DType::kBF16 ? 2 : 4) : 0;
+  const std::vector<double> x = rounded(random_normal(N * C, 100 + C, 2.0), cs.act);
+  const std::vector<double> w = rounded(random_normal(C, 200 + C), cs.weight);
+  const std::vector<double> dy = rounded(random_normal(N * C, 300 + C), cs.act);
+  const std::vector<double> dw0 = random_normal(C, 400 + C, 0.1);
+
+  // Reference (f32 on the rounded inputs).
+  const Tensor rx = host_tensor({N, C}, DType::kF32, x), rw = host_tensor({C}, DType::kF32, w);
+  Tensor ry = Tensor::empty({N, C}, DType::kF32, Device::kCpu), rr = Tensor::empty({N}, DType::kF32, Device::kCpu);
+  rmsnorm_forward(ry, rr, rx, rw, eps);
+  Tensor rdx = Tensor::empty({N, C}, DType::kF32, Device::kCpu);
+  Tensor rdw = host_tensor({C}, DType::kF32, dw0);
+  rmsnorm_backward(rdx, rdw, host_tensor({N, C}, DType::kF32, dy), rx, rw, rr, TensorView{});
+  const std::vector<double> want_y = values_of(ry), want_r = values_of(rr), want_dx = values_of(rdx),
+                            want_dw = values_of(rdw);
+
+  // Error scales (float64).
+  std::vector<double> m_dx((size_t)(N * C)), m_dw((size_t)C);
+  for (int64_t c = 0; c < C; ++c) m_dw[(size_t)c] = std::fabs((double)(float)dw0[(size_t)c]);
+  for (int64_t n = 0; n < N; ++n) {
+    const double r = want_r[(size_t)n];
+    double s = 0;
+    for (int64_t c = 0; c < C; ++c) s += std::fabs(dy[(size_t)(n * C + c)] * w[(size_t)c] * x[(size_t)(n * C + c)]);
+    for (int64_t c = 0; c < C; ++c) {
+      const size_t i = (size_t)(n * C + c);
+      m_dx[i] = r * std::fabs(dy[i] * w[(size_t)c]) + r * r * r * std::fabs(x[i]) * s / (double)C;
+      m_dw[(size_t)c] += std::fabs(dy[i] * x[i] * r);
+    }
+  }
+  const double out_round = cs.act == DType::kBF16 ? 1.0 / 256 : 0.0;
+  const double kc = (2.0 * (double)C + 16) * kU, kn = (2.0 * (double)N + 16) * kU;
+
+  // Device run.
+  const Guarded gx = Guarded::copy_of(host_tensor({N, C}, cs.act, x), kPoison, shift);
+  const Guarded gw = Guarded::copy_of(host_tensor({C}, cs.weight, w), kPoison);
+  const Guarded gdy = Guarded::copy_of(host_tensor({N, C}, cs.act, dy), kPoison, shift);
+  const Guarded gy = Guarded::make({N, C}, cs.act, kPoison, shift);
+  const Guarded gr = Guarded::make({N}, DType::kF32, kPoison);
+  rmsnorm_forward(gy.view, gr.view, gx.view, gw.view, eps);
+  EXPECT_EQ(gy.damaged_guard_bytes(), 0) << "forward wrote outside y";
+  EXPECT_EQ(gr.damaged_guard_bytes(), 0) << "forward wrote outside rstd";
+  EXPECT_TRUE(all_close(gr.values(), want_r, [&](int64_t i) { return kc * std::fabs(want_r[(size_t)i]); }, "rstd"));
+  EXPECT_TRUE(all_close(gy.values(), want_y, [&](int64_t i) { return (kc + out_round) * std::fabs(want_y[(size_t)i]) + 1e-30; }, "y"));
+
+  // Backward on the reference's rstd, so that both sides consume identical inputs.
+  const Guarded grr = Guarded::copy_of(rr, kPoison);
+  const Guarded ws = Guarded::make({rmsnorm_backward_workspace_bytes(N, C)}, DType::kU8, kPoison);
+  std::vector<double> first_dx, first_dw;
+  for (int rep = 0; rep < 2; ++rep) {
+    const Guarded gdx = Guarded::make({N, C}, cs.act, kPoison, shift);
+    const Guarded gdw = Guarded::copy_of(host_tensor({C}, DType::kF32, dw0), kPoison);
+    rmsnorm_backward(gdx.view, gdw.view, gdy.view, gx.view, gw.view, grr.view, ws.view);
+    EXPECT_EQ(gdx.damaged_guard_bytes(), 0) << "backward wrote outside dx";
+    EXPECT_EQ(gdw.damaged_guard_bytes(), 0) << "backward wrote outside dweight";
+    EXPECT_EQ(ws.damaged_guard_bytes(), 0) << "backward wrote outside its workspace";
+    const std::vector<double> got_dx = gdx.values(), got_dw = gdw.values();
+    if (rep == 0) {
+      EXPECT_TRUE(all_close(got_dx, want_dx, [&](int64_t i) { return kc * m_dx[(size_t)i] + out_round * std::fabs(want_dx[(size_t)i]) + 1e-30; }, "dx"));
+      EXPECT_TRUE(all_close(got_dw, want_dw, [&](int64_t i) { return kn * m_dw[(size_t)i] + 1e-30; }, "dweight"));
+      first_dx = got_dx;
+      first_dw = got_dw;
+    } else {
+      EXPECT_TRUE(got_dx == first_dx) << "dx differs between two identical runs";
+      EXPECT_TRUE(got_dw == first_dw) << "dweight differs between two identical runs (not deterministic)";
+    }
+  }
+}
+
+TEST_F(OpsRmsnormCuda, MatchesReference) {
+  const Case cases[] = {
+      {1, 1, DType::kF32, DType::kF32, false},
+      {3, 7, DType::kBF16, DType::kBF16, false},
+      {17, 768, DType::kBF16, DType::kBF16, false},
+      {17, 768, DType::kF32, DType::kBF16, false},
+      {33, 1000, DType::kBF16, DType::kF32, false},
+      {64, 4096, DType::kBF16, DType::kBF16, false},
+      {5, 4097, DType::kBF16, DType::kBF16, false},    // ragged last group
+      {9, 4104, DType::kF32, DType::kF32, true},       // misaligned rows: scalar path
+      {9, 4104, DType::kBF16, DType::kBF16, true},
+      {6, 12000, DType::kBF16, DType::kBF16, false},   // J = 2
+      {3, 16384, DType::kBF16, DType::kF32, false},    // the limit
+      {2, 16384, DType::kF32, DType::kF32, false},
+      {1000, 136, DType::kBF16, DType::kBF16, false},  // 4 rows per backward chunk
+      {70001, 64, DType::kBF16, DType::kBF16, false},  // grid-stride forward, 274-row chunks
+  };
+  for (const Case& cs : cases) run_case(cs);
+}
+
+TEST_F(OpsRmsnormCuda, ColumnLimit) {
+  const int64_t C = 16385;
+  Tensor x = Tensor::zeros({1, C}, DType::kBF16, Device::kCuda), y = Tensor::zeros({1, C}, DType::kBF16, Device::kCuda);
+  Tensor w = Tensor::zeros({C}, DType::kBF16, Device::kCuda), r = Tensor::zeros({1}, DType::kF32, Device::kCuda);
+  try {
+    rmsnorm_forward(y, r, x, w, 1e-5f);
+    ADD_FAILURE() << "C = 16385 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("exceeds the CUDA kernel's limit of 16384"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace fourbit::ops
