@@ -1,0 +1,85 @@
+// Causal self-attention with grouped-query attention (GQA): forward, backward, and the KV-cache
+// decode variant used by the RL sampler.
+//
+// Math, per batch b and query head h (key/value head hk = h / (H / Hkv)), with S = scale q k^T:
+//     out[b, i, h] = sum_{j <= i} softmax_j(S[i, j]) v[b, j, hk]
+//     lse[b, h, i] = log sum_{j <= i} exp(S[i, j])          (natural log, f32)
+// The backward is the FlashAttention-2 one: P = exp(S - lse) is recomputed from the saved lse,
+// D_i = rowsum(dout * out), dS = P * (dP - D), dq = scale dS k, dk = scale dS^T q, dv = P^T dout;
+// dk and dv of a key/value head sum over the H / Hkv query heads that share it. dq, dk and dv are
+// activation gradients: OVERWRITTEN, never accumulated.
+//
+// Layouts. Every [B, T, heads, D] tensor (q, k, v, out, their gradients, the caches) may be a
+// strided view: any strides on its three outer dimensions, unit stride along D. This lets the
+// model pass slices of a fused QKV buffer [B, T, (H + 2 Hkv) D] without copies. lse is a
+// contiguous f32 [B, H, T]; cache_lengths a contiguous i32 [B]. Outputs never alias inputs (dq,
+// dk, dv may be disjoint slices of one buffer).
+//
+// CPU (the reference): f32 or f64, one dtype for every floating tensor, lse included (so that the
+// f64 finite-difference tests see no f32 rounding). Naive loops that materialize the T x T scores
+// of one (b, h): the ground truth.
+//
+// CUDA: q, k, v, out, dout, dq, dk, dv and the caches are bf16, lse is f32; every reduction and the
+// softmax are FP32. Head dims D = 64 and D = 128 only (others are rejected with a message);
+// every row of D elements must start on a 16-byte boundary (strides multiples of 8 elements).
+// The kernels are our own FlashAttention-2 style kernels on BF16 tensor cores (mma.sync
+// m16n8k16, FP32 accumulation; see attention_kernels.cu for the tiling), not cuDNN's fused
+// attention: they need no extra runtime dependency (the build and GPU machines carry different
+// cuDNN releases), they accept GQA and strided views as they come, and the backward is
+// deterministic (dq is computed by its own pass over the keys instead of FP32 atomics, at the
+// cost of recomputing Q K^T and dO V^T once more). P and dS are rounded to bf16 before their
+// tensor-core products, as in FlashAttention-2; the gpu tests state the resulting tolerances.
+// Deterministic: the same inputs give the same bits.
+#pragma once
+
+#include "core/tensor.h"
+
+#include <optional>
+
+namespace fourbit::ops {
+
+struct AttentionOptions {
+  // Multiplies q . k before the softmax; unset: 1 / sqrt(D). Must be finite and > 0.
+  std::optional<float> scale;
+};
+
+// Causal forward. Writes out and lse.
+void attention_forward(const TensorView& q,    // [B, T, H, D]
+                       const TensorView& k,    // [B, T, Hkv, D]
+                       const TensorView& v,    // [B, T, Hkv, D]
+                       const TensorView& out,  // [B, T, H, D]
+                       const TensorView& lse,  // [B, H, T]: f32 on CUDA, q's dtype on the CPU
+                       const AttentionOptions& options = {}, void* stream = nullptr);
+
+// Backward of attention_forward given its saved out and lse. Overwrites dq, dk, dv.
+// On CUDA it needs a scratch f32 [B, H, T] for D_i, taken with cudaMallocAsync on `stream` and
+// released on it (no host synchronization).
+void attention_backward(const TensorView& dout,  // [B, T, H, D]
+                        const TensorView& q,     // [B, T, H, D]
+                        const TensorView& k,     // [B, T, Hkv, D]
+                        const TensorView& v,     // [B, T, Hkv, D]
+                        const TensorView& out,   // [B, T, H, D]  (from the forward)
+                        const TensorView& lse,   // [B, H, T]     (from the forward)
+                        const TensorView& dq,    // [B, T, H, D]    overwritten
+                        const TensorView& dk,    // [B, T, Hkv, D]  overwritten
+                        const TensorView& dv,    // [B, T, Hkv, D]  overwritten
+                        const AttentionOptions& options = {}, void* stream = nullptr);
+
+// KV-cache decode (forward only). Each sequence b holds cache_lengths[b] valid positions
+// [0, len) in its cache, the Tq new tokens' keys and values already written at [len - Tq, len).
+// New token t of sequence b sits at position len - Tq + t and attends causally to cache
+// positions [0, len - Tq + t]. A row whose position would be negative (len < Tq) is padding: its
+// output is zero (this lets a batch prefill right-aligned prompts of different lengths).
+// Lengths must lie in [0, T_max]: checked on the CPU; the CUDA kernel, which cannot check without
+// synchronizing, clamps them into that range.
+// CUDA: a simple FP32 kernel (decode is bound by reading the cache, not by math); one CTA per
+// (b, kv head, 16 query rows) streams the whole cache, so long caches with few sequences use few
+// SMs (no split over the cache yet).
+void attention_decode(const TensorView& q,              // [B, Tq, H, D]
+                      const TensorView& k_cache,        // [B, T_max, Hkv, D]
+                      const TensorView& v_cache,        // [B, T_max, Hkv, D]
+                      const TensorView& cache_lengths,  // i32 [B], on the tensors' device
+                      const TensorView& out,            // [B, Tq, H, D]
+                      const AttentionOptions& options = {}, void* stream = nullptr);
+
+}  // namespace fourbit::ops

@@ -1,0 +1,829 @@
+// Causal GQA attention on BF16 tensor cores: FlashAttention-2 style forward and backward, and a
+// simple FP32 KV-cache decode kernel. Launch interface in attention_kernels.h; contract in
+// attention.h.
+//
+// Tensor-core path (mma.sync.m16n8k16 BF16 x BF16 -> FP32, operands fed by ldmatrix from
+// shared-memory tiles whose rows are padded by 16 bytes, which makes every ldmatrix phase hit 8
+// distinct 16-byte bank groups). A CTA is 4 warps; each warp owns 16 rows of the CTA's tile, so
+// no cross-warp reduction is ever needed:
+//   forward     CTA = 64 queries of one (b, h). Q's fragments stay in registers; key/value tiles
+//               of 64 rows stream through a 2-stage cp.async pipeline; S = Q K^T and the online
+//               softmax (running max and sum, FP32, exp2 with log2(e) folded into the scale) stay
+//               in registers; P is rounded to bf16 and reused directly as the A operand of P V
+//               (the accumulator layout of two adjacent 8-column blocks is the A-fragment layout).
+//               Only the causal diagonal tile is masked. The T x T scores never reach memory.
+//   backward    three kernels, no atomics (deterministic):
+//               1. delta: D_i = rowsum(dout * out) in FP32 into a [B, H, T] scratch;
+//               2. dk/dv: CTA = 64 keys of one (b, kv head); it loops over the query heads of
+//                  the group and the query tiles at or after its keys, recomputing
+//                  S^T = K Q^T and dP^T = V dO^T, then P^T = exp(S^T - lse), dS^T = P^T (dP^T - D),
+//                  dV += P^T dO, dK += dS^T Q, all in registers (query tile 64 rows for D = 64,
+//                  32 for D = 128 to stay within 255 registers);
+//               3. dq: CTA = 64 queries of one (b, h), looping over key tiles like the forward:
+//                  recomputes S and dP, dQ += dS K.
+//               The separate dq pass costs two extra small GEMMs per tile (Q K^T, dO V^T) against
+//               FlashAttention-2's atomic dq, and buys bitwise reproducible gradients.
+// Heaviest CTAs first: for the causal mask, the last query tiles (forward, dq) and the first key
+// tiles (dk/dv) do the most work, so they are given the lowest block indices.
+//
+// Decode: one CTA per (b, kv head, 16 query rows); FP32 scalar math on key/value tiles of 64
+// positions staged in shared memory, online softmax per row. Memory-bound by design.
+#include "ops/attention_kernels.h"
+
+#include "core/error.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace fourbit::ops::kernels {
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kTile = 64;      // query rows (forward, dq) or key rows (dk/dv) per CTA; key tile
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// --- PTX wrappers --------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronously; zero-fills (reads nothing) when !valid.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c[16x8] += a[16x16] . b[16x8], BF16 inputs, FP32 accumulators.
+// Fragment layouts (lane = 4 g + t): a = {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)},
+// b = {(k 2t..2t+1, n g), (k 2t+8.., n g)}, c = {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)}.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats -> bf16x2 (round to nearest even), `lo` in the low half (the lower column index).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+// --- shared-memory tiles -------------------------------------------------------------------------
+
+// A tile of kRows rows of D bf16, each row padded to D + 8 elements.
+template <int D>
+struct TileLayout {
+  static constexpr int kStride = D + 8;  // elements
+  template <int kRows>
+  static constexpr int elems() { return kRows * kStride; }
+};
+
+// Async-loads rows [row0, row0 + kRows) of one head's [T, D] sequence (row r at base + r * stride)
+// into a tile; rows at or beyond n_rows are zero-filled.
+template <int D, int kRows>
+__device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, int64_t stride,
+                                          int row0, int n_rows, int tid) {
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly over the CTA");
+#pragma unroll
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int c = tid + i * kThreads;
+    const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    const bool valid = row0 + r < n_rows;
+    const uint16_t* src = valid ? base + (int64_t)(row0 + r) * stride + col : base;
+    cp_async_16(smem_u32(tile + r * TileLayout<D>::kStride + col), src, valid);
+  }
+}
+
+// A fragment of the 16x16 block (rows m0.., cols k0..) of a row-major tile.
+template <int D>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint16_t* tile, int m0, int k0,
+                                       int lane) {
+  const int r = m0 + (lane & 15), c = k0 + (lane >> 4) * 8;
+  ldsm_x4(a, smem_u32(tile + r * TileLayout<D>::kStride + c));
+}
+
+// B fragments of two n-blocks (n0..n0+7 -> b[0], b[1]; n0+8..n0+15 -> b[2], b[3]) for the k-chunk
+// k0..k0+15, from a tile stored n-major (row = n, k contiguous): K for Q K^T, Q for K Q^T, ...
+template <int D>
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const uint16_t* tile, int n0, int k0,
+                                          int lane) {
+  const int r = n0 + (lane & 7) + (lane >> 4) * 8, c = k0 + ((lane >> 3) & 1) * 8;
+  ldsm_x4(b, smem_u32(tile + r * TileLayout<D>::kStride + c));
+}
+
+// The same fragments from a tile stored k-major (row = k, n contiguous): V for P V, dO for P^T dO,
+// Q for dS^T Q, K for dS K.
+template <int D>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const uint16_t* tile, int k0, int n0,
+                                          int lane) {
+  const int r = k0 + (lane & 7) + ((lane >> 3) & 1) * 8, c = n0 + (lane >> 4) * 8;
+  ldsm_x4_trans(b, smem_u32(tile + r * TileLayout<D>::kStride + c));
+}
+
+// acc[16 x 8 n_blocks] += A (16 x D, row-major tile rows m0..) . B^T, B an n-major tile (rows n).
+template <int D, int kNBlocks>
+__device__ __forceinline__ void gemm_a_tile_bt(float (&acc)[kNBlocks][4], const uint16_t* a_tile,
+                                               int m0, const uint16_t* b_tile, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    load_a<D>(a, a_tile, m0, kk * 16, lane);
+#pragma unroll
+    for (int nb = 0; nb < kNBlocks / 2; ++nb) {
+      uint32_t b[4];
+      load_b_nk<D>(b, b_tile, nb * 16, kk * 16, lane);
+      mma_bf16(acc[2 * nb], a, b[0], b[1]);
+      mma_bf16(acc[2 * nb + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc[16 x D] += P (16 x 16 kChunks, given as FP32 accumulators in C layout) . B, B a k-major tile
+// (rows = the reduction index). P is rounded to bf16 here.
+template <int D, int kKBlocks>
+__device__ __forceinline__ void gemm_acc_b(float (&acc)[D / 8][4], const float (&p)[kKBlocks][4],
+                                           const uint16_t* b_tile, int lane) {
+#pragma unroll
+  for (int kc = 0; kc < kKBlocks / 2; ++kc) {
+    const uint32_t a[4] = {pack_bf16(p[2 * kc][0], p[2 * kc][1]),
+                           pack_bf16(p[2 * kc][2], p[2 * kc][3]),
+                           pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]),
+                           pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+#pragma unroll
+    for (int nd = 0; nd < D / 16; ++nd) {
+      uint32_t b[4];
+      load_b_kn<D>(b, b_tile, kc * 16, nd * 16, lane);
+      mma_bf16(acc[2 * nd], a, b[0], b[1]);
+      mma_bf16(acc[2 * nd + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Writes a warp's 16 x D FP32 accumulator block (times `mul`) as bf16 to rows [row0, row0 + 16)
+// of a strided sequence, staged through the warp's own 16 rows of `stage` (a tile no other warp
+// reads any more) so that global stores are 16 bytes wide. Rows at or beyond n_rows are skipped.
+template <int D>
+__device__ __forceinline__ void store_rows(const float (&acc)[D / 8][4], float mul, uint16_t* stage,
+                                           int warp, int lane, uint16_t* base, int64_t stride,
+                                           int row0, int n_rows) {
+  constexpr int S = TileLayout<D>::kStride;
+  const int g = lane >> 2, t = lane & 3;
+  uint16_t* w = stage + warp * 16 * S;
+  __syncwarp();
+#pragma unroll
+  for (int nd = 0; nd < D / 8; ++nd) {
+    const int c = nd * 8 + 2 * t;
+    *reinterpret_cast<uint32_t*>(w + g * S + c) = pack_bf16(acc[nd][0] * mul, acc[nd][1] * mul);
+    *reinterpret_cast<uint32_t*>(w + (g + 8) * S + c) =
+        pack_bf16(acc[nd][2] * mul, acc[nd][3] * mul);
+  }
+  __syncwarp();
+  constexpr int kChunksPerRow = D / 8;
+#pragma unroll
+  for (int i = 0; i < 16 * kChunksPerRow / 32; ++i) {
+    const int c = lane + i * 32;
+    const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    if (row0 + r < n_rows) {
+      *reinterpret_cast<uint4*>(base + (int64_t)(row0 + r) * stride + col) =
+          *reinterpret_cast<const uint4*>(w + r * S + col);
+    }
+  }
+}
+
+// --- forward -------------------------------------------------------------------------------------
+
+template <int D>
+constexpr int forward_smem_bytes() {
+  return (TileLayout<D>::template elems<kTile>() * 5) * 2;  // Q, 2 x K, 2 x V
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_forward_kernel(const AttentionForwardArgs a) {
+  constexpr int kTileElems = TileLayout<D>::template elems<kTile>();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint16_t* q_s = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* k_s = q_s + kTileElems;      // [2][kTile][S]
+  uint16_t* v_s = k_s + 2 * kTileElems;  // [2][kTile][S]
+
+  const AttentionDims& d = a.dims;
+  const int T = d.seq;
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (d.heads / d.kv_heads);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = m_block * kTile;
+
+  const uint16_t* q_base = a.q + b * a.q_stride.b + h * a.q_stride.h;
+  const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
+  const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
+
+  load_tile<D, kTile>(q_s, q_base, a.q_stride.t, m0, T, tid);
+  load_tile<D, kTile>(k_s, k_base, a.k_stride.t, 0, T, tid);
+  load_tile<D, kTile>(v_s, v_base, a.v_stride.t, 0, T, tid);
+  cp_async_commit();
+
+  const float sl2 = d.scale * kLog2e;
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.0f, 0.0f};  // partial: this thread's columns only, reduced at the end
+  uint32_t qf[D / 16][4];
+
+  const int n_tiles = m_block + 1;  // causal: key tiles 0..m_block (kTile queries == kTile keys)
+  for (int j = 0; j < n_tiles; ++j) {
+    const int buf = j & 1;
+    if (j + 1 < n_tiles) {
+      load_tile<D, kTile>(k_s + (buf ^ 1) * kTileElems, k_base, a.k_stride.t, (j + 1) * kTile, T,
+                          tid);
+      load_tile<D, kTile>(v_s + (buf ^ 1) * kTileElems, v_base, a.v_stride.t, (j + 1) * kTile, T,
+                          tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (j == 0) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) load_a<D>(qf[kk], q_s, warp * 16, kk * 16, lane);
+    }
+    const uint16_t* kt = k_s + buf * kTileElems;
+    const uint16_t* vt = v_s + buf * kTileElems;
+
+    // S = Q K^T for this warp's 16 rows and the tile's 64 keys.
+    float s[kTile / 8][4];
+#pragma unroll
+    for (int i = 0; i < kTile / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int nb = 0; nb < kTile / 16; ++nb) {
+        uint32_t bf[4];
+        load_b_nk<D>(bf, kt, nb * 16, kk * 16, lane);
+        mma_bf16(s[2 * nb], qf[kk], bf[0], bf[1]);
+        mma_bf16(s[2 * nb + 1], qf[kk], bf[2], bf[3]);
+      }
+    }
+    if (j == m_block) {  // the diagonal tile: key (local) > query (local) is masked
+#pragma unroll
+      for (int nb = 0; nb < kTile / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = warp * 16 + g + (e >> 1) * 8, col = nb * 8 + 2 * t + (e & 1);
+          if (col > row) s[nb][e] = -INFINITY;
+        }
+    }
+    // Online softmax, rows g (r = 0) and g + 8 (r = 1); a row's 64 values live in the 4 threads of
+    // a quad.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int nb = 0; nb < kTile / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_scaled = mx == -INFINITY ? 0.0f : mx * sl2;
+      const float alpha = exp2f(row_max[r] * sl2 - m_scaled);
+      row_max[r] = mx;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nb = 0; nb < kTile / 8; ++nb) {
+        s[nb][2 * r] = exp2f(fmaf(s[nb][2 * r], sl2, -m_scaled));
+        s[nb][2 * r + 1] = exp2f(fmaf(s[nb][2 * r + 1], sl2, -m_scaled));
+        sum += s[nb][2 * r] + s[nb][2 * r + 1];
+      }
+      row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd) {
+        o[nd][2 * r] *= alpha;
+        o[nd][2 * r + 1] *= alpha;
+      }
+    }
+    gemm_acc_b<D, kTile / 8>(o, s, vt, lane);  // O += P V
+    __syncthreads();                           // before this buffer is refilled
+  }
+
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[r] = 1.0f / l;
+    const int row = m0 + warp * 16 + g + r * 8;
+    if (t == 0 && row < T) {
+      a.lse[((int64_t)b * d.heads + h) * T + row] = (row_max[r] * sl2 + log2f(l)) * kLn2;
+    }
+  }
+#pragma unroll
+  for (int nd = 0; nd < D / 8; ++nd) {
+    o[nd][0] *= inv[0];
+    o[nd][1] *= inv[0];
+    o[nd][2] *= inv[1];
+    o[nd][3] *= inv[1];
+  }
+  // Q's tile rows of this warp were only read by this warp (into qf): reuse them as the stage.
+  store_rows<D>(o, 1.0f, q_s, warp, lane, a.out + b * a.out_stride.b + h * a.out_stride.h,
+                a.out_stride.t, m0 + warp * 16, T);
+}
+
+// --- backward: D_i = rowsum(dout * out) ---------------------------------------------------------
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_delta_kernel(const AttentionBackwardArgs a,
+                                                                   float* delta) {
+  const AttentionDims& d = a.dims;
+  const int64_t row = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);  // (b, t, h) row-major
+  const int lane = threadIdx.x & 31;
+  const int64_t n_rows = (int64_t)d.batch * d.seq * d.heads;
+  if (row >= n_rows) return;
+  const int h = (int)(row % d.heads);
+  const int t = (int)((row / d.heads) % d.seq);
+  const int b = (int)(row / ((int64_t)d.heads * d.seq));
+  const uint16_t* o = a.out + b * a.out_stride.b + t * a.out_stride.t + h * a.out_stride.h;
+  const uint16_t* g = a.dout + b * a.dout_stride.b + t * a.dout_stride.t + h * a.dout_stride.h;
+  float sum = 0.0f;
+#pragma unroll
+  for (int c = lane * 2; c < D; c += 64) {
+    const uint32_t ov = *reinterpret_cast<const uint32_t*>(o + c);
+    const uint32_t gv = *reinterpret_cast<const uint32_t*>(g + c);
+    sum = fmaf(bf16_lo(ov), bf16_lo(gv), sum);
+    sum = fmaf(bf16_hi(ov), bf16_hi(gv), sum);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) delta[((int64_t)b * d.heads + h) * d.seq + t] = sum;
+}
+
+// --- backward: dK, dV ----------------------------------------------------------------------------
+
+// Query rows per inner tile of the dk/dv kernel: 32 for D = 128 keeps dK and dV (64 + 64 FP32
+// registers per thread) plus S^T and dP^T within the register file.
+template <int D>
+constexpr int dkdv_query_tile() {
+  return D == 128 ? 32 : 64;
+}
+
+template <int D>
+constexpr int dkdv_smem_bytes() {
+  constexpr int kQ = dkdv_query_tile<D>();
+  return (2 * TileLayout<D>::template elems<kTile>() + 4 * TileLayout<D>::template elems<kQ>()) * 2 +
+         4 * kQ * 4;  // K, V, 2 x (Q, dO) tiles; 2 x (lse, D_i)
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const AttentionBackwardArgs a,
+                                                                  const float* delta) {
+  constexpr int kQ = dkdv_query_tile<D>();
+  constexpr int kKvElems = TileLayout<D>::template elems<kTile>();
+  constexpr int kQElems = TileLayout<D>::template elems<kQ>();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint16_t* k_s = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* v_s = k_s + kKvElems;
+  uint16_t* q_s = v_s + kKvElems;    // [2][kQ][S]
+  uint16_t* do_s = q_s + 2 * kQElems;  // [2][kQ][S]
+  float* lse_s = reinterpret_cast<float*>(do_s + 2 * kQElems);  // [2][kQ], times log2(e)
+  float* delta_s = lse_s + 2 * kQ;                               // [2][kQ]
+
+  const AttentionDims& d = a.dims;
+  const int T = d.seq, H = d.heads;
+  const int group = d.heads / d.kv_heads;
+  const int n_block = blockIdx.x;  // the first key blocks see the most queries: launched first
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = n_block * kTile;
+
+  load_tile<D, kTile>(k_s, a.k + b * a.k_stride.b + hk * a.k_stride.h, a.k_stride.t, n0, T, tid);
+  load_tile<D, kTile>(v_s, a.v + b * a.v_stride.b + hk * a.v_stride.h, a.v_stride.t, n0, T, tid);
+  cp_async_commit();
+
+  const int i_begin = n0 / kQ;                 // earlier query tiles lie entirely before the keys
+  const int n_qtiles = (T + kQ - 1) / kQ;
+  const int per_head = n_qtiles - i_begin;     // >= 1 because n0 < T
+  const int total = group * per_head;
+
+  auto issue = [&](int it, int buf) {
+    const int h = hk * group + it / per_head;
+    const int q0 = (i_begin + it % per_head) * kQ;
+    load_tile<D, kQ>(q_s + buf * kQElems, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t,
+                     q0, T, tid);
+    load_tile<D, kQ>(do_s + buf * kQElems, a.dout + b * a.dout_stride.b + h * a.dout_stride.h,
+                     a.dout_stride.t, q0, T, tid);
+    if (tid < 2 * kQ) {
+      const int r = tid % kQ;
+      const bool valid = q0 + r < T;
+      const int64_t off = ((int64_t)b * H + h) * T + (valid ? q0 + r : 0);
+      if (tid < kQ) {
+        cp_async_4(smem_u32(lse_s + buf * kQ + r), a.lse + off, valid);
+      } else {
+        cp_async_4(smem_u32(delta_s + buf * kQ + r), delta + off, valid);
+      }
+    }
+    cp_async_commit();
+  };
+  issue(0, 0);
+
+  const float sl2 = d.scale * kLog2e;
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.0f;
+
+  for (int it = 0; it < total; ++it) {
+    const int buf = it & 1;
+    if (it + 1 < total) {
+      issue(it + 1, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const uint16_t* qt = q_s + buf * kQElems;
+    const uint16_t* dot = do_s + buf * kQElems;
+    const float* lse_t = lse_s + buf * kQ;
+    const float* delta_t = delta_s + buf * kQ;
+    const int q0 = (i_begin + it % per_head) * kQ;
+
+    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys and the tile's kQ queries.
+    float st[kQ / 8][4], dpt[kQ / 8][4];
+#pragma unroll
+    for (int i = 0; i < kQ / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
+    gemm_a_tile_bt<D, kQ / 8>(st, k_s, warp * 16, qt, lane);
+    gemm_a_tile_bt<D, kQ / 8>(dpt, v_s, warp * 16, dot, lane);
+
+    // P^T = exp(S^T - lse) where query >= key and query < T, else 0; dS^T = P^T (dP^T - D).
+#pragma unroll
+    for (int nb = 0; nb < kQ / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = n0 + warp * 16 + g + (e >> 1) * 8;
+        const int ql = nb * 8 + 2 * t + (e & 1);
+        const int qi = q0 + ql;
+        const bool valid = qi >= key && qi < T;
+        const float p = valid ? exp2f(fmaf(st[nb][e], sl2, -lse_t[ql] * kLog2e)) : 0.0f;
+        st[nb][e] = p;
+        dpt[nb][e] = p * (dpt[nb][e] - delta_t[ql]);
+      }
+    gemm_acc_b<D, kQ / 8>(dv, st, dot, lane);  // dV += P^T dO
+    gemm_acc_b<D, kQ / 8>(dk, dpt, qt, lane);  // dK += dS^T Q
+    __syncthreads();  // before this buffer is refilled
+  }
+
+  // All reads of K and V are done (the loop ended on a barrier): their rows are the stages.
+  store_rows<D>(dk, d.scale, k_s, warp, lane, a.dk + b * a.dk_stride.b + hk * a.dk_stride.h,
+                a.dk_stride.t, n0 + warp * 16, T);
+  store_rows<D>(dv, 1.0f, v_s, warp, lane, a.dv + b * a.dv_stride.b + hk * a.dv_stride.h,
+                a.dv_stride.t, n0 + warp * 16, T);
+}
+
+// --- backward: dQ --------------------------------------------------------------------------------
+
+template <int D>
+constexpr int dq_smem_bytes() {
+  return TileLayout<D>::template elems<kTile>() * 6 * 2;  // Q, dO, 2 x K, 2 x V
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionBackwardArgs a,
+                                                                const float* delta) {
+  constexpr int kTileElems = TileLayout<D>::template elems<kTile>();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint16_t* q_s = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* do_s = q_s + kTileElems;
+  uint16_t* k_s = do_s + kTileElems;     // [2][kTile][S]
+  uint16_t* v_s = k_s + 2 * kTileElems;  // [2][kTile][S]
+
+  const AttentionDims& d = a.dims;
+  const int T = d.seq;
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (d.heads / d.kv_heads);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = m_block * kTile;
+
+  const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
+  const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
+  load_tile<D, kTile>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
+  load_tile<D, kTile>(do_s, a.dout + b * a.dout_stride.b + h * a.dout_stride.h, a.dout_stride.t,
+                      m0, T, tid);
+  load_tile<D, kTile>(k_s, k_base, a.k_stride.t, 0, T, tid);
+  load_tile<D, kTile>(v_s, v_base, a.v_stride.t, 0, T, tid);
+  cp_async_commit();
+
+  // This thread's two rows (g and g + 8 of the warp's 16): lse (times log2 e) and D_i.
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = m0 + warp * 16 + g + r * 8;
+    const int64_t off = ((int64_t)b * d.heads + h) * T + row;
+    lse2[r] = row < T ? a.lse[off] * kLog2e : 0.0f;
+    dlt[r] = row < T ? delta[off] : 0.0f;
+  }
+
+  const float sl2 = d.scale * kLog2e;
+  float dq[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.0f;
+
+  const int n_tiles = m_block + 1;
+  for (int j = 0; j < n_tiles; ++j) {
+    const int buf = j & 1;
+    if (j + 1 < n_tiles) {
+      load_tile<D, kTile>(k_s + (buf ^ 1) * kTileElems, k_base, a.k_stride.t, (j + 1) * kTile, T,
+                          tid);
+      load_tile<D, kTile>(v_s + (buf ^ 1) * kTileElems, v_base, a.v_stride.t, (j + 1) * kTile, T,
+                          tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const uint16_t* kt = k_s + buf * kTileElems;
+    const uint16_t* vt = v_s + buf * kTileElems;
+
+    float s[kTile / 8][4], dp[kTile / 8][4];
+#pragma unroll
+    for (int i = 0; i < kTile / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.0f;
+    gemm_a_tile_bt<D, kTile / 8>(s, q_s, warp * 16, kt, lane);    // S = Q K^T
+    gemm_a_tile_bt<D, kTile / 8>(dp, do_s, warp * 16, vt, lane);  // dP = dO V^T
+#pragma unroll
+    for (int nb = 0; nb < kTile / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = m0 + warp * 16 + g + (e >> 1) * 8;
+        const int key = j * kTile + nb * 8 + 2 * t + (e & 1);
+        const bool valid = key <= qi && qi < T;
+        const float p = valid ? exp2f(fmaf(s[nb][e], sl2, -lse2[e >> 1])) : 0.0f;
+        dp[nb][e] = p * (dp[nb][e] - dlt[e >> 1]);  // dS
+      }
+    gemm_acc_b<D, kTile / 8>(dq, dp, kt, lane);  // dQ += dS K
+    __syncthreads();
+  }
+
+  // Q's rows of this warp were only read by this warp: reuse them as the stage.
+  store_rows<D>(dq, d.scale, q_s, warp, lane, a.dq + b * a.dq_stride.b + h * a.dq_stride.h,
+                a.dq_stride.t, m0 + warp * 16, T);
+}
+
+// --- decode --------------------------------------------------------------------------------------
+
+constexpr int kDecodeRows = 16;  // query rows (heads of a group x new tokens) per CTA
+constexpr int kDecodeKeys = 64;  // cache positions per shared-memory tile
+
+template <int D>
+struct alignas(16) DecodeSmem {
+  float q[kDecodeRows][D];                    // q * scale * log2(e)
+  uint32_t k[kDecodeKeys][D / 2 + 1];         // bf16 pairs; the odd row length avoids conflicts
+  uint32_t v[kDecodeKeys][D / 2];             // bf16 pairs
+  float p[kDecodeRows][kDecodeKeys];          // scores, then probabilities
+  float alpha[kDecodeRows];
+  float m[kDecodeRows], l[kDecodeRows];
+  int pos[kDecodeRows];                       // query position; -1: inactive row
+};
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_decode_kernel(const AttentionDecodeArgs a) {
+  __shared__ DecodeSmem<D> sm;
+  const AttentionDims& d = a.dims;
+  const int Tq = d.seq;
+  const int group = d.heads / d.kv_heads;
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const int row_begin = blockIdx.x * kDecodeRows;  // flat row = t * group + (h - hk * group)
+  const int n_rows = group * Tq;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int len = min(max(a.cache_lengths[b], 0), a.cache_capacity);
+  const float sl2 = d.scale * kLog2e;
+
+  if (tid < kDecodeRows) {
+    const int flat = row_begin + tid;
+    const int pos = len - Tq + flat / group;
+    sm.pos[tid] = flat < n_rows && pos >= 0 ? pos : -1;
+    sm.m[tid] = -INFINITY;
+    sm.l[tid] = 0.0f;
+  }
+  for (int i = tid; i < kDecodeRows * D; i += kThreads) {
+    const int r = i / D, c = i % D;
+    const int flat = row_begin + r;
+    float x = 0.0f;
+    if (flat < n_rows) {
+      const int tq = flat / group, h = hk * group + flat % group;
+      const uint16_t bits = a.q[b * a.q_stride.b + tq * a.q_stride.t + h * a.q_stride.h + c];
+      x = __uint_as_float((uint32_t)bits << 16) * sl2;
+    }
+    sm.q[r][c] = x;
+  }
+
+  // Output accumulators: this thread owns column pair cp of rows r0, r0 + kRowStep, ...
+  constexpr int kPairs = D / 2;
+  constexpr int kRowStep = kThreads / kPairs;
+  constexpr int kRowsPerThread = kDecodeRows / kRowStep;
+  const int cp = tid % kPairs, r0 = tid / kPairs;
+  float acc[kRowsPerThread][2];
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) acc[i][0] = acc[i][1] = 0.0f;
+
+  const uint16_t* k_base = a.k_cache + b * a.k_stride.b + hk * a.k_stride.h;
+  const uint16_t* v_base = a.v_cache + b * a.v_stride.b + hk * a.v_stride.h;
+  __syncthreads();
+  int max_pos = -1;
+#pragma unroll
+  for (int r = 0; r < kDecodeRows; ++r) max_pos = max(max_pos, sm.pos[r]);
+
+  for (int c0 = 0; c0 <= max_pos; c0 += kDecodeKeys) {
+    for (int i = tid; i < kDecodeKeys * D / 8; i += kThreads) {
+      const int c = i / (D / 8), col = (i % (D / 8)) * 8;
+      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+      if (c0 + c < len) {
+        kv = *reinterpret_cast<const uint4*>(k_base + (int64_t)(c0 + c) * a.k_stride.t + col);
+        vv = *reinterpret_cast<const uint4*>(v_base + (int64_t)(c0 + c) * a.v_stride.t + col);
+      }
+      uint32_t* kd = &sm.k[c][col / 2];
+      kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
+      *reinterpret_cast<uint4*>(&sm.v[c][col / 2]) = vv;
+    }
+    __syncthreads();
+    // Scores (already in log2 units): thread -> key c, rows rr, rr + 2, ...
+    {
+      const int c = tid % kDecodeKeys;
+      for (int r = tid / kDecodeKeys; r < kDecodeRows; r += kThreads / kDecodeKeys) {
+        float s = 0.0f;
+#pragma unroll 8
+        for (int i = 0; i < D / 2; ++i) {
+          const uint32_t kk = sm.k[c][i];
+          s = fmaf(sm.q[r][2 * i], bf16_lo(kk), s);
+          s = fmaf(sm.q[r][2 * i + 1], bf16_hi(kk), s);
+        }
+        sm.p[r][c] = c0 + c <= sm.pos[r] ? s : -INFINITY;
+      }
+    }
+    __syncthreads();
+    // Online softmax: warp w owns rows w, w + 4, ...
+    for (int r = warp; r < kDecodeRows; r += kWarps) {
+      const float s0 = sm.p[r][lane], s1 = sm.p[r][lane + 32];
+      float mx = fmaxf(s0, s1);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_old = sm.m[r];
+      const float m_new = fmaxf(m_old, mx);
+      const float base = m_new == -INFINITY ? 0.0f : m_new;
+      const float p0 = exp2f(s0 - base), p1 = exp2f(s1 - base);
+      float sum = p0 + p1;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      sm.p[r][lane] = p0;
+      sm.p[r][lane + 32] = p1;
+      __syncwarp();
+      if (lane == 0) {
+        const float alpha = exp2f(m_old - base);
+        sm.alpha[r] = alpha;
+        sm.l[r] = sm.l[r] * alpha + sum;
+        sm.m[r] = m_new;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int r = r0 + i * kRowStep;
+      const float alpha = sm.alpha[r];
+      float x0 = acc[i][0] * alpha, x1 = acc[i][1] * alpha;
+#pragma unroll 8
+      for (int c = 0; c < kDecodeKeys; ++c) {
+        const float p = sm.p[r][c];
+        const uint32_t vv = sm.v[c][cp];
+        x0 = fmaf(p, bf16_lo(vv), x0);
+        x1 = fmaf(p, bf16_hi(vv), x1);
+      }
+      acc[i][0] = x0;
+      acc[i][1] = x1;
+    }
+    __syncthreads();  // before the next tile overwrites k, v, p
+  }
+
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int r = r0 + i * kRowStep;
+    const int flat = row_begin + r;
+    if (flat >= n_rows) continue;
+    const int tq = flat / group, h = hk * group + flat % group;
+    const bool active = sm.pos[r] >= 0;
+    const float inv = active ? 1.0f / sm.l[r] : 0.0f;
+    uint16_t* o = a.out + b * a.out_stride.b + tq * a.out_stride.t + h * a.out_stride.h;
+    *reinterpret_cast<uint32_t*>(o + 2 * cp) = pack_bf16(acc[i][0] * inv, acc[i][1] * inv);
+  }
+}
+
+// --- launch helpers ------------------------------------------------------------------------------
+
+template <typename Kernel>
+void set_smem(Kernel kernel, int bytes) {
+  FOURBIT_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <int D>
+void forward_d(const AttentionForwardArgs& a, cudaStream_t stream) {
+  const dim3 grid((a.dims.seq + kTile - 1) / kTile, a.dims.heads, a.dims.batch);
+  constexpr int smem = forward_smem_bytes<D>();
+  set_smem(attention_forward_kernel<D>, smem);
+  attention_forward_kernel<D><<<grid, kThreads, smem, stream>>>(a);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+template <int D>
+void backward_d(const AttentionBackwardArgs& a, float* delta, cudaStream_t stream) {
+  const AttentionDims& d = a.dims;
+  const int64_t rows = (int64_t)d.batch * d.seq * d.heads;
+  attention_delta_kernel<D><<<(unsigned)((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(
+      a, delta);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+
+  const int n_tiles = (d.seq + kTile - 1) / kTile;
+  constexpr int smem_kv = dkdv_smem_bytes<D>();
+  set_smem(attention_dkdv_kernel<D>, smem_kv);
+  attention_dkdv_kernel<D><<<dim3(n_tiles, d.kv_heads, d.batch), kThreads, smem_kv, stream>>>(
+      a, delta);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+
+  constexpr int smem_q = dq_smem_bytes<D>();
+  set_smem(attention_dq_kernel<D>, smem_q);
+  attention_dq_kernel<D><<<dim3(n_tiles, d.heads, d.batch), kThreads, smem_q, stream>>>(a, delta);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+template <int D>
+void decode_d(const AttentionDecodeArgs& a, cudaStream_t stream) {
+  const AttentionDims& d = a.dims;
+  const int rows = (d.heads / d.kv_heads) * d.seq;
+  const dim3 grid((rows + kDecodeRows - 1) / kDecodeRows, d.kv_heads, d.batch);
+  attention_decode_kernel<D><<<grid, kThreads, 0, stream>>>(a);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+bool attention_head_dim_supported(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
+void launch_attention_forward(const AttentionForwardArgs& a, cudaStream_t stream) {
+  if (a.dims.head_dim == 64) forward_d<64>(a, stream);
+  else forward_d<128>(a, stream);
+}
+
+void launch_attention_backward(const AttentionBackwardArgs& a, cudaStream_t stream) {
+  const AttentionDims& d = a.dims;
+  const size_t bytes = sizeof(float) * (size_t)d.batch * d.heads * d.seq;
+  void* delta = nullptr;
+  FOURBIT_CUDA_CHECK(cudaMallocAsync(&delta, bytes, stream));
+  if (d.head_dim == 64) backward_d<64>(a, static_cast<float*>(delta), stream);
+  else backward_d<128>(a, static_cast<float*>(delta), stream);
+  FOURBIT_CUDA_CHECK(cudaFreeAsync(delta, stream));
+}
+
+void launch_attention_decode(const AttentionDecodeArgs& a, cudaStream_t stream) {
+  if (a.dims.head_dim == 64) decode_d<64>(a, stream);
+  else decode_d<128>(a, stream);
+}
+
+}  // namespace fourbit::ops::kernels

@@ -1,0 +1,66 @@
+// Internal launch interface between attention.cpp (host: checks, dispatch, CPU reference) and
+// attention_kernels.cu (nvcc). Plain structs only; every argument was validated by the host side.
+// bf16 tensors are passed as uint16_t pointers (their bit patterns).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fourbit::ops::kernels {
+
+// Element strides of a [B, T, heads, D] view whose D is unit-stride.
+struct HeadStrides {
+  int64_t b = 0, t = 0, h = 0;
+};
+
+struct AttentionDims {
+  int batch = 0;     // B
+  int seq = 0;       // T (forward/backward), Tq (decode)
+  int heads = 0;     // H
+  int kv_heads = 0;  // Hkv, H % Hkv == 0
+  int head_dim = 0;  // D: 64 or 128
+  float scale = 0;   // multiplies q . k
+};
+
+struct AttentionForwardArgs {
+  AttentionDims dims;
+  const uint16_t* q;  HeadStrides q_stride;    // bf16 [B, T, H, D]
+  const uint16_t* k;  HeadStrides k_stride;    // bf16 [B, T, Hkv, D]
+  const uint16_t* v;  HeadStrides v_stride;    // bf16 [B, T, Hkv, D]
+  uint16_t* out;      HeadStrides out_stride;  // bf16 [B, T, H, D]
+  float* lse;                                  // f32 [B, H, T], contiguous
+};
+
+struct AttentionBackwardArgs {
+  AttentionDims dims;
+  const uint16_t* dout; HeadStrides dout_stride;  // bf16 [B, T, H, D]
+  const uint16_t* q;    HeadStrides q_stride;     // bf16 [B, T, H, D]
+  const uint16_t* k;    HeadStrides k_stride;     // bf16 [B, T, Hkv, D]
+  const uint16_t* v;    HeadStrides v_stride;     // bf16 [B, T, Hkv, D]
+  const uint16_t* out;  HeadStrides out_stride;   // bf16 [B, T, H, D]
+  const float* lse;                               // f32 [B, H, T]
+  uint16_t* dq;         HeadStrides dq_stride;    // bf16 [B, T, H, D]
+  uint16_t* dk;         HeadStrides dk_stride;    // bf16 [B, T, Hkv, D]
+  uint16_t* dv;         HeadStrides dv_stride;    // bf16 [B, T, Hkv, D]
+};
+
+struct AttentionDecodeArgs {
+  AttentionDims dims;                                    // seq = Tq
+  int cache_capacity = 0;                                // T_max
+  const uint16_t* q;        HeadStrides q_stride;        // bf16 [B, Tq, H, D]
+  const uint16_t* k_cache;  HeadStrides k_stride;        // bf16 [B, T_max, Hkv, D]
+  const uint16_t* v_cache;  HeadStrides v_stride;        // bf16 [B, T_max, Hkv, D]
+  const int32_t* cache_lengths;                          // i32 [B]
+  uint16_t* out;            HeadStrides out_stride;      // bf16 [B, Tq, H, D]
+};
+
+// True when the kernels exist for this head dim.
+bool attention_head_dim_supported(int head_dim);
+
+void launch_attention_forward(const AttentionForwardArgs& a, cudaStream_t stream);
+// Allocates (stream-ordered) and frees the f32 [B, H, T] D_i scratch itself.
+void launch_attention_backward(const AttentionBackwardArgs& a, cudaStream_t stream);
+void launch_attention_decode(const AttentionDecodeArgs& a, cudaStream_t stream);
+
+}  // namespace fourbit::ops::kernels
