@@ -16,6 +16,7 @@ void register_commands(CLI::App& app) {
   registry().push_back(add_run_command(app));
   registry().push_back(add_quant_report_command(app));
   registry().push_back(add_bench_command(app));
+  registry().push_back(add_recipe_command(app));
 }
 
 void run_selected(CLI::App& /*app*/) {

@@ -17,5 +17,6 @@ struct Command {
 Command add_quant_report_command(CLI::App& app);
 Command add_run_command(CLI::App& app);
 Command add_bench_command(CLI::App& app);
+Command add_recipe_command(CLI::App& app);
 
 }  // namespace fourbit::cli

@@ -68,6 +68,8 @@ void check_policy(const Policy& p, bool allow_sampler_mismatch);
 // The rules of one slot on its own (fields, 2D only on weights, RHT only on Wgrad, sampler and
 // trainer rounding).
 void check_slot(Slot s, const Precision& p);
+// Orders an override's entries like all_slots() (the order of the table and of parsed JSON).
+void sort_by_slot(std::vector<std::pair<Slot, Precision>>& set);
 // The first field in which two precisions differ ("format", "block_2d", ...); empty if equal.
 std::string first_difference(const Precision& a, const Precision& b);
 

@@ -177,6 +177,7 @@ Override override_from_json(const json& j, const std::string& where) {
     const Slot slot = detail::with_context(where + ".set", [&] { return parse_slot(path); });
     o.set.emplace_back(slot, operand_from_json(operand, where + ".set." + path));
   }
+  detail::sort_by_slot(o.set);  // JSON objects have no order; ours is the table's
   return o;
 }
 

@@ -212,6 +212,12 @@ int HighPrecision::last_block_count(int n_layers) const {
 
 namespace detail {
 
+void sort_by_slot(std::vector<std::pair<Slot, Precision>>& set) {
+  std::stable_sort(set.begin(), set.end(), [](const auto& a, const auto& b) {
+    return slot_index(a.first) < slot_index(b.first);
+  });
+}
+
 std::string first_difference(const Precision& a, const Precision& b) {
   if (a.has_value() != b.has_value()) return "format";
   if (!a) return "";
@@ -228,12 +234,14 @@ bool is_fp8(const Precision& p) {
   return p && (p->format == quant::Format::kFp8Block || p->format == quant::Format::kFp8Tensor);
 }
 
-// The fields of each operand on its own.
-void check_operand(Slot s, const Precision& p) {
-  if (!p) return;
-  const std::string path = s.path();
-  check_canonical(*p, path);
-  with_context(path, [&] { p->validate(); });
+// The fields of each operand: none set that does not apply to its format.
+void check_fields(Slot s, const Precision& p) {
+  if (p) check_canonical(*p, s.path());
+}
+
+// The quantizer's own checks, last: the rules above give the more specific messages.
+void check_quantizer(Slot s, const Precision& p) {
+  if (p) with_context(s.path(), [&] { p->validate(); });
 }
 
 // Rules that involve both operands of one GEMM (what cuBLASLt and the emulated GEMM accept).
@@ -253,7 +261,8 @@ void check_gemm(const Policy& policy, Stage stage, Gemm gemm) {
                        describe(q), describe(fp8)));
     }
     if (a->block_2d && b->block_2d) {
-      fail(sb.path() + ".block_2d",
+      // Named on the operand to change: the activation or gradient (Wgrad has no weight).
+      fail(sa.path() + ".block_2d",
            fmt::format("fp8-block 128x128 on both operands of {}.{} ({} and {}): cuBLASLt has no "
                        "2D x 2D FP8 GEMM; give the activation or gradient 1x128 blocks",
                        stage_name(stage), gemm_name(gemm), operand_name(oa), operand_name(ob)));
@@ -318,16 +327,18 @@ void check_role(Slot s, const Precision& p) {
 }  // namespace
 
 void check_slot(Slot s, const Precision& p) {
-  check_operand(s, p);
+  check_fields(s, p);
   check_role(s, p);
+  check_quantizer(s, p);
 }
 
 void check_policy(const Policy& policy, bool allow_sampler_mismatch) {
-  for (const Slot& s : all_slots()) check_operand(s, policy.at(s));
+  for (const Slot& s : all_slots()) check_fields(s, policy.at(s));
   for (Stage st : kStages)
     for (Gemm g : kGemms)
       if (stage_runs(st, g)) check_gemm(policy, st, g);
   for (const Slot& s : all_slots()) check_role(s, policy.at(s));
+  for (const Slot& s : all_slots()) check_quantizer(s, policy.at(s));
   if (allow_sampler_mismatch) return;
   // RL.md: the trainer's forward uses the sampler's exact quantizer contract.
   for (Operand o : gemm_operands(Gemm::kFprop)) {

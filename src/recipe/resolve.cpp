@@ -38,6 +38,10 @@ std::string block_range_text(int first, int last) {
   return first == last ? fmt::format("{}", first) : fmt::format("{}-{}", first, last);
 }
 
+std::string blocks_label(int first, int last) {
+  return (first == last ? "block " : "blocks ") + block_range_text(first, last);
+}
+
 // An override's block ranges as absolute [first, last] pairs; throws when one leaves the model.
 std::vector<std::pair<int, int>> absolute_ranges(const Override& o, int n_layers, const std::string& where) {
   std::vector<std::pair<int, int>> ranges;
@@ -154,17 +158,17 @@ ResolvedRecipe resolve(const Recipe& recipe, const ModelShape& shape) {
                         : "high_precision.kinds"});
     }
     if (hp.first_blocks > 0) {
-      ex.push_back({"blocks " + block_range_text(0, hp.first_blocks - 1),
+      ex.push_back({blocks_label(0, hp.first_blocks - 1),
                     "bf16 GEMMs in every stage, every linear",
                     fmt::format("high_precision.first_blocks = {}", hp.first_blocks)});
     }
     if (last > 0) {
       ex.push_back(
-          {"blocks " + block_range_text(n - last, n - 1), "bf16 GEMMs in every stage, every linear",
+          {blocks_label(n - last, n - 1), "bf16 GEMMs in every stage, every linear",
            hp.last_blocks ? fmt::format("high_precision.last_blocks = {}", *hp.last_blocks)
-                          : fmt::format("last {:g} of {} blocks = {:g}, rounded to nearest (halves "
-                                        "up): {}; NUMERICS 4.5",
-                                        hp.last_blocks_fraction, n, hp.last_blocks_fraction * n, last)});
+                          : fmt::format("last {:g}% of {} blocks = {:g}, rounded to nearest "
+                                        "(halves up): {}; NUMERICS 4.5",
+                                        hp.last_blocks_fraction * 100, n, hp.last_blocks_fraction * n, last)});
     }
     ex.push_back({"master weights, weight gradients, optimizer state", "fp32",
                   "DESIGN.md; NUMERICS 4.5"});
@@ -303,7 +307,7 @@ std::string scale_label(const quant::QuantConfig& c) {
 
 std::string policy_table(const Policy& policy) {
   std::vector<std::vector<std::string>> rows = {
-      {"stage", "gemm", "operand", "tensor", "copy", "format", "block", "rounding", "rht", "scale"}};
+      {"stage", "gemm", "operand", "tensor", "copy", "format", "block", "rounding", "rht", "scale rule"}};
   Stage prev_stage = Stage::kRlTrainer;
   bool first = true;
   for (const Slot& s : all_slots()) {
@@ -362,7 +366,9 @@ std::string ResolvedRecipe::table() const {
     for (LinearKind k : o.kinds) kinds.push_back(kind_name(k));
     s += fmt::format("  o{}: {}, {}\n", i, blocks_text(o.blocks, n),
                      kinds.empty() ? std::string("every kind") : fmt::format("kinds {}", fmt::join(kinds, ", ")));
-    for (const auto& [slot, precision] : o.set) {
+    std::vector<std::pair<Slot, Precision>> set = o.set;
+    detail::sort_by_slot(set);
+    for (const auto& [slot, precision] : set) {
       s += fmt::format("      {} = {}\n", slot.path(), describe(precision));
     }
   }
