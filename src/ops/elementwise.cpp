@@ -121,7 +121,7 @@ kernels::NonFiniteCounts* counts_scratch() {
 }  // namespace
 
 void add(const TensorView& out, const TensorView& a, const TensorView& b, void* stream) {
-  FOURBIT_CHECK(out.data != a.data && out.data != b.data,
+  FOURBIT_CHECK(detail::distinct(out, a) && detail::distinct(out, b),
                 "add: out aliases an input; use add_inplace for a += b");
   run_add("add", out, a, b, stream);
 }

@@ -81,7 +81,7 @@ void rmsnorm_forward(const TensorView& y, const TensorView& rstd, const TensorVi
   check_shape(op, "rstd", rstd, {N});
   check_shape(op, "weight", weight, {C});
   FOURBIT_CHECK(std::isfinite(eps) && eps >= 0, "{}: eps must be finite and >= 0, got {}", op, eps);
-  FOURBIT_CHECK(y.data != x.data, "{}: y must not alias x", op);
+  FOURBIT_CHECK(detail::distinct(y, x), "{}: y must not alias x", op);
   if (dev == Device::kCpu) {
     const DType dt = detail::cpu_float_dtype(
         op, {{"y", &y}, {"rstd", &rstd}, {"x", &x}, {"weight", &weight}});
@@ -139,7 +139,7 @@ void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const Ten
   check_shape(op, "rstd", rstd, {N});
   check_shape(op, "weight", weight, {C});
   check_shape(op, "dweight", dweight, {C});
-  FOURBIT_CHECK(dx.data != dy.data && dx.data != x.data, "{}: dx must not alias dy or x", op);
+  FOURBIT_CHECK(detail::distinct(dx, dy) && detail::distinct(dx, x), "{}: dx must not alias dy or x", op);
   if (dev == Device::kCpu) {
     const DType dt = detail::cpu_float_dtype(op, {{"dx", &dx},
                                                   {"dweight", &dweight},
