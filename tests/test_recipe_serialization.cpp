@@ -159,6 +159,11 @@ TEST(RecipeJson, RecipeFiles) {
   }
   EXPECT_TRUE(load_recipe_file(path) == everything_recipe());
   {
+    std::ofstream f(path);  // a resolved recipe (fourbit recipe --output, checkpoints) loads too
+    f << to_json(resolve(everything_recipe(), dense(6))).dump();
+  }
+  EXPECT_TRUE(load_recipe_file(path) == everything_recipe());
+  {
     std::ofstream f(path);
     f << "{\"format_version\": 1,";
   }

@@ -44,8 +44,8 @@ std::vector<int> parse_blocks(const std::string& text, int n_layers) {
       const int first = std::stoi(part.substr(0, dash));
       const int last = dash == std::string::npos ? first : std::stoi(part.substr(dash + 1));
       for (int b = first; b <= last; ++b) blocks.push_back(b);
-    } catch (const std::exception&) {
-      FOURBIT_CHECK(false, "--moe-blocks: '{}' is not a block or a range (e.g. 1,3,5-7 or all)", part);
+    } catch (const std::logic_error&) {  // std::stoi: not a number, or out of range
+      throw Error(fmt::format("--moe-blocks: '{}' is not a block or a range (e.g. 1,3,5-7 or all)", part));
     }
     start = comma + 1;
   }
@@ -64,13 +64,13 @@ void run_recipe(const RecipeArgs& a) {
   shape.moe_blocks = parse_blocks(a.moe_blocks, a.n_layers);
   shape.shared_experts = a.shared_experts;
   const recipe::ResolvedRecipe resolved = recipe::resolve(r, shape);
+  const std::string text = recipe::to_json(resolved).dump(2) + "\n";
+  if (a.output_path == "-") {  // only the JSON, so that stdout parses
+    std::fputs(text.c_str(), stdout);
+    return;
+  }
   std::fputs(resolved.table().c_str(), stdout);
   if (!a.output_path.empty()) {
-    const std::string text = recipe::to_json(resolved).dump(2) + "\n";
-    if (a.output_path == "-") {
-      std::fputs(text.c_str(), stdout);
-      return;
-    }
     std::ofstream f(a.output_path);
     FOURBIT_CHECK(f.good(), "cannot write '{}'", a.output_path);
     f << text;
@@ -89,8 +89,9 @@ Command add_recipe_command(CLI::App& app) {
   auto* preset = sub->add_option("--preset", args->preset,
                                  fmt::format("named recipe: {}", fmt::join(recipe::preset_names(), ", ")))
                      ->capture_default_str();
-  sub->add_option("--json", args->json_path, "load a recipe file (JSON, as written by --output) "
-                                             "instead of a preset")
+  sub->add_option("--json", args->json_path,
+                  "load a recipe file (JSON: a recipe, or a resolved recipe as written by --output) "
+                  "instead of a preset")
       ->excludes(preset);
   sub->add_option("--set", args->sets,
                   "override one key: stage.gemm.operand[.field]=value, high_precision.*=..., "
@@ -99,7 +100,7 @@ Command add_recipe_command(CLI::App& app) {
   sub->add_option("--moe-blocks", args->moe_blocks, "MoE blocks: all, or a list like 1,3,5-7");
   sub->add_flag("--shared-experts", args->shared_experts, "MoE blocks also have a dense MLP");
   sub->add_option("--output", args->output_path,
-                  "write the resolved recipe as JSON to this file (- for stdout)");
+                  "write the resolved recipe as JSON to this file (-: print only the JSON)");
   sub->add_flag("--keys", args->keys, "list the --set keys and their values, and exit");
   return {sub, [args] { run_recipe(*args); }};
 }

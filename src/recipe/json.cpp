@@ -268,7 +268,10 @@ Recipe load_recipe_file(const std::string& path) {
   } catch (const json::parse_error& e) {
     throw Error(fmt::format("recipe file '{}' is not valid JSON: {}", path, e.what()));
   }
-  return detail::with_context(fmt::format("recipe file '{}'", path), [&] { return recipe_from_json(j); });
+  // A resolved recipe (what `fourbit recipe --output` and checkpoints store) holds the recipe.
+  const bool resolved = j.is_object() && j.contains("recipe") && j.contains("model");
+  return detail::with_context(fmt::format("recipe file '{}'", path),
+                              [&] { return recipe_from_json(resolved ? j.at("recipe") : j); });
 }
 
 nlohmann::json to_json(const ResolvedRecipe& resolved) {

@@ -167,13 +167,16 @@ std::string describe(const Precision& p) { return p ? p->describe() : std::strin
 
 Policy Policy::bf16() { return Policy{}; }
 
-Precision& Policy::at(Slot s) {
+namespace {
+size_t checked_slot_index(Slot s) {
   const int i = slot_index(s);
   if (i < 0) fail(s.path(), not_a_slot(s));
-  return slots_[(size_t)i];
+  return (size_t)i;
 }
+}  // namespace
 
-const Precision& Policy::at(Slot s) const { return const_cast<Policy*>(this)->at(s); }
+Precision& Policy::at(Slot s) { return slots_[checked_slot_index(s)]; }
+const Precision& Policy::at(Slot s) const { return slots_[checked_slot_index(s)]; }
 
 bool operator==(const Policy& a, const Policy& b) {
   for (size_t i = 0; i < a.slots_.size(); ++i) {

@@ -187,7 +187,8 @@ std::string settable_keys_help();  // one line per key, from the declared field 
 // values, requires every slot in "policy", and validates. to_json -> from_json is exact.
 nlohmann::json to_json(const Recipe& recipe);
 Recipe recipe_from_json(const nlohmann::json& j);
-Recipe load_recipe_file(const std::string& path);  // a user's own recipe (JSON)
+// A user's own recipe: a JSON file holding a recipe, or a resolved recipe (its "recipe" part).
+Recipe load_recipe_file(const std::string& path);
 
 // ---- resolution (resolve.cpp) --------------------------------------------------------------------
 struct ModelShape {
