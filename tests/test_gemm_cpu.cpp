@@ -68,6 +68,34 @@ TEST(GemmReference, ExactSmallIntegers) {
   for (int i = 0; i < 4; ++i) EXPECT_EQ(c.ptr<float>()[i], expected[i]) << i;
 }
 
+// float64 plain operands and output (what the model's finite-difference gradient checks use): the
+// product keeps every bit a double holds (values that need more than FP32's 24 bits), backend auto
+// picks the reference, and cpu-blas refuses them.
+TEST(GemmReference, Float64OperandsStayFloat64) {
+  Tensor a = Tensor::empty({2, 2}, DType::kF64, Device::kCpu), b = Tensor::empty({3, 2}, DType::kF64, Device::kCpu);
+  const double e = std::ldexp(1.0, -40);
+  const double av[] = {1 + e, 2, -3, 0.5}, bv[] = {1, 1 + e, 2, -1, 0.25, 4};
+  std::memcpy(a.data(), av, sizeof(av));
+  std::memcpy(b.data(), bv, sizeof(bv));
+  Tensor c = Tensor::empty({2, 3}, DType::kF64, Device::kCpu);
+  GemmArgs args;
+  args.a = Operand::dense(a.view(), "a");
+  args.b = Operand::dense(b.view(), "b");
+  args.c = c.view();
+  EXPECT_EQ(select_backend(args), Backend::kCpuReference);
+  gemm(args);
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 3; ++j) {
+      const double want = av[2 * i] * bv[2 * j] + av[2 * i + 1] * bv[2 * j + 1];
+      EXPECT_EQ(c.ptr<double>()[i * 3 + j], want) << i << "," << j;
+    }
+  EXPECT_NE(c.ptr<double>()[0], 3.0);  // (1 + e) + 2 (1 + e) keeps the 2^-40 terms
+  if (backend_built(Backend::kCpuBlas)) {
+    args.backend = Backend::kCpuBlas;
+    expect_error([&] { gemm(args); }, {"cpu-reference"});
+  }
+}
+
 TEST(GemmReference, TransposedAndStridedPlainViews) {
   const int64_t m = 7, n = 5, k = 11;
   Tensor a = random_matrix(m, k, 1), bt = random_matrix(k, n, 2, DType::kBF16);

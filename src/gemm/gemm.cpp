@@ -129,9 +129,10 @@ OperandInfo resolve_operand(const Operand& op, std::string_view role, std::strin
   const TensorView& t = op.plain;
   FOURBIT_CHECK(t.data != nullptr, "{}: operand {} '{}' is empty: give a tensor or a quantized bundle",
                 gemm_name, role, op.name);
-  FOURBIT_CHECK(t.dtype == DType::kBF16 || t.dtype == DType::kF32,
-                "{}: operand {} {} must be bf16 or f32 (or a quantized bundle), got {}", gemm_name,
-                role, op.describe(), dtype_name(t.dtype));
+  FOURBIT_CHECK(t.dtype == DType::kBF16 || t.dtype == DType::kF32 ||
+                    (t.dtype == DType::kF64 && t.device == Device::kCpu),
+                "{}: operand {} {} must be bf16 or f32 (f64 on the CPU), or a quantized bundle; "
+                "got {}", gemm_name, role, op.describe(), dtype_name(t.dtype));
   FOURBIT_CHECK(t.shape.ndim == 2 && t.strides[1] == 1 && t.strides[0] >= t.shape[1],
                 "{}: operand {} '{}' must be a matrix with unit column stride and row stride >= its "
                 "columns, got {} with strides {}; fold leading dimensions into rows first",
@@ -150,8 +151,10 @@ OperandInfo resolve_operand(const Operand& op, std::string_view role, std::strin
 void check_output(const TensorView& c, int64_t rows, int64_t cols, Device device,
                   std::string_view gemm_name, std::string_view what) {
   FOURBIT_CHECK(c.data != nullptr, "{}: output {} is missing", gemm_name, what);
-  FOURBIT_CHECK(c.dtype == DType::kF32 || c.dtype == DType::kBF16,
-                "{}: output {} must be f32 or bf16, got {}", gemm_name, what, c.describe());
+  FOURBIT_CHECK(c.dtype == DType::kF32 || c.dtype == DType::kBF16 ||
+                    (c.dtype == DType::kF64 && c.device == Device::kCpu),
+                "{}: output {} must be f32 or bf16 (f64 on the CPU), got {}", gemm_name, what,
+                c.describe());
   FOURBIT_CHECK(c.shape.ndim == 2 && c.shape[0] == rows && c.shape[1] == cols,
                 "{}: output {} must be [{}, {}] ([rows of A, rows of B]), got {}", gemm_name, what,
                 rows, cols, c.describe());
@@ -198,9 +201,12 @@ int cuda_sm() {
   return sm;
 }
 
-Backend auto_backend(const OperandInfo& a, const OperandInfo& b, std::string_view gemm_name) {
+Backend auto_backend(const OperandInfo& a, const OperandInfo& b, const TensorView& c,
+                     std::string_view gemm_name) {
   if (a.device == Device::kCpu) {
-    return backend_built(Backend::kCpuBlas) ? Backend::kCpuBlas : Backend::kCpuReference;
+    // float64 operands or output (finite-difference gradient checks) need the float64 reference.
+    const bool f64 = a.dtype == DType::kF64 || b.dtype == DType::kF64 || c.dtype == DType::kF64;
+    return backend_built(Backend::kCpuBlas) && !f64 ? Backend::kCpuBlas : Backend::kCpuReference;
   }
   FOURBIT_CHECK(built_with_cuda(),
                 "{}: the operands are on cuda but this fourbit binary was built without CUDA",
@@ -223,6 +229,9 @@ void check_backend(Backend backend, const OperandInfo& a, const OperandInfo& b,
   FOURBIT_CHECK(cpu == (a.device == Device::kCpu),
                 "{}: backend {} runs on {}, but the operands are on {}", gemm_name,
                 backend_name(backend), cpu ? "the CPU" : "a CUDA GPU", device_name(a.device));
+  FOURBIT_CHECK(backend != Backend::kCpuBlas || (a.dtype != DType::kF64 && b.dtype != DType::kF64),
+                "{}: backend cpu-blas computes in FP32; float64 operands need cpu-reference "
+                "(backend auto picks it)", gemm_name);
   if (cpu) return;
   for (const OperandInfo* x : {&a, &b}) {
     FOURBIT_CHECK(x->quantized() || x->dtype == DType::kBF16,
@@ -286,7 +295,7 @@ void log_selection_once(Backend backend, const OperandInfo& a, const OperandInfo
 
 Backend choose_backend(Backend requested, const OperandInfo& a, const OperandInfo& b,
                        const TensorView& c, std::string_view gemm_name) {
-  const Backend backend = requested == Backend::kAuto ? auto_backend(a, b, gemm_name) : requested;
+  const Backend backend = requested == Backend::kAuto ? auto_backend(a, b, c, gemm_name) : requested;
   check_backend(backend, a, b, gemm_name);
   log_selection_once(backend, a, b, c, gemm_name);
   return backend;
@@ -300,7 +309,7 @@ Backend select_backend(const GemmArgs& args) {
   const OperandInfo a = detail::resolve_operand(args.a, "A", args.name);
   const OperandInfo b = detail::resolve_operand(args.b, "B", args.name);
   detail::check_pair(a, b, args.name);
-  return args.backend == Backend::kAuto ? detail::auto_backend(a, b, args.name) : args.backend;
+  return args.backend == Backend::kAuto ? detail::auto_backend(a, b, args.c, args.name) : args.backend;
 }
 
 void gemm(const GemmArgs& args) {

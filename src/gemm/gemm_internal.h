@@ -64,8 +64,9 @@ TensorView row_slice(const TensorView& v, int64_t row0, int64_t rows);
 
 // ---- CPU backends (gemm_cpu.cpp) ------------------------------------------------------------
 // The operand's logical matrix [rows, K], exactly dequantized to f32 (row-major, contiguous).
+// An operand's exact values, widened to float64 (plain f64 operands keep every bit).
 struct DenseOperand {
-  std::vector<float> values;
+  std::vector<double> values;
   int64_t rows = 0, k = 0;
 };
 DenseOperand materialize(const OperandInfo& info);
