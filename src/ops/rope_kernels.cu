@@ -1,0 +1,73 @@
+// RoPE kernel: grid-stride over tokens; per token the CTA evaluates the D/2 (cos, sin) pairs into
+// shared memory (the FP32 recipe of rope.h), then rotates every (head, 8-pair group) item of q and
+// k. A thread reads the 8 low and 8 high elements of its pairs and writes them back rotated, so
+// out may equal in.
+#include "ops/rope_kernels.h"
+
+#include "core/error.h"
+#include "ops/kernel_support.cuh"
+
+namespace fourbit::ops::kernels {
+namespace {
+
+constexpr int kThreads = 128;
+
+template <typename T>
+__global__ void rope_kernel(RopeArgs a) {
+  __shared__ float cos_s[kRopeMaxHeadDim / 2], sin_s[kRopeMaxHeadDim / 2];
+  const int half = a.head_dim / 2;
+  const int groups = (half + 7) / 8;
+  const int heads = a.q_in.heads + a.k_in.heads;
+  for (int64_t n = blockIdx.x; n < a.n_rows; n += gridDim.x) {
+    const float pos = (float)a.positions[n];
+    __syncthreads();  // the previous token's items are done with cos_s / sin_s
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+      const float inv_freq = (float)pow((double)a.theta, -2.0 * (double)i / (double)a.head_dim);
+      float s, c;
+      sincosf(__fmul_rn(pos, inv_freq), &s, &c);
+      cos_s[i] = c;
+      sin_s[i] = a.inverse ? -s : s;
+    }
+    __syncthreads();
+    for (int it = threadIdx.x; it < heads * groups; it += blockDim.x) {
+      const int h = it / groups, c = (it % groups) * 8;
+      const bool is_q = h < a.q_in.heads;
+      const RopeTensor& in = is_q ? a.q_in : a.k_in;
+      const RopeTensor& out = is_q ? a.q_out : a.k_out;
+      const int hh = is_q ? h : h - a.q_in.heads;
+      const T* in_lo = static_cast<const T*>(in.data) + n * in.stride_n + hh * in.stride_h;
+      T* out_lo = static_cast<T*>(out.data) + n * out.stride_n + hh * out.stride_h;
+      const T* in_hi = in_lo + half;
+      T* out_hi = out_lo + half;
+      const bool vec = is_aligned16(in_lo) && is_aligned16(in_hi) && is_aligned16(out_lo) &&
+                       is_aligned16(out_hi);
+      float lo[8], hi[8];
+      load8(in_lo, c, half, vec, lo);
+      load8(in_hi, c, half, vec, hi);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int i = min(c + k, half - 1);  // past the ragged end: any valid pair, not stored
+        const float cs = cos_s[i], sn = sin_s[i];
+        const float l = lo[k] * cs - hi[k] * sn;
+        hi[k] = hi[k] * cs + lo[k] * sn;
+        lo[k] = l;
+      }
+      store8(out_lo, c, half, vec, lo);
+      store8(out_hi, c, half, vec, hi);
+    }
+  }
+}
+
+}  // namespace
+
+void launch_rope(const RopeArgs& a, cudaStream_t stream) {
+  if (a.n_rows == 0 || a.q_in.heads + a.k_in.heads == 0) return;
+  const unsigned grid = grid_for(a.n_rows, 1);
+  with_float_type(a.type, [&](auto t) {
+    using T = decltype(t);
+    rope_kernel<T><<<grid, kThreads, 0, stream>>>(a);
+  });
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace fourbit::ops::kernels

@@ -1,0 +1,33 @@
+// Launch interface of the RoPE kernel (rope_kernels.cu), used by rope.cpp. Plain arguments only;
+// validation and messages live on the host side.
+#pragma once
+
+#include "ops/kernel_types.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fourbit::ops::kernels {
+
+inline constexpr int kRopeMaxHeadDim = 512;
+
+// One [N, heads, D] view: element (n, h, d) at data[n * stride_n + h * stride_h + d].
+struct RopeTensor {
+  void* data = nullptr;  // null with heads = 0: absent
+  int64_t stride_n = 0, stride_h = 0;
+  int heads = 0;
+};
+
+struct RopeArgs {
+  RopeTensor q_out, k_out, q_in, k_in;  // out may equal in (in place)
+  const int32_t* positions;             // [N]
+  FloatType type;
+  int64_t n_rows;
+  int head_dim;
+  float theta;
+  bool inverse;  // rotate by -angle (the backward)
+};
+void launch_rope(const RopeArgs& a, cudaStream_t stream);
+
+}  // namespace fourbit::ops::kernels
