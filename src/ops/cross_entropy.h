@@ -1,0 +1,64 @@
+// Softmax cross-entropy of the LM head's logits against the next-token targets, with the loss
+// gradient fused in (as llm.c's fused_classifier), so that the [N, V] probabilities are never
+// stored: the backward recomputes the softmax from the logits and can write dlogits over them.
+//
+//   lse[n]       = log sum_v exp(logits[n, v])                  (max-subtracted: no overflow)
+//   losses[n]    = lse[n] - logits[n, targets[n]]               (0 for an ignored token)
+//   mean_loss    = sum of losses[n] over valid n / n_valid     (0 when no token is valid)
+//   dlogits[n,v] = (exp(logits[n, v] - lse[n]) - [v == targets[n]]) * dloss_scale
+//                  (a row of zeros for an ignored token)
+// N = tokens (B*T), V = vocabulary. targets[n] == -1 marks an ignored token (padding, prompt
+// positions); any other value must lie in [0, V). dloss_scale is d(objective) / d(losses[n]),
+// the same for every valid token: 1 / n_valid for the mean over one micro-batch, or 1 / (total
+// valid tokens of all micro-batches) under gradient accumulation (the caller counts them on the
+// host, where the targets come from).
+//
+// Dtypes. CPU reference: logits, losses, mean_loss, dlogits all f32 or all f64 (naive two-pass
+// softmax in the scalar type). CUDA: logits bf16 or f32, dlogits bf16 or f32, losses and
+// mean_loss f32; all math FP32 (expf, logf). targets i32. Contiguous tensors.
+//
+// Invalid targets. CPU: an error naming the token. CUDA: the kernel cannot throw; it sets
+// kErrIndexOutOfRange in the error flag (ops/error_flags.h) and writes NaN to that token's loss and
+// dlogits row. error_flag: null -> an internal flag, checked synchronously (throws); a device int ->
+// OR-ed into asynchronously, for the caller to read once per step. Ignored on the CPU.
+//
+// CUDA kernels: one CTA per row (up to 512 threads). Pass 1 is an online softmax (running max and
+// rescaled sum per thread, then a fixed-order CTA reduction); pass 2 (backward) re-reads the row
+// (mostly from L2) and writes dlogits. Rows are read with 16-byte loads after a scalar head that
+// reaches 16-byte alignment, so odd V (50257) is full speed. The mean is a separate single-CTA
+// fixed-order reduction. Deterministic.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace fourbit::ops {
+
+// losses:    [N]     overwritten
+// mean_loss: [1]     overwritten; optional (TensorView{}: not computed)
+// logits:    [N, V]
+// targets:   [N] i32
+void cross_entropy_forward(const TensorView& losses, const TensorView& mean_loss,
+                           const TensorView& logits, const TensorView& targets,
+                           int* error_flag = nullptr, void* stream = nullptr);
+
+// dlogits: [N, V]  OVERWRITTEN (an activation gradient); must not alias logits (see
+//                  cross_entropy_forward_backward_inplace)
+// logits:  [N, V]
+// targets: [N] i32
+void cross_entropy_backward(const TensorView& dlogits, const TensorView& logits,
+                            const TensorView& targets, float dloss_scale,
+                            int* error_flag = nullptr, void* stream = nullptr);
+
+// Forward and backward in one call, writing dlogits over the logits (the llm.c memory saving:
+// no second [N, V] buffer). Same results as cross_entropy_forward then cross_entropy_backward.
+// logits_to_dlogits: [N, V]  in: logits; out: dlogits (dtype unchanged)
+// losses:            [N]     overwritten
+// mean_loss:         [1]     overwritten; optional
+// targets:           [N] i32
+void cross_entropy_forward_backward_inplace(const TensorView& logits_to_dlogits,
+                                            const TensorView& losses,
+                                            const TensorView& mean_loss,
+                                            const TensorView& targets, float dloss_scale,
+                                            int* error_flag = nullptr, void* stream = nullptr);
+
+}  // namespace fourbit::ops

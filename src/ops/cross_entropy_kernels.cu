@@ -1,0 +1,199 @@
+// Softmax cross-entropy kernels: one CTA per row (grid-stride over rows).
+//
+// A row of V elements is split into a scalar head (up to the first 16-byte boundary), a body of
+// aligned 8-element vectors and a scalar tail. Pass 1: each thread keeps an online-softmax pair
+// (running max m, sum s of exp(x - m)), updated once per 8 elements; the pairs are combined by a
+// butterfly over the warp and then over the warps in a fixed order, so every thread ends with
+// the same (m, s) and lse = m + log(s). Pass 2 (backward) re-reads the row and writes
+// (exp(x - lse) - onehot) * scale; in place, each element is read before it is written by the
+// same thread. A second, single-CTA kernel sums the valid losses in a fixed order for the mean.
+#include "ops/cross_entropy_kernels.h"
+
+#include "core/error.h"
+#include "ops/error_flags.h"
+#include "ops/kernel_support.cuh"
+
+#include <math_constants.h>
+
+namespace fourbit::ops::kernels {
+namespace {
+
+constexpr int kMaxThreads = 512;
+constexpr int kMeanThreads = 1024;
+
+struct Softmax {
+  float m;  // running max (-inf: nothing seen yet)
+  float s;  // sum of exp(x - m)
+};
+
+__device__ __forceinline__ Softmax combine(Softmax a, Softmax b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -CUDART_INF_F) return a;  // both empty (or all -inf)
+  return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+}
+
+// Adds up to 8 values (padding must be -inf).
+__device__ __forceinline__ void add8(Softmax& st, const float v[8]) {
+  float mx = v[0];
+#pragma unroll
+  for (int k = 1; k < 8; ++k) mx = fmaxf(mx, v[k]);
+  if (mx > st.m) {
+    st.s *= expf(st.m - mx);
+    st.m = mx;
+  }
+  if (st.m == -CUDART_INF_F) return;
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) s += expf(v[k] - st.m);
+  st.s += s;
+  // A NaN logit: fmaxf skips it, expf(NaN) poisons s, and the loss becomes NaN, as it should.
+}
+
+__device__ __forceinline__ Softmax block_softmax(Softmax st, Softmax* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    Softmax other;
+    other.m = __shfl_xor_sync(0xFFFFFFFFu, st.m, o);
+    other.s = __shfl_xor_sync(0xFFFFFFFFu, st.s, o);
+    st = combine(st, other);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  if (lane == 0) scratch[warp] = st;
+  __syncthreads();
+  Softmax total = scratch[0];
+  for (int w = 1; w < n_warps; ++w) total = combine(total, scratch[w]);
+  __syncthreads();
+  return total;
+}
+
+// Where the 16-byte aligned body of a row starts and ends.
+template <typename T>
+__device__ __forceinline__ void split_row(const T* row, int64_t n, int64_t& head, int64_t& body_end) {
+  const uint32_t mis = (uint32_t)(reinterpret_cast<uintptr_t>(row) & 15u);
+  head = mis ? (int64_t)((16u - mis) / sizeof(T)) : 0;
+  if (head > n) head = n;
+  body_end = head + (n - head) / 8 * 8;
+}
+
+// No __restrict__ on logits / dlogits: they are the same buffer in the in-place variant.
+template <typename TL, typename TD>
+__global__ void __launch_bounds__(kMaxThreads)
+    cross_entropy_kernel(const TL* logits, TD* dlogits, float* __restrict__ losses,
+                         const int32_t* __restrict__ targets, int64_t n_rows, int64_t vocab,
+                         float dloss_scale, int* error_flag) {
+  __shared__ Softmax scratch[32];
+  const int tid = threadIdx.x;
+  for (int64_t n = blockIdx.x; n < n_rows; n += gridDim.x) {
+    const int32_t target = targets[n];
+    const TL* row = logits + n * vocab;
+    TD* drow = dlogits ? dlogits + n * vocab : nullptr;
+    if (target == -1) {  // ignored: zero loss and gradient (uniform across the CTA: no sync issue)
+      if (losses && tid == 0) losses[n] = 0.0f;
+      if (drow)
+        for (int64_t i = tid; i < vocab; i += blockDim.x) drow[i] = from_float<TD>(0.0f);
+      continue;
+    }
+    if (target < 0 || target >= vocab) {
+      if (tid == 0) {
+        atomicOr(error_flag, kErrIndexOutOfRange);
+        if (losses) losses[n] = CUDART_NAN_F;
+      }
+      if (drow)
+        for (int64_t i = tid; i < vocab; i += blockDim.x) drow[i] = from_float<TD>(CUDART_NAN_F);
+      continue;
+    }
+
+    int64_t head, body_end;
+    split_row(row, vocab, head, body_end);
+    Softmax st{-CUDART_INF_F, 0.0f};
+    float v[8];
+    const int64_t tail = vocab - body_end;
+    if (tid < head || tid < tail) {  // the scalar head and tail elements (< 8 each)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = -CUDART_INF_F;
+      if (tid < head) v[0] = to_float(row[tid]);
+      if (tid < tail) v[1] = to_float(row[body_end + tid]);
+      add8(st, v);
+    }
+    for (int64_t i = head + (int64_t)tid * 8; i < body_end; i += (int64_t)blockDim.x * 8) {
+      load8_aligned(row + i, v);
+      add8(st, v);
+    }
+    // Read before the barrier in block_softmax: in place, pass 2 overwrites the row.
+    const float x_target = tid == 0 ? to_float(row[target]) : 0.0f;
+    st = block_softmax(st, scratch);
+    const float lse = st.m + logf(st.s);
+    if (losses && tid == 0) losses[n] = lse - x_target;
+    if (!drow) continue;
+
+    // Pass 2: dlogits. The same split as the read; vector stores where drow's body is aligned.
+    const bool dvec = is_aligned16(drow + head);
+    auto grad = [&](float x, int64_t idx) {
+      return (expf(x - lse) - (idx == target ? 1.0f : 0.0f)) * dloss_scale;
+    };
+    if (tid < head) drow[tid] = from_float<TD>(grad(to_float(row[tid]), tid));
+    if (tid < tail) {
+      const int64_t idx = body_end + tid;
+      drow[idx] = from_float<TD>(grad(to_float(row[idx]), idx));
+    }
+    for (int64_t i = head + (int64_t)tid * 8; i < body_end; i += (int64_t)blockDim.x * 8) {
+      load8_aligned(row + i, v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = grad(v[k], i + k);
+      if (dvec) {
+        store8_aligned(drow + i, v);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) drow[i + k] = from_float<TD>(v[k]);
+      }
+    }
+  }
+}
+
+// mean_loss = sum of losses[n] over targets[n] != -1, / their count (0 if none). One CTA.
+__global__ void __launch_bounds__(kMeanThreads)
+    mean_loss_kernel(float* __restrict__ mean_loss, const float* __restrict__ losses,
+                     const int32_t* __restrict__ targets, int64_t n_rows) {
+  __shared__ float fscratch[32];
+  __shared__ int iscratch[32];
+  float sum = 0.0f;
+  int count = 0;
+  for (int64_t n = threadIdx.x; n < n_rows; n += blockDim.x) {
+    if (targets[n] != -1) {
+      sum += losses[n];
+      ++count;
+    }
+  }
+  sum = block_sum(sum, fscratch);
+  count = block_sum(count, iscratch);
+  if (threadIdx.x == 0) mean_loss[0] = count > 0 ? sum / (float)count : 0.0f;
+}
+
+}  // namespace
+
+void launch_cross_entropy(const CrossEntropyArgs& a, cudaStream_t stream) {
+  if (a.n_rows == 0) {
+    if (a.mean_loss) FOURBIT_CUDA_CHECK(cudaMemsetAsync(a.mean_loss, 0, sizeof(float), stream));
+    return;
+  }
+  int threads = (int)((a.vocab + 7) / 8);
+  threads = (threads + 31) / 32 * 32;
+  threads = threads < 32 ? 32 : threads > kMaxThreads ? kMaxThreads : threads;
+  const unsigned grid = grid_for(a.n_rows, 1, 1 << 20);
+  with_float_type(a.logits_type, [&](auto tl) {
+    with_float_type(a.dlogits_type, [&](auto td) {
+      using TL = decltype(tl);
+      using TD = decltype(td);
+      cross_entropy_kernel<TL, TD><<<grid, threads, 0, stream>>>(
+          static_cast<const TL*>(a.logits), static_cast<TD*>(a.dlogits), a.losses, a.targets,
+          a.n_rows, a.vocab, a.dloss_scale, a.error_flag);
+    });
+  });
+  FOURBIT_CUDA_CHECK_LAUNCH();
+  if (a.mean_loss) {
+    mean_loss_kernel<<<1, kMeanThreads, 0, stream>>>(a.mean_loss, a.losses, a.targets, a.n_rows);
+    FOURBIT_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace fourbit::ops::kernels
