@@ -8,8 +8,9 @@
 // Tolerances (u = 2^-24). The reference sums V exponentials sequentially in f32 (relative error
 // <= V u) and the kernel in a tree (far less), so lse, and with it every loss, may differ by
 //   |d lse| <= (V + 16) u + 4 u (|lse| + |x_target|)          (the loss tolerance)
-// and a probability p = exp(x - lse) by p (|d lse| + 4 u |x - lse|); dlogits = (p - onehot) s:
-//   |d dlogits| <= |s| p ((V + 32) u + 4 u |x - lse| + (V + 16) u) + |s| u + 2^-8 |want| if bf16
+// and a probability p = exp(x - lse) by p (|d lse| + 4 u (|x - lse| + |lse|)) (the subtraction,
+// expf's 2 ulp); dlogits = (p - onehot) s:
+//   |d dlogits| <= |s| p ((2V + 48) u + 4 u (|x - lse| + |lse|)) + |s| u + 2^-8 |want| if bf16
 // The mean: the sum of N losses in f32 on both sides, (2N + 16) u sum|loss|, plus the losses'
 // own tolerances, over n_valid.
 #include "dense_ops_test_util.h"
@@ -84,7 +85,8 @@ void run_case(const Case& cs) {
     const int64_t n = e / V;
     if (t[(size_t)n] == -1) return 0.0;
     const double z = x[(size_t)e] - lse[(size_t)n], p = std::exp(z);
-    return scale * p * ((2 * V + 48) * kU + 4 * kU * std::fabs(z)) + scale * kU + round * std::fabs(want_d[(size_t)e]);
+    return scale * p * ((2 * V + 48) * kU + 4 * kU * (std::fabs(z) + std::fabs(lse[(size_t)n]))) + scale * kU +
+           round * std::fabs(want_d[(size_t)e]);
   };
 
   // Device: forward, backward, fused in place; twice for determinism.

@@ -40,7 +40,7 @@ TEST_F(OpsEmbeddingCuda, ForwardMatchesReferenceExactly) {
   struct Case {
     int64_t N, V, C, shift_elems;
   };
-  const Case cases[] = {{1, 1, 1, 0}, {7, 50, 9, 0}, {1000, 50257, 768, 0}, {64, 128, 4096, 1}, {33, 1000, 100, 3}};
+  const Case cases[] = {{1, 1, 1, 0}, {7, 50, 9, 0}, {1000, 50257, 264, 0}, {64, 128, 4096, 1}, {33, 1000, 100, 3}};
   for (const Case& cs : cases)
     for (DType tt : {DType::kBF16, DType::kF32})
       for (DType to : {DType::kBF16, DType::kF32}) {
@@ -104,8 +104,9 @@ TEST_F(OpsEmbeddingCuda, BackwardMatchesReferenceAndIsDeterministic) {
     run_backward(1, 1, 1, dt, false);
     run_backward(9, 5, 13, dt, false);
     run_backward(5000, 50, 300, dt, false);      // long runs of equal ids
-    run_backward(4096, 50257, 768, dt, true);    // 40% of the tokens on one id
-    run_backward(2048, 128256, 4099, dt, false);  // ragged last column slice
+    run_backward(4096, 50257, 136, dt, true);   // 40% of the tokens on one id
+    run_backward(2048, 128256, 20, dt, false);  // a vocabulary needing 17 key bits
+    run_backward(3000, 1000, 4099, dt, false);  // 17 column slices, the last ragged
   }
 }
 

@@ -60,8 +60,8 @@ void adamw_update(const TensorView& params, const TensorView& grads, const Tenso
   }
   if (present(params_bf16)) {
     FOURBIT_CHECK(params_bf16.numel() == params.numel() && params_bf16.is_contiguous(),
-                  "{}: params_bf16 must be contiguous with {} elements, got {}", op,
-                  params.numel(), params_bf16.describe());
+                  "{}: params_bf16 must be contiguous with {} elements, got {}", op, params.numel(),
+                  params_bf16.describe());
     check_dtype(op, "params_bf16", params_bf16, {DType::kBF16});
   }
   FOURBIT_CHECK(detail::distinct(params, grads) && detail::distinct(params, m) &&
@@ -83,7 +83,8 @@ void adamw_update(const TensorView& params, const TensorView& grads, const Tenso
   const int64_t n = params.numel();
 
   if (dev == Device::kCpu) {
-    const DType dt = detail::cpu_float_dtype(op, {{"params", &params}, {"grads", &grads}, {"m", &m}, {"v", &v}});
+    const DType dt =
+        detail::cpu_float_dtype(op, {{"params", &params}, {"grads", &grads}, {"m", &m}, {"v", &v}});
     uint16_t* pb = present(params_bf16) ? params_bf16.ptr<uint16_t>() : nullptr;
     if (dt == DType::kF64) {
       FOURBIT_CHECK(pb == nullptr, "{}: params_bf16 needs f32 params on the CPU", op);
@@ -130,13 +131,11 @@ int64_t grad_norm_workspace_bytes(std::span<const TensorView> tensors) {
 void global_grad_norm(const TensorView& norm, std::span<const TensorView> tensors,
                       const TensorView& workspace, void* stream) {
   constexpr std::string_view op = "global_grad_norm";
-  FOURBIT_CHECK(norm.numel() == 1 && norm.is_contiguous(),
-                "{}: norm must hold one element, got {}", op,
-                present(norm) ? norm.describe() : "none");
+  FOURBIT_CHECK(norm.numel() == 1 && norm.is_contiguous(), "{}: norm must hold one element, got {}",
+                op, present(norm) ? norm.describe() : "none");
   for (size_t i = 0; i < tensors.size(); ++i) {
-    FOURBIT_CHECK(tensors[i].device == norm.device,
-                  "{}: tensors[{}] is on {} but norm is on {}", op, i,
-                  device_name(tensors[i].device), device_name(norm.device));
+    FOURBIT_CHECK(tensors[i].device == norm.device, "{}: tensors[{}] is on {} but norm is on {}",
+                  op, i, device_name(tensors[i].device), device_name(norm.device));
     FOURBIT_CHECK(tensors[i].is_contiguous(), "{}: tensors[{}] must be contiguous, got {}", op, i,
                   tensors[i].describe());
   }
@@ -149,7 +148,8 @@ void global_grad_norm(const TensorView& norm, std::span<const TensorView> tensor
                     "{}: the CPU reference computes in one dtype: tensors[{}] is {} but norm is {}",
                     op, i, dtype_name(t.dtype), dtype_name(norm.dtype));
       for (int64_t j = 0; j < t.numel(); ++j) {
-        const double x = t.dtype == DType::kF64 ? t.ptr<const double>()[j] : (double)t.ptr<const float>()[j];
+        const double x =
+            t.dtype == DType::kF64 ? t.ptr<const double>()[j] : (double)t.ptr<const float>()[j];
         sum += x * x;
       }
     }
@@ -169,8 +169,8 @@ void global_grad_norm(const TensorView& norm, std::span<const TensorView> tensor
   }
   const int64_t need = grad_norm_workspace_bytes(tensors);
   FOURBIT_CHECK(need == 0 || (present(workspace) && workspace.device == Device::kCuda &&
-                                workspace.is_contiguous() && workspace.nbytes() >= need &&
-                                detail::aligned16(workspace.data)),
+                              workspace.is_contiguous() && workspace.nbytes() >= need &&
+                              detail::aligned16(workspace.data)),
                 "{}: workspace must be a contiguous, 16-byte aligned CUDA tensor of at least {} "
                 "bytes (grad_norm_workspace_bytes), got {}",
                 op, need, present(workspace) ? workspace.describe() : "none");

@@ -20,8 +20,7 @@ Device common_device(std::string_view op, std::initializer_list<Named> tensors) 
     FOURBIT_CHECK(n.t->device == first->t->device,
                   "{}: {} is on {} but {} is on {}: all tensors of one call must be on the same "
                   "device",
-                  op, n.name, device_name(n.t->device), first->name,
-                  device_name(first->t->device));
+                  op, n.name, device_name(n.t->device), first->name, device_name(first->t->device));
   }
   return first ? first->t->device : Device::kCpu;
 }
@@ -66,19 +65,18 @@ namespace {
 int* internal_flag() {
   static int* flag = nullptr;
   static std::once_flag once;
-  std::call_once(once, [] {
-    FOURBIT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&flag), sizeof(int)));
-  });
+  std::call_once(
+      once, [] { FOURBIT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&flag), sizeof(int))); });
   return flag;
 }
 }  // namespace
 
 DeviceFlag::DeviceFlag(int* caller_flag, void* stream)
-    : flag_(caller_flag ? caller_flag : internal_flag()), internal_(caller_flag == nullptr),
+    : flag_(caller_flag ? caller_flag : internal_flag()),
+      internal_(caller_flag == nullptr),
       stream_(stream) {
   if (internal_) {
-    FOURBIT_CUDA_CHECK(
-        cudaMemsetAsync(flag_, 0, sizeof(int), static_cast<cudaStream_t>(stream_)));
+    FOURBIT_CUDA_CHECK(cudaMemsetAsync(flag_, 0, sizeof(int), static_cast<cudaStream_t>(stream_)));
   }
 }
 

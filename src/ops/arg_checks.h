@@ -53,7 +53,8 @@ inline void check_shape(std::string_view op, std::string_view name, const Tensor
 DType cpu_float_dtype(std::string_view op, std::initializer_list<Named> tensors);
 
 // False when a and b are the same non-empty buffer (the ops check that outputs do not alias inputs
-// by their data pointers: outputs and inputs of a call are whole tensors, never overlapping slices).
+// by their data pointers: outputs and inputs of a call are whole tensors, never overlapping
+// slices).
 inline bool distinct(const TensorView& a, const TensorView& b) {
   return a.data != b.data || a.numel() == 0 || b.numel() == 0;
 }

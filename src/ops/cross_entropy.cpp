@@ -102,8 +102,10 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
   }
 
   if (dev == Device::kCpu) {
-    const DType dt = detail::cpu_float_dtype(
-        op, {{"logits", &logits}, {"losses", &losses}, {"mean_loss", &mean_loss}, {"dlogits", &dlogits}});
+    const DType dt = detail::cpu_float_dtype(op, {{"logits", &logits},
+                                                  {"losses", &losses},
+                                                  {"mean_loss", &mean_loss},
+                                                  {"dlogits", &dlogits}});
     check_targets_cpu(op, targets, V);
     const int32_t* t = targets.ptr<const int32_t>();
     if (dt == DType::kF64) {
@@ -114,8 +116,8 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
     } else {
       reference<float>(present(losses) ? losses.ptr<float>() : nullptr,
                        present(mean_loss) ? mean_loss.ptr<float>() : nullptr,
-                       present(dlogits) ? dlogits.ptr<float>() : nullptr,
-                       logits.ptr<const float>(), t, N, V, dloss_scale);
+                       present(dlogits) ? dlogits.ptr<float>() : nullptr, logits.ptr<const float>(),
+                       t, N, V, dloss_scale);
     }
     return;
   }
@@ -124,10 +126,11 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
   if (present(losses)) check_dtype(op, "losses", losses, {DType::kF32});
   if (present(mean_loss)) check_dtype(op, "mean_loss", mean_loss, {DType::kF32});
   if (present(dlogits)) check_dtype(op, "dlogits", dlogits, {DType::kBF16, DType::kF32});
-  FOURBIT_CHECK(reinterpret_cast<uintptr_t>(logits.data) % dtype_bytes(logits.dtype, 1) == 0 &&
-                    (!present(dlogits) ||
-                     reinterpret_cast<uintptr_t>(dlogits.data) % dtype_bytes(dlogits.dtype, 1) == 0),
-                "{}: logits and dlogits must be aligned to their element size", op);
+  FOURBIT_CHECK(
+      reinterpret_cast<uintptr_t>(logits.data) % dtype_bytes(logits.dtype, 1) == 0 &&
+          (!present(dlogits) ||
+           reinterpret_cast<uintptr_t>(dlogits.data) % dtype_bytes(dlogits.dtype, 1) == 0),
+      "{}: logits and dlogits must be aligned to their element size", op);
   kernels::CrossEntropyArgs a{};
   a.logits = logits.data;
   a.dlogits = present(dlogits) ? dlogits.data : nullptr;
@@ -176,8 +179,7 @@ void cross_entropy_backward(const TensorView& dlogits, const TensorView& logits,
 }
 
 void cross_entropy_forward_backward_inplace(const TensorView& logits_to_dlogits,
-                                            const TensorView& losses,
-                                            const TensorView& mean_loss,
+                                            const TensorView& losses, const TensorView& mean_loss,
                                             const TensorView& targets, float dloss_scale,
                                             int* error_flag, void* stream) {
   FOURBIT_CHECK(present(losses), "cross_entropy_forward_backward_inplace: losses is required");

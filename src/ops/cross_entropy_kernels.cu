@@ -75,6 +75,22 @@ __device__ __forceinline__ void split_row(const T* row, int64_t n, int64_t& head
   body_end = head + (n - head) / 8 * 8;
 }
 
+// row[0, n) = value, with 16-byte stores over the aligned body.
+template <typename T>
+__device__ __forceinline__ void fill_row(T* row, int64_t n, float value) {
+  int64_t head, body_end;
+  split_row(row, n, head, body_end);
+  const int tid = threadIdx.x;
+  const T x = from_float<T>(value);
+  if (tid < head) row[tid] = x;
+  if (tid < n - body_end) row[body_end + tid] = x;
+  float v[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = value;
+  for (int64_t i = head + (int64_t)tid * 8; i < body_end; i += (int64_t)blockDim.x * 8)
+    store8_aligned(row + i, v);
+}
+
 // No __restrict__ on logits / dlogits: they are the same buffer in the in-place variant.
 template <typename TL, typename TD>
 __global__ void __launch_bounds__(kMaxThreads)
@@ -89,8 +105,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     TD* drow = dlogits ? dlogits + n * vocab : nullptr;
     if (target == -1) {  // ignored: zero loss and gradient (uniform across the CTA: no sync issue)
       if (losses && tid == 0) losses[n] = 0.0f;
-      if (drow)
-        for (int64_t i = tid; i < vocab; i += blockDim.x) drow[i] = from_float<TD>(0.0f);
+      if (drow) fill_row(drow, vocab, 0.0f);
       continue;
     }
     if (target < 0 || target >= vocab) {
@@ -98,8 +113,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         atomicOr(error_flag, kErrIndexOutOfRange);
         if (losses) losses[n] = CUDART_NAN_F;
       }
-      if (drow)
-        for (int64_t i = tid; i < vocab; i += blockDim.x) drow[i] = from_float<TD>(CUDART_NAN_F);
+      if (drow) fill_row(drow, vocab, CUDART_NAN_F);
       continue;
     }
 

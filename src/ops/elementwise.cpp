@@ -91,9 +91,12 @@ NonFiniteSummary count_reference(const T* x, int64_t n) {
 
 NonFiniteSummary count_cpu(const TensorView& x) {
   switch (x.dtype) {
-    case DType::kF64: return count_reference(x.ptr<const double>(), x.numel());
-    case DType::kBF16: return count_reference(x.ptr<const uint16_t>(), x.numel());
-    default: return count_reference(x.ptr<const float>(), x.numel());
+    case DType::kF64:
+      return count_reference(x.ptr<const double>(), x.numel());
+    case DType::kBF16:
+      return count_reference(x.ptr<const uint16_t>(), x.numel());
+    default:
+      return count_reference(x.ptr<const float>(), x.numel());
   }
 }
 
@@ -103,8 +106,7 @@ void check_nonfinite_input(std::string_view op, const TensorView& x) {
   } else {
     check_dtype(op, "x", x, {DType::kF32, DType::kBF16});
   }
-  FOURBIT_CHECK(x.is_contiguous(), "{}: x must be contiguous, got strides {}", op,
-                x.strides.str());
+  FOURBIT_CHECK(x.is_contiguous(), "{}: x must be contiguous, got strides {}", op, x.strides.str());
 }
 
 #if defined(FOURBIT_WITH_CUDA)

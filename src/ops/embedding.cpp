@@ -65,8 +65,7 @@ std::pair<int64_t, int64_t> table_shape(std::string_view op, std::string_view na
 void embedding_forward(const TensorView& out, const TensorView& ids, const TensorView& table,
                        int* error_flag, void* stream) {
   constexpr std::string_view op = "embedding_forward";
-  const Device dev =
-      detail::common_device(op, {{"out", &out}, {"ids", &ids}, {"table", &table}});
+  const Device dev = detail::common_device(op, {{"out", &out}, {"ids", &ids}, {"table", &table}});
   const auto [V, C] = table_shape(op, "table", table);
   FOURBIT_CHECK(ids.shape.ndim == 1, "{}: ids must be [N], got {}", op, ids.describe());
   const int64_t N = ids.shape[0];
@@ -78,11 +77,10 @@ void embedding_forward(const TensorView& out, const TensorView& ids, const Tenso
     const DType dt = detail::cpu_float_dtype(op, {{"out", &out}, {"table", &table}});
     check_ids_cpu(op, ids, V);
     if (dt == DType::kF64) {
-      forward_reference(out.ptr<double>(), ids.ptr<const int32_t>(), table.ptr<const double>(),
-                        N, C);
-    } else {
-      forward_reference(out.ptr<float>(), ids.ptr<const int32_t>(), table.ptr<const float>(), N,
+      forward_reference(out.ptr<double>(), ids.ptr<const int32_t>(), table.ptr<const double>(), N,
                         C);
+    } else {
+      forward_reference(out.ptr<float>(), ids.ptr<const int32_t>(), table.ptr<const float>(), N, C);
     }
     return;
   }
@@ -139,11 +137,11 @@ void embedding_backward(const TensorView& dtable, const TensorView& dout, const 
     const DType dt = detail::cpu_float_dtype(op, {{"dtable", &dtable}, {"dout", &dout}});
     check_ids_cpu(op, ids, V);
     if (dt == DType::kF64) {
-      backward_reference(dtable.ptr<double>(), dout.ptr<const double>(),
-                         ids.ptr<const int32_t>(), N, C);
-    } else {
-      backward_reference(dtable.ptr<float>(), dout.ptr<const float>(), ids.ptr<const int32_t>(),
+      backward_reference(dtable.ptr<double>(), dout.ptr<const double>(), ids.ptr<const int32_t>(),
                          N, C);
+    } else {
+      backward_reference(dtable.ptr<float>(), dout.ptr<const float>(), ids.ptr<const int32_t>(), N,
+                         C);
     }
     return;
   }

@@ -16,7 +16,9 @@ namespace {
 using detail::check_dtype;
 using detail::check_shape;
 
-constexpr int64_t kMaxRowChunks = 256;  // CUDA backward: rows are split into at most this many chunks
+// CUDA backward: the rows are split into at most this many chunks (a function of N only, so that
+// the dweight reduction order does not depend on the device).
+constexpr int64_t kMaxRowChunks = 256;
 
 int64_t rows_per_chunk(int64_t n_rows) { return (n_rows + kMaxRowChunks - 1) / kMaxRowChunks; }
 int64_t n_chunks(int64_t n_rows) {
@@ -24,8 +26,7 @@ int64_t n_chunks(int64_t n_rows) {
 }
 
 template <typename T>
-void forward_reference(T* y, T* rstd, const T* x, const T* w, int64_t n_rows, int64_t cols,
-                       T eps) {
+void forward_reference(T* y, T* rstd, const T* x, const T* w, int64_t n_rows, int64_t cols, T eps) {
   for (int64_t n = 0; n < n_rows; ++n) {
     const T* xr = x + n * cols;
     T ss = 0;
@@ -83,8 +84,8 @@ void rmsnorm_forward(const TensorView& y, const TensorView& rstd, const TensorVi
   FOURBIT_CHECK(std::isfinite(eps) && eps >= 0, "{}: eps must be finite and >= 0, got {}", op, eps);
   FOURBIT_CHECK(detail::distinct(y, x), "{}: y must not alias x", op);
   if (dev == Device::kCpu) {
-    const DType dt = detail::cpu_float_dtype(
-        op, {{"y", &y}, {"rstd", &rstd}, {"x", &x}, {"weight", &weight}});
+    const DType dt =
+        detail::cpu_float_dtype(op, {{"y", &y}, {"rstd", &rstd}, {"x", &x}, {"weight", &weight}});
     if (dt == DType::kF64) {
       forward_reference(y.ptr<double>(), rstd.ptr<double>(), x.ptr<const double>(),
                         weight.ptr<const double>(), N, C, (double)eps);
@@ -139,7 +140,8 @@ void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const Ten
   check_shape(op, "rstd", rstd, {N});
   check_shape(op, "weight", weight, {C});
   check_shape(op, "dweight", dweight, {C});
-  FOURBIT_CHECK(detail::distinct(dx, dy) && detail::distinct(dx, x), "{}: dx must not alias dy or x", op);
+  FOURBIT_CHECK(detail::distinct(dx, dy) && detail::distinct(dx, x),
+                "{}: dx must not alias dy or x", op);
   if (dev == Device::kCpu) {
     const DType dt = detail::cpu_float_dtype(op, {{"dx", &dx},
                                                   {"dweight", &dweight},
@@ -168,12 +170,13 @@ void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const Ten
   FOURBIT_CHECK(C <= kernels::kRmsnormMaxCols, "{}: C = {} exceeds the CUDA kernel's limit of {}",
                 op, C, kernels::kRmsnormMaxCols);
   const int64_t need = rmsnorm_backward_workspace_bytes(N, C);
-  FOURBIT_CHECK(detail::present(workspace) && workspace.device == Device::kCuda &&
+  FOURBIT_CHECK(
+      need == 0 || (detail::present(workspace) && workspace.device == Device::kCuda &&
                     workspace.is_contiguous() && workspace.nbytes() >= need &&
-                    reinterpret_cast<uintptr_t>(workspace.data) % 16 == 0,
-                "{}: workspace must be a contiguous, 16-byte aligned CUDA tensor of at least {} bytes "
-                "(rmsnorm_backward_workspace_bytes({}, {})), got {}",
-                op, need, N, C, detail::present(workspace) ? workspace.describe() : "none");
+                    detail::aligned16(workspace.data)),
+      "{}: workspace must be a contiguous, 16-byte aligned CUDA tensor of at least {} bytes "
+      "(rmsnorm_backward_workspace_bytes({}, {})), got {}",
+      op, need, N, C, detail::present(workspace) ? workspace.describe() : "none");
   kernels::RmsnormBackwardArgs a{};
   a.dx = dx.data;
   a.dweight = dweight.ptr<float>();

@@ -47,9 +47,10 @@ void check_view(std::string_view op, std::string_view name, const TensorView& t,
                 int64_t D) {
   FOURBIT_CHECK(t.shape.ndim == 3 && t.shape[0] == N && t.shape[2] == D,
                 "{}: {} must be [N = {}, heads, D = {}], got {}", op, name, N, D, t.describe());
-  FOURBIT_CHECK(t.strides[2] == 1 && t.strides[0] >= 0 && t.strides[1] >= 0,
-                "{}: {} must have unit stride along D and non-negative outer strides, got strides {}",
-                op, name, t.strides.str());
+  FOURBIT_CHECK(
+      t.strides[2] == 1 && t.strides[0] >= 0 && t.strides[1] >= 0,
+      "{}: {} must have unit stride along D and non-negative outer strides, got strides {}", op,
+      name, t.strides.str());
 }
 
 #if defined(FOURBIT_WITH_CUDA)
@@ -64,9 +65,9 @@ kernels::RopeTensor rope_tensor(const TensorView& t) {
 }
 #endif
 
-void run(std::string_view op, const TensorView& q_out, const TensorView& k_out,
-         const TensorView& q, const TensorView& k, const TensorView& positions, float theta,
-         bool inverse, bool inplace, void* stream) {
+void run(std::string_view op, const TensorView& q_out, const TensorView& k_out, const TensorView& q,
+         const TensorView& k, const TensorView& positions, float theta, bool inverse, bool inplace,
+         void* stream) {
   const Device dev = detail::common_device(
       op, {{"q", &q}, {"k", &k}, {"q_out", &q_out}, {"k_out", &k_out}, {"positions", &positions}});
   FOURBIT_CHECK(q.shape.ndim == 3 && q.shape[2] >= 2 && q.shape[2] % 2 == 0,
@@ -121,8 +122,9 @@ void run(std::string_view op, const TensorView& q_out, const TensorView& k_out,
     check_dtype(op, "k", k, {q.dtype});
     check_dtype(op, "k output", k_out, {q.dtype});
   }
-  FOURBIT_CHECK(D <= kernels::kRopeMaxHeadDim, "{}: head dim D = {} exceeds the CUDA kernel's limit of {}",
-                op, D, kernels::kRopeMaxHeadDim);
+  FOURBIT_CHECK(D <= kernels::kRopeMaxHeadDim,
+                "{}: head dim D = {} exceeds the CUDA kernel's limit of {}", op, D,
+                kernels::kRopeMaxHeadDim);
   kernels::RopeArgs a{};
   a.q_out = rope_tensor(q_out);
   a.k_out = rope_tensor(k_out);

@@ -44,9 +44,10 @@ void backward_reference(T* d_gate_up, const T* dout, const T* gate_up, int64_t n
 
 // N and F from gate_up [N, 2F].
 std::pair<int64_t, int64_t> shape_of(std::string_view op, const TensorView& gate_up) {
-  FOURBIT_CHECK(gate_up.shape.ndim == 2 && gate_up.shape[1] % 2 == 0,
-                "{}: gate_up must be [N, 2F] (gate in the first F columns, up in the last F), got {}",
-                op, gate_up.describe());
+  FOURBIT_CHECK(
+      gate_up.shape.ndim == 2 && gate_up.shape[1] % 2 == 0,
+      "{}: gate_up must be [N, 2F] (gate in the first F columns, up in the last F), got {}", op,
+      gate_up.describe());
   return {gate_up.shape[0], gate_up.shape[1] / 2};
 }
 
@@ -117,8 +118,8 @@ void swiglu_forward(const TensorView& out, const TensorView& gate_up, void* stre
 #endif
 }
 
-void swiglu_backward(const TensorView& d_gate_up, const TensorView& dout,
-                     const TensorView& gate_up, void* stream) {
+void swiglu_backward(const TensorView& d_gate_up, const TensorView& dout, const TensorView& gate_up,
+                     void* stream) {
   FOURBIT_CHECK(detail::distinct(d_gate_up, gate_up) && detail::distinct(d_gate_up, dout),
                 "swiglu_backward: d_gate_up aliases an input; use swiglu_backward_inplace to "
                 "overwrite gate_up");
