@@ -4,19 +4,20 @@
 // accident; the two runs must also agree bit for bit: determinism). The backward is compared on
 // the forward's own bf16 out and f32 lse, so only the backward's error is measured.
 //
-// Tolerances (elementwise, derived from where the kernels round; 2^-9 is bf16's unit roundoff):
+// Tolerances (elementwise, derived from where the kernels round; u = 2^-8 is bf16's unit roundoff:
+// 8 significant bits, so round-to-nearest moves a value by at most u times itself):
 //   lse: FP32 scores and softmax only: 1e-4 + 1e-5 |lse|.
-//   out: P is rounded to bf16 before P V (2^-9 relative per term), the FP32 row sum uses the
-//        unrounded P (another 2^-9), out is rounded to bf16 (2^-9 |out|): together at most
-//        3 * 2^-9 * sum_j P_ij |v_j|. Tolerance 2^-7 * sum_j P_ij |v_j| (computed by running the
-//        reference on |v|), i.e. a 1.3x margin over that worst case.
-//   dq, dk, dv: dS and P are rounded to bf16 before their products and the results to bf16;
-//        with M_ij = P_ij (|dP_ij| + |D_i|), the bounds are
+//   out: P is rounded to bf16 before P V (u per term), the FP32 row sum uses the unrounded P
+//        (another u), out is rounded to bf16 (u |out|): at most 3 u sum_j P_ij |v_j|. Tolerance
+//        4 u = 2^-6 times sum_j P_ij |v_j| (computed by running the reference on |v|).
+//   dq, dk, dv: dS (for dq, dk) or P (for dv) is rounded to bf16 before its product and the result
+//        is rounded to bf16: at most 2 u times the bound, where, with M_ij = P_ij (|dP_ij| + |D_i|),
 //          dq: scale sum_j M_ij |k_j|,  dk: scale sum_{i, heads of the group} M_ij |q_i|,
-//          dv: sum_{i, heads} P_ij |dout_i|,
-//        and the tolerance is 2^-7 times the bound plus 1e-4 times the largest bound of the tensor
-//        (FP32 accumulation noise of dP over D terms).
-//   decode: FP32 throughout, bf16 output only: 2^-8 * sum_j P_j |v_j| + 1e-6.
+//          dv: sum_{i, heads} P_ij |dout_i|.
+//        Tolerance 4 u = 2^-6 times the bound, plus 1e-4 times the largest bound of the tensor
+//        (FP32 accumulation noise of dP over D terms and of the recomputed scores).
+//   decode: FP32 throughout, bf16 output only (u |out|): 2 u = 2^-7 times sum_j P_j |v_j|, + 1e-6.
+// (A host emulation of these kernels, run while writing them, stayed below half of each tolerance.)
 // A wrong mask, tile or fragment mapping produces errors of the order of the values themselves,
 // far above these bounds.
 #include "core/device.h"
@@ -255,7 +256,7 @@ void check_case(const Case& c, uint64_t seed) {
     ASSERT_EQ(out.damaged_guard_bytes(), 0) << "out: write outside the tensor";
     ASSERT_EQ(lse.damaged_guard_bytes(), 0) << "lse: write outside the tensor";
     const std::vector<double> o = out.values(), l = lse.values();
-    ASSERT_TRUE(all_close(o, out_want, [&](int64_t i) { return std::ldexp(out_bound[(size_t)i], -7) + out_floor; },
+    ASSERT_TRUE(all_close(o, out_want, [&](int64_t i) { return std::ldexp(out_bound[(size_t)i], -6) + out_floor; },
                           "out"));
     ASSERT_TRUE(all_close(l, lse_want, [&](int64_t i) { return 1e-4 + 1e-5 * std::fabs(lse_want[(size_t)i]); },
                           "lse"));
@@ -282,7 +283,7 @@ void check_case(const Case& c, uint64_t seed) {
   const BackwardBounds bound = backward_bounds(c, scale, q, k, v, out_gpu, lse_gpu, dout);
   auto tol = [](const std::vector<double>& b) {
     const double floor = 1e-4 * max_of(b);
-    return [&b, floor](int64_t i) { return std::ldexp(b[(size_t)i], -7) + floor; };
+    return [&b, floor](int64_t i) { return std::ldexp(b[(size_t)i], -6) + floor; };
   };
 
   std::vector<uint8_t> dq_bits, dk_bits, dv_bits;
@@ -405,7 +406,7 @@ void check_decode(int64_t B, int64_t Tmax, int64_t H, int64_t Hkv, int64_t D, in
     attention_decode(qd, kd, vd, ld, out.view);
     device_synchronize();
     ASSERT_EQ(out.damaged_guard_bytes(), 0) << "decode out: write outside the tensor";
-    ASSERT_TRUE(all_close(out.values(), w, [&](int64_t i) { return std::ldexp(bnd[(size_t)i], -8) + 1e-6; },
+    ASSERT_TRUE(all_close(out.values(), w, [&](int64_t i) { return std::ldexp(bnd[(size_t)i], -7) + 1e-6; },
                           "decode out"));
     if (first.empty()) first = bytes_of(out.view);
     else ASSERT_TRUE(first == bytes_of(out.view)) << "decode not deterministic";
