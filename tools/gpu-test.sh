@@ -37,6 +37,8 @@ mkdir -p "$build" "$out" "$build/bench"
 benches=(
   "quant bench quant"
   "gemm bench gemm"
+  "attention bench attention"
+  "moe bench moe"
 )
 
 # --- identity of this run ------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 #include "core/check.h"
 #include "core/device.h"
 #include "gemm/bench.h"
+#include "ops/attention_bench.h"
+#include "ops/moe_bench.h"
 #include "quant/bench.h"
 
 namespace fourbit::cli {
@@ -18,6 +20,8 @@ void require_gpu(std::string_view what) {
 Command add_bench_command(CLI::App& app) {
   auto quant_opts = std::make_shared<quant::QuantBenchOptions>();
   auto gemm_opts = std::make_shared<gemm::GemmBenchOptions>();
+  auto attn_opts = std::make_shared<ops::AttentionBenchOptions>();
+  auto moe_opts = std::make_shared<ops::MoeBenchOptions>();
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks against the GPU's ceilings");
   bench->require_subcommand(1);
   CLI::App* q = bench->add_subcommand(
@@ -33,7 +37,20 @@ Command add_bench_command(CLI::App& app) {
   g->add_option("--shapes", gemm_opts->shape_filter,
                 "only the shapes whose name contains this text (e.g. gpt2, 1.3b, 8192^3)");
   g->add_option("--csv", gemm_opts->csv_path, "also write the table as CSV to this file");
-  return {bench, [q, g, quant_opts, gemm_opts] {
+  CLI::App* at = bench->add_subcommand(
+      "attention", "model TFLOP/s of the attention forward and backward kernels (ratio to cuBLASLt "
+                   "BF16) and GB/s of the KV-cache decode kernel (ratio to the copy bandwidth)");
+  at->add_option("--reps", attn_opts->reps, "timed repetitions (median reported)")->capture_default_str();
+  at->add_option("--shapes", attn_opts->shape_filter,
+                 "only the shapes whose name contains this text (e.g. gpt2, 1.3b, decode)");
+  at->add_option("--csv", attn_opts->csv_path, "also write the table as CSV to this file");
+  CLI::App* mo = bench->add_subcommand(
+      "moe", "GB/s of the MoE router, plan, permute and un-permute kernels and their backwards "
+             "(ratio to the copy bandwidth)");
+  mo->add_option("--reps", moe_opts->reps, "timed repetitions (median reported)")->capture_default_str();
+  mo->add_option("--shapes", moe_opts->shape_filter, "only the shapes whose name contains this text");
+  mo->add_option("--csv", moe_opts->csv_path, "also write the table as CSV to this file");
+  return {bench, [q, g, at, mo, quant_opts, gemm_opts, attn_opts, moe_opts] {
             if (q->parsed()) {
               require_gpu("quant");
 #if defined(FOURBIT_WITH_CUDA)
@@ -45,6 +62,14 @@ Command add_bench_command(CLI::App& app) {
 #if defined(FOURBIT_WITH_CUDA)
               gemm::run_gemm_bench(*gemm_opts);
 #endif
+            }
+            if (at->parsed()) {
+              require_gpu("attention");
+              ops::run_attention_bench(*attn_opts);
+            }
+            if (mo->parsed()) {
+              require_gpu("moe");
+              ops::run_moe_bench(*moe_opts);
             }
           }};
 }

@@ -813,12 +813,19 @@ void launch_attention_forward(const AttentionForwardArgs& a, cudaStream_t stream
 
 void launch_attention_backward(const AttentionBackwardArgs& a, cudaStream_t stream) {
   const AttentionDims& d = a.dims;
-  const size_t bytes = sizeof(float) * (size_t)d.batch * d.heads * d.seq;
-  void* delta = nullptr;
-  FOURBIT_CUDA_CHECK(cudaMallocAsync(&delta, bytes, stream));
-  if (d.head_dim == 64) backward_d<64>(a, static_cast<float*>(delta), stream);
-  else backward_d<128>(a, static_cast<float*>(delta), stream);
-  FOURBIT_CUDA_CHECK(cudaFreeAsync(delta, stream));
+  // D_i scratch, ordered on the stream: freed (asynchronously) after the kernels that read it, also
+  // when a launch throws.
+  struct Scratch {
+    void* p = nullptr;
+    cudaStream_t s;
+    ~Scratch() {
+      if (p) cudaFreeAsync(p, s);
+    }
+  } delta{nullptr, stream};
+  FOURBIT_CUDA_CHECK(
+      cudaMallocAsync(&delta.p, sizeof(float) * (size_t)d.batch * d.heads * d.seq, stream));
+  if (d.head_dim == 64) backward_d<64>(a, static_cast<float*>(delta.p), stream);
+  else backward_d<128>(a, static_cast<float*>(delta.p), stream);
 }
 
 void launch_attention_decode(const AttentionDecodeArgs& a, cudaStream_t stream) {

@@ -1,0 +1,31 @@
+// `fourbit bench attention`: the CUDA attention kernels at training and decode shapes. Training
+// rows report model TFLOP/s (causal forward 2 B H T^2 D, backward 2.5x that, the usual
+// FlashAttention accounting; our backward does 3.5x the forward's math because of its separate
+// dq pass) and their ratio to the measured cuBLASLt BF16 ceiling; decode rows report GB/s of
+// key/value cache read and the ratio to the measured copy bandwidth (../shared/docs/BENCHMARKS.md).
+// Needs a CUDA build and a GPU.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace fourbit::ops {
+
+struct AttentionBenchOptions {
+  int reps = 20;             // timed repetitions; the median is reported
+  std::string shape_filter;  // only the shapes whose name contains this text
+  std::string csv_path;      // optional: also write the table as CSV
+};
+
+struct AttentionBenchRow {
+  std::string shape;  // e.g. "gpt2-124m (B 32, T 1024, H 12/12, D 64)"
+  std::string op;     // forward, backward, decode
+  double ms = 0;
+  double tflops = 0;  // training rows
+  double gbps = 0;    // decode rows
+  double fraction_of_ceiling = 0;
+};
+
+std::vector<AttentionBenchRow> run_attention_bench(const AttentionBenchOptions& options);
+
+}  // namespace fourbit::ops
