@@ -242,7 +242,12 @@ uint16_t* bf16_out(const TensorView& x) { return static_cast<uint16_t*>(x.data);
 // What the CUDA kernels need beyond the common checks: bf16, a supported D and 16-byte rows.
 void check_cuda_heads(std::string_view op,
                       std::initializer_list<std::pair<std::string_view, const TensorView*>> ts,
-                      int64_t head_dim) {
+                      const Dims& d) {
+  const int64_t head_dim = d.head_dim;
+  FOURBIT_CHECK(d.batch <= 65535 && d.heads <= 65535 && d.seq <= (int64_t)1 << 30,
+                "{}: the CUDA kernels take B <= 65535, H <= 65535 and T <= 2^30 (grid limits), got "
+                "B = {}, H = {}, T = {}",
+                op, d.batch, d.heads, d.seq);
 #if defined(FOURBIT_WITH_CUDA)
   FOURBIT_CHECK(kernels::attention_head_dim_supported((int)head_dim),
                 "{}: the CUDA kernels support head dims D = 64 and 128, got D = {}; use one of "
@@ -287,7 +292,7 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
     return;
   }
   check_lse(op, lse, d, DType::kF32);
-  check_cuda_heads(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, d.head_dim);
+  check_cuda_heads(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, d);
   if (d.batch * d.seq == 0) return;
 #if defined(FOURBIT_WITH_CUDA)
   kernels::AttentionForwardArgs a{};
@@ -338,7 +343,7 @@ void attention_backward(const TensorView& dout, const TensorView& q, const Tenso
   check_lse(op, lse, d, DType::kF32);
   check_cuda_heads(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"dout", &dout},
                         {"dq", &dq}, {"dk", &dk}, {"dv", &dv}},
-                   d.head_dim);
+                   d);
   if (d.batch * d.seq == 0) return;
 #if defined(FOURBIT_WITH_CUDA)
   kernels::AttentionBackwardArgs a{};
@@ -398,8 +403,9 @@ void attention_decode(const TensorView& q, const TensorView& k_cache, const Tens
     else decode_reference<double>(q, k_cache, v_cache, lengths, out, d, scale);
     return;
   }
-  check_cuda_heads(op, {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"out", &out}},
-                   d.head_dim);
+  FOURBIT_CHECK(t_max <= (int64_t)1 << 30, "{}: the CUDA kernel takes T_max <= 2^30, got {}", op,
+                t_max);
+  check_cuda_heads(op, {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"out", &out}}, d);
   if (d.batch * d.seq == 0) return;
 #if defined(FOURBIT_WITH_CUDA)
   kernels::AttentionDecodeArgs a{};

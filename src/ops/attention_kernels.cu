@@ -673,7 +673,10 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Attent
   for (int r = 0; r < kDecodeRows; ++r) max_pos = max(max_pos, sm.pos[r]);
 
   for (int c0 = 0; c0 <= max_pos; c0 += kDecodeKeys) {
-    for (int i = tid; i < kDecodeKeys * D / 8; i += kThreads) {
+    static_assert(kDecodeKeys * D / 8 % kThreads == 0, "decode tile chunks must divide evenly");
+#pragma unroll  // all of this thread's 16-byte loads in flight before the first shared store
+    for (int it = 0; it < kDecodeKeys * D / 8 / kThreads; ++it) {
+      const int i = tid + it * kThreads;
       const int c = i / (D / 8), col = (i % (D / 8)) * 8;
       uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
       if (c0 + c < len) {
