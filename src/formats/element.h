@@ -156,17 +156,16 @@ FOURBIT_HD uint8_t encode_e2m1_rn_fast(float x) {
   return (uint8_t)((n < 7u ? n : 7u) | ((bits >> 28) & 0x8u));
 }
 
-// encode_e2m1_rn for any x that is not NaN, in about a dozen FP32-pipe-heavy instructions: the
-// magnitude is clamped to 6 first (saturation, Inf included), so the code never needs a final
-// min. For NaN it returns sign | 7 instead of 0x7; the CUDA kernels never feed it NaN (their
-// inputs are checked finite and the element multipliers are finite and positive).
+// encode_e2m1_rn for any x that is not NaN, in about ten mostly FP32-pipe instructions (what the
+// CUDA kernels use): |x| is clamped to 6 (saturation, Inf included), then adding
+// M = 2^22 + 0, 2^23 + 2 or 2^24 + 8 for |x| < 2, < 4, >= 4 rounds it (RNE) to the E2M1 spacing of
+// its range (0.5, 1, 2) and leaves the code, offset by the range's first code (0, 2, 4), in the
+// low three bits of the sum. For NaN it returns sign | 7 instead of 0x7; the kernels never feed it
+// NaN (their inputs are checked finite and the element multipliers are finite and positive).
 FOURBIT_HD uint32_t encode_e2m1_rn_not_nan(float x) {
   const float a = fmin_ieee(abs_f32(x), 6.0f);
-  const bool below2 = a < 2.0f, below4 = a < 4.0f;
-  const float magic = below2 ? 4194304.0f : (below4 ? 8388608.0f : 16777216.0f);  // 2^22..2^24
-  // bits(magic) minus the range's first code (0, 2, 4).
-  const uint32_t offset = below2 ? 0x4A800000u : (below4 ? 0x4B000000u - 2u : 0x4B800000u - 4u);
-  return (f32_bits(add_rn(a, magic)) - offset) | ((f32_bits(x) >> 28) & 0x8u);
+  const float magic = a < 2.0f ? 4194304.0f : (a < 4.0f ? 8388610.0f : 16777224.0f);
+  return (f32_bits(add_rn(a, magic)) & 0x7u) | ((f32_bits(x) >> 28) & 0x8u);
 }
 
 FOURBIT_HD uint8_t encode_e2m1_sr(float x, uint32_t rbits8) {
@@ -175,13 +174,34 @@ FOURBIT_HD uint8_t encode_e2m1_sr(float x, uint32_t rbits8) {
 FOURBIT_HD float decode_e2m1(uint8_t code) { return decode_minifloat<kE2M1>(code & 0xF); }
 
 // --- E4M3 (OCP fn) ----------------------------------------------------------------------------
+// On the device the saturating conversion is the hardware's cvt.rn.satfinite.e4m3x2.f32, which
+// the software encoder models bit for bit (tested against the CUDA host functions); NaN inputs,
+// which fourbit never encodes, are left to the hardware there.
 FOURBIT_HD uint8_t encode_e4m3_rn(float x, Saturation sat = Saturation::kSatFinite) {
+#if defined(__CUDA_ARCH__)
+  if (sat == Saturation::kSatFinite) {
+    uint16_t d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(0.0f), "f"(x));
+    return (uint8_t)(d & 0xFF);
+  }
+#endif
   return encode_minifloat_rn<kE4M3>(x, sat);
 }
 FOURBIT_HD uint8_t encode_e4m3_sr(float x, uint32_t rbits8) {
   return encode_minifloat_sr<kE4M3>(x, rbits8);
 }
-FOURBIT_HD float decode_e4m3(uint8_t code) { return decode_minifloat<kE4M3>(code); }
+FOURBIT_HD float decode_e4m3(uint8_t code) {
+#if defined(__CUDA_ARCH__)
+  // Exact through FP16 (every E4M3 value is an FP16 value), two instructions.
+  uint32_t h2;
+  float f;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((uint16_t)code));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((uint16_t)(h2 & 0xFFFF)));
+  return f;
+#else
+  return decode_minifloat<kE4M3>(code);
+#endif
+}
 
 // --- E5M2 -------------------------------------------------------------------------------------
 FOURBIT_HD uint8_t encode_e5m2_rn(float x, Saturation sat = Saturation::kSatFinite) {

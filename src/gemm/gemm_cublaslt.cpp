@@ -158,6 +158,11 @@ const Plan& get_plan(const PlanKey& key, const MatmulOperand& a, const MatmulOpe
     FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof(fast_accum)));
     FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &key.scale_a, sizeof(key.scale_a)));
     FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &key.scale_b, sizeof(key.scale_b)));
+    // Block-scaled modes are refused by the heuristic (CUBLAS_STATUS_INVALID_VALUE, seen on the
+    // H200 with cuBLAS 13.1) while their scale pointers are unset: set this call's pointers now
+    // (run_matmul sets them again on every call of the cached plan).
+    FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b.scale, sizeof(b.scale)));
+    FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a.scale, sizeof(a.scale)));
   }
   // cuBLAS A = our B, cuBLAS B = our A (see the file comment).
   FOURBIT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_a, b.type, trans_a == CUBLAS_OP_T ? key.k : key.m,

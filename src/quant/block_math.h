@@ -47,11 +47,11 @@ FOURBIT_HD Nvfp4TensorScales nvfp4_tensor_scales(float amax, float scale_constan
                                                  float element_constant) {
   Nvfp4TensorScales s;
   s.s_enc = nvfp4_global_encode_scale(amax, scale_constant);
-  s.s_dec = div_rn(1.0f, s.s_enc);
+  s.s_dec = formats::rcp_rn(s.s_enc);
   s.s_enc_rcp6 = mul_rn(s.s_enc, formats::f32_from_bits(kRcp6Bits));
   s.s_dec_elem = element_constant == scale_constant
                      ? s.s_dec
-                     : div_rn(1.0f, nvfp4_global_encode_scale(amax, element_constant));
+                     : formats::rcp_rn(nvfp4_global_encode_scale(amax, element_constant));
   return s;
 }
 
@@ -65,7 +65,7 @@ FOURBIT_HD uint8_t nvfp4_block_scale(float block_amax, const Nvfp4TensorScales& 
 // (S_dec is s_dec_elem: the 16/17-adjusted one for unbiased SR.)
 FOURBIT_HD float nvfp4_element_multiplier(uint8_t block_scale, const Nvfp4TensorScales& ts) {
   const float denom = mul_rn(formats::decode_e4m3(block_scale), ts.s_dec_elem);
-  return formats::fmin_ieee(div_rn(1.0f, denom), formats::kFloatMax);
+  return formats::fmin_ieee(formats::rcp_rn(denom), formats::kFloatMax);
 }
 
 FOURBIT_HD uint8_t nvfp4_encode_element(float x, float multiplier, bool stochastic,

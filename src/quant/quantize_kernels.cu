@@ -287,14 +287,16 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
       fn(task, mb, cp, v);
     }
   };
+  // Block amax; a NaN or Inf among the values sets `bad` (x * 0 is NaN exactly for those: one
+  // FMA per element instead of a compare and a predicate OR).
   auto amax16 = [&](const float v[16], bool& bad) {
-    float a = 0.0f;
+    float a = 0.0f, probe = 0.0f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      const float x = abs_f32(v[i]);
-      bad |= !(x <= formats::kFloatMax);
-      a = fmaxf(a, x);
+      a = fmaxf(a, fabsf(v[i]));
+      probe = __fmaf_rn(v[i], 0.0f, probe);
     }
+    bad |= probe != probe;
     return a;
   };
   // Writes the staged column-wise packed data: each column's TR/2 or TR bytes of this tile are
