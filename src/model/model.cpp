@@ -1,0 +1,1086 @@
+// Implementation of model.h: construction, parameters, the training forward and backward (every op
+// written out in order), and the non-finite checks. The KV-cache forward is in model_cached.cpp.
+//
+// Residual stream: resid[0] = embedding; per block l
+//   ln1 = rmsnorm(resid[l]); qkv = ln1 W_qkv^T; rope(q, k); attn = attention(q, k, v)
+//   mid[l] = resid[l] + attn W_out^T
+//   ln2 = rmsnorm(mid[l]); resid[l + 1] = mid[l] + ffn(ln2)
+// lnf = rmsnorm(resid[L]); logits = lnf W_head^T; losses = cross_entropy(logits, targets).
+// The backward walks the same list in reverse with one running gradient d_resid.
+//
+// Stochastic rounding draws of linear layer (block b, kind k) at training step s come from the
+// Philox stream make_stream_id(s, b * 8 + k, 0) + operand (core/rng.h; lm_head is block L), seeded
+// with ModelOptions::seed: a step is reproducible, and different steps draw differently.
+#include "model/model_internal.h"
+
+#include "core/check.h"
+#include "core/device.h"
+#include "core/rng.h"
+#include "formats/element.h"
+#include "model/expert_linear.h"
+#include "ops/attention.h"
+#include "ops/cross_entropy.h"
+#include "ops/elementwise.h"
+#include "ops/embedding.h"
+#include "ops/error_flags.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+#include "ops/swiglu.h"
+
+#include <fmt/format.h>
+
+#if defined(FOURBIT_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace fourbit::model {
+
+using recipe::LinearKind;
+
+std::string_view section_name(Section s) {
+  switch (s) {
+    case Section::kEmbedding: return "embedding";
+    case Section::kAttention: return "attention";
+    case Section::kMlp: return "mlp";
+    case Section::kMoe: return "moe";
+    case Section::kLmHead: return "lm_head+loss";
+  }
+  return "?";
+}
+
+std::string_view work_name(Work w) {
+  switch (w) {
+    case Work::kLinear: return "linear";
+    case Work::kAttention: return "attention";
+    case Work::kOther: return "other";
+  }
+  return "?";
+}
+
+namespace detail {
+
+TensorView Carver::take(Shape shape, DType dtype, std::string_view name) {
+  if (arena_ != nullptr) return arena_->alloc(shape, dtype, name);
+  bytes_ = (bytes_ + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment +
+           dtype_bytes(dtype, shape.numel());
+  return TensorView::contiguous(nullptr, dtype, shape, device_);
+}
+
+TensorView rows_of(const TensorView& t, int64_t row0, int64_t rows) {
+  TensorView v = t;
+  const int64_t row_elems = t.shape.ndim > 1 ? t.numel() / t.shape[0] : 1;
+  v.data = static_cast<char*>(t.data) + dtype_bytes(t.dtype, row0 * row_elems);
+  v.shape[0] = rows;
+  return v;
+}
+
+ops::MoePlan BlockActs::plan() const { return {offsets, slot_rows, row_slots}; }
+
+void sync_stream(Device device, void* stream) {
+#if defined(FOURBIT_WITH_CUDA)
+  if (device == Device::kCuda) FOURBIT_CUDA_CHECK(cudaStreamSynchronize((cudaStream_t)stream));
+#else
+  (void)device;
+  (void)stream;
+#endif
+}
+
+void copy_to_device(const TensorView& dst, const void* host, void* stream) {
+  const int64_t bytes = dst.nbytes();
+  if (bytes == 0) return;
+  if (dst.device == Device::kCpu) {
+    std::memcpy(dst.data, host, (size_t)bytes);
+    return;
+  }
+#if defined(FOURBIT_WITH_CUDA)
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(dst.data, host, (size_t)bytes, cudaMemcpyHostToDevice,
+                                     (cudaStream_t)stream));
+#else
+  (void)stream;
+#endif
+}
+
+void copy_to_host(void* host, const TensorView& src, void* stream) {
+  const int64_t bytes = src.nbytes();
+  if (bytes == 0) return;
+  if (src.device == Device::kCpu) {
+    std::memcpy(host, src.data, (size_t)bytes);
+    return;
+  }
+#if defined(FOURBIT_WITH_CUDA)
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(host, src.data, (size_t)bytes, cudaMemcpyDeviceToHost,
+                                     (cudaStream_t)stream));
+  FOURBIT_CUDA_CHECK(cudaStreamSynchronize((cudaStream_t)stream));
+#else
+  (void)stream;
+#endif
+}
+
+void gather_rows(const TensorView& dst, const TensorView& src, int64_t src_row0, int64_t src_step,
+                 void* stream) {
+  const int64_t rows = dst.shape[0], width = dst.shape[1];
+  const int64_t row_bytes = dtype_bytes(dst.dtype, width);
+  const char* s = static_cast<const char*>(src.data) + src_row0 * row_bytes;
+  if (dst.device == Device::kCpu) {
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(static_cast<char*>(dst.data) + r * row_bytes, s + r * src_step * row_bytes,
+                  (size_t)row_bytes);
+    return;
+  }
+#if defined(FOURBIT_WITH_CUDA)
+  FOURBIT_CUDA_CHECK(cudaMemcpy2DAsync(dst.data, (size_t)row_bytes, s, (size_t)(src_step * row_bytes),
+                                       (size_t)row_bytes, (size_t)rows, cudaMemcpyDeviceToDevice,
+                                       (cudaStream_t)stream));
+#else
+  (void)stream;
+#endif
+}
+
+TensorView qkv_part3(const TensorView& qkv, int64_t col0, int64_t heads, int64_t D) {
+  const int64_t W = qkv.shape[1];
+  TensorView v;
+  v.data = static_cast<char*>(qkv.data) + dtype_bytes(qkv.dtype, col0);
+  v.dtype = qkv.dtype;
+  v.device = qkv.device;
+  v.shape = Shape{qkv.shape[0], heads, D};
+  v.strides = Shape{W, D, 1};
+  return v;
+}
+
+TensorView qkv_part4(const TensorView& qkv, int64_t col0, int64_t heads, int64_t D, int B, int T) {
+  const int64_t W = qkv.shape[1];
+  TensorView v = qkv_part3(qkv, col0, heads, D);
+  v.shape = Shape{B, T, heads, D};
+  v.strides = Shape{(int64_t)T * W, W, D, 1};
+  return v;
+}
+
+}  // namespace detail
+
+using detail::Acts;
+using detail::BlockActs;
+using detail::Mode;
+using detail::rows_of;
+using detail::Scope;
+
+namespace {
+
+constexpr int kKinds = (int)recipe::kLinearKinds.size();
+
+int tensor_id(int block, LinearKind kind) { return block * kKinds + (int)kind; }
+
+// The host values of a small stat-dtype tensor (f32 or f64).
+std::vector<double> host_values(const TensorView& t, void* stream) {
+  std::vector<double> v((size_t)t.numel());
+  if (t.dtype == DType::kF64) {
+    detail::copy_to_host(v.data(), t, stream);
+    return v;
+  }
+  FOURBIT_CHECK(t.dtype == DType::kF32, "model: expected an f32 or f64 statistic, got {}", t.describe());
+  std::vector<float> f((size_t)t.numel());
+  detail::copy_to_host(f.data(), t, stream);
+  for (size_t i = 0; i < f.size(); ++i) v[i] = f[i];
+  return v;
+}
+
+std::string describe_flag(int bits) {
+  std::string s;
+  if (bits & ops::kErrNonFinite) s += "a NaN or Inf met by a quantizer or a check; ";
+  if (bits & ops::kErrIndexOutOfRange) s += "an index out of range (token id, target or forced expert id); ";
+  if (bits & ~(ops::kErrNonFinite | ops::kErrIndexOutOfRange)) s += fmt::format("error bits 0x{:x}; ", bits);
+  return s;
+}
+
+}  // namespace
+
+// ---- Impl: setup -----------------------------------------------------------------------------------
+
+Model::Impl::Impl(Model& model) : m(model), cfg(model.config_) {
+  const ParamTable& t = m.table_;
+  embedding = t.index_of("embedding.weight");
+  final_norm = t.index_of("final_norm.weight");
+  lm_head = cfg.tied_embeddings ? embedding : t.index_of("lm_head.weight");
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    const std::string p = fmt::format("blocks.{}.", l);
+    detail::BlockParams b;
+    b.attn_norm = t.index_of(p + "attn_norm.weight");
+    b.qkv = t.index_of(p + "attn.qkv.weight");
+    b.attn_out = t.index_of(p + "attn.out.weight");
+    b.mlp_norm = t.index_of(p + "mlp_norm.weight");
+    if (!cfg.is_moe_block(l)) {
+      b.mlp_up = t.index_of(p + "mlp.up.weight");
+      b.mlp_down = t.index_of(p + "mlp.down.weight");
+    } else {
+      b.router = t.index_of(p + "moe.router.weight");
+      if (cfg.moe.load_balancing == LoadBalancing::kBias) b.router_bias = t.index_of(p + "moe.router.bias");
+      b.experts_up = t.index_of(p + "moe.experts.up.weight");
+      b.experts_down = t.index_of(p + "moe.experts.down.weight");
+      if (cfg.moe.n_shared_experts > 0) {
+        b.mlp_up = t.index_of(p + "moe.shared.up.weight");
+        b.mlp_down = t.index_of(p + "moe.shared.down.weight");
+      }
+    }
+    bp.push_back(b);
+  }
+  // Every (mode, block, kind) recipe, resolved once.
+  const recipe::ResolvedRecipe& r = m.recipe_;
+  const recipe::ModelShape& shape = r.shape();
+  for (int mode = 0; mode < detail::kNumModes; ++mode) {
+    std::vector<gemm::LinearRecipe>& v = recipes[(size_t)mode];
+    v.assign((size_t)(cfg.n_layers + 1) * kKinds, gemm::LinearRecipe::plain());
+    for (int l = 0; l <= cfg.n_layers; ++l) {
+      for (LinearKind k : recipe::kLinearKinds) {
+        const bool head = k == LinearKind::kLmHead;
+        if (head != (l == cfg.n_layers)) continue;
+        if (!head && !shape.has(l, k)) continue;
+        const int block = head ? 0 : l;
+        gemm::LinearRecipe lr;
+        switch ((Mode)mode) {
+          case Mode::kPretrain: lr = r.pretrain_linear(block, k); break;
+          case Mode::kRlTrainer: lr = r.linear(recipe::Stage::kRlTrainer, block, k); break;
+          case Mode::kRlSampler: lr = r.linear(recipe::Stage::kRlSampler, block, k); break;
+        }
+        v[(size_t)tensor_id(l, k)] = lr;
+      }
+    }
+    int align = 8;
+    for (int l : cfg.moe.layers) {
+      align = std::max({align, expert_row_align(v[(size_t)tensor_id(l, LinearKind::kExpertUp)]),
+                        expert_row_align(v[(size_t)tensor_id(l, LinearKind::kExpertDown)])});
+    }
+    row_align[(size_t)mode] = align;
+    row_align_max = std::max(row_align_max, align);
+  }
+  if (m.options_.device == Device::kCuda) error_flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+}
+
+void Model::Impl::bf16(const TensorView& t) const {
+  if (!m.options_.cpu_bf16_rounding) return;
+  FOURBIT_CHECK(t.dtype == DType::kF32 && t.is_contiguous(), "model: bf16 rounding of {}", t.describe());
+  float* x = t.ptr<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) x[i] = formats::round_to_bf16(x[i]);
+}
+
+int* Model::Impl::flag() const {
+  return error_flag.defined() ? error_flag.ptr<int>() : nullptr;
+}
+
+const TensorView& Model::Impl::w(int index) const { return m.compute_params().view(index); }
+const TensorView& Model::Impl::master(int index) const { return m.params_.view(index); }
+const TensorView& Model::Impl::g(int index) const { return m.grads_.view(index); }
+
+void Model::Impl::scope_begin(Section s, Work w) const {
+  if (m.profiler_ != nullptr) m.profiler_->begin(s, w);
+}
+void Model::Impl::scope_end() const {
+  if (m.profiler_ != nullptr) m.profiler_->end();
+}
+
+void Model::Impl::record(std::string name, const TensorView& t, bool overwritten_by_backward) {
+  named.push_back({std::move(name), t, overwritten_by_backward});
+}
+
+void Model::Impl::check_error_flag(std::string_view where) {
+  if (!error_flag.defined()) return;
+  const int bits = ops::read_and_clear_error_flag(flag(), stream());
+  if (bits == 0) return;
+  throw Error(fmt::format(
+      "model {}: a CUDA kernel reported {}run Model::check_activations_finite() / "
+      "check_grads_finite() to find the tensor, and check the token ids (< vocab {}) and targets",
+      where, describe_flag(bits), cfg.vocab));
+}
+
+int64_t Model::Impl::max_perm_rows(int64_t n_tokens) const {
+  return ops::moe_permuted_rows(n_tokens, cfg.moe.top_k, cfg.moe.n_experts, row_align_max);
+}
+
+Acts Model::Impl::plan(detail::Carver& c, int B, int T, bool training, int64_t logits_rows,
+                       DType logits_dtype, bool gather_last) const {
+  const DType adt = m.act_dtype_, sdt = m.stat_dtype_, i32 = DType::kI32;
+  const int64_t N = (int64_t)B * T, C = cfg.d_model, D = cfg.head_dim();
+  const int64_t HD = (int64_t)cfg.n_heads * D, QKV = cfg.qkv_dim();
+  const bool cuda = m.options_.device == Device::kCuda;
+  Acts a;
+  a.training = training;
+  a.B = B;
+  a.T = T;
+  a.N = N;
+  a.tokens = c.take({N}, i32, "tokens");
+  a.targets = c.take({N}, i32, "targets");
+  a.positions = c.take({N}, i32, "positions");
+  if (!training) a.write_pos = c.take({N}, i32, "kv write positions");
+  if (cfg.is_moe()) a.forced = c.take({N, cfg.moe.top_k}, i32, "forced expert ids");
+  const int n_resid = training ? cfg.n_layers + 1 : 2;
+  for (int i = 0; i < n_resid; ++i) a.resid.push_back(c.take({N, C}, adt, "residual"));
+  const int n_blocks = training ? cfg.n_layers : 1;
+  const int64_t E = cfg.moe.n_experts, k = cfg.moe.top_k, Fe = cfg.moe.expert_d_ff;
+  const int64_t R = cfg.is_moe() ? max_perm_rows(N) : 0;
+  int64_t f_max = 0;
+  for (int l = 0; l < n_blocks; ++l) {
+    // The KV-cache path reuses one BlockActs for every block: size it for the largest block.
+    const bool any_moe = cfg.is_moe();
+    const bool any_dense = (int)cfg.moe.layers.size() < cfg.n_layers;
+    const bool moe = training ? cfg.is_moe_block(l) : any_moe;
+    const bool dense_mlp = training ? !cfg.is_moe_block(l) : any_dense;
+    const bool shared = cfg.moe.n_shared_experts > 0 && moe;
+    a.mid.push_back(c.take({N, C}, adt, "attention residual"));
+    BlockActs b;
+    b.ln1 = c.take({N, C}, adt, "attn_norm out");
+    b.ln1_rstd = c.take({N}, sdt, "attn_norm rstd");
+    b.qkv = c.take({N, QKV}, adt, "qkv");
+    b.attn = c.take({N, HD}, adt, "attention out");
+    if (training) b.lse = c.take({B, cfg.n_heads, T}, sdt, "attention lse");
+    b.ln2 = c.take({N, C}, adt, "mlp_norm out");
+    b.ln2_rstd = c.take({N}, sdt, "mlp_norm rstd");
+    int64_t F = 0;
+    if (dense_mlp) F = cfg.d_ff;
+    if (shared) F = std::max<int64_t>(F, Fe);
+    if (F > 0) {
+      b.gate_up = c.take({N, 2 * F}, adt, "mlp gate_up");
+      b.act = c.take({N, F}, adt, "mlp act");
+    }
+    f_max = std::max(f_max, F);
+    if (moe) {
+      b.router_logits = c.take({N, E}, sdt, "router logits");
+      b.probs = c.take({N, E}, sdt, "router probs");
+      b.expert_ids = c.take({N, k}, i32, "expert ids");
+      b.gates = c.take({N, k}, sdt, "gates");
+      b.counts = c.take({E}, i32, "expert counts");
+      b.router_losses = c.take({2}, sdt, "router losses");
+      b.offsets = c.take({E + 1}, i32, "moe offsets");
+      b.slot_rows = c.take({N, k}, i32, "moe slot rows");
+      b.row_slots = c.take({R}, i32, "moe row slots");
+      b.x_perm = c.take({R, C}, adt, "moe x_perm");
+      b.h_perm = c.take({R, 2 * Fe}, adt, "moe h_perm");
+      b.act_perm = c.take({R, Fe}, adt, "moe act_perm");
+      b.y_perm = c.take({R, C}, adt, "moe y_perm");
+      if (shared) b.shared_out = c.take({N, C}, adt, "shared expert out");
+    }
+    a.blocks.push_back(std::move(b));
+  }
+  if (gather_last) a.last_rows = c.take({B, C}, adt, "last rows");
+  a.lnf = c.take({logits_rows, C}, adt, "final_norm out");
+  a.lnf_rstd = c.take({logits_rows}, sdt, "final_norm rstd");
+  a.logits = c.take({logits_rows, cfg.vocab}, logits_dtype, "logits");
+  if (training) {
+    a.losses = c.take({N}, sdt, "losses");
+    a.mean_loss = c.take({1}, sdt, "mean loss");
+    detail::Scratch& s = a.s;
+    s.d_resid = c.take({N, C}, adt, "d_resid");
+    s.d_tmp = c.take({N, C}, adt, "d_tmp");
+    s.d_ln = c.take({N, C}, adt, "d_ln");
+    s.d_qkv = c.take({N, QKV}, adt, "d_qkv");
+    s.d_attn = c.take({N, HD}, adt, "d_attn");
+    if (f_max > 0) s.d_act = c.take({N, f_max}, adt, "d_act");
+    if (cfg.is_moe()) {
+      s.d_perm_c = c.take({R, C}, adt, "d_perm_c");
+      s.d_perm_f = c.take({R, Fe}, adt, "d_perm_f");
+      s.d_gates = c.take({N, k}, sdt, "d_gates");
+      s.d_logits = c.take({N, E}, sdt, "d_router_logits");
+      if (cuda || m.options_.cpu_bf16_rounding) s.d_logits_c = c.take({N, E}, adt, "d_router_logits bf16");
+    }
+    if (cuda) {
+      s.norm_ws = c.take({ops::rmsnorm_backward_workspace_bytes(N, C)}, DType::kU8, "rmsnorm workspace");
+      s.emb_ws = c.take({ops::embedding_backward_workspace_bytes(N, cfg.vocab, Device::kCuda)},
+                        DType::kU8, "embedding workspace");
+    }
+  }
+  return a;
+}
+
+// ---- Impl: linear layers -----------------------------------------------------------------------
+
+const gemm::LinearRecipe& Model::Impl::linear_recipe(int block, LinearKind kind) const {
+  const int l = kind == LinearKind::kLmHead ? cfg.n_layers : block;
+  return recipes[(size_t)mode][(size_t)tensor_id(l, kind)];
+}
+
+gemm::LinearOptions Model::Impl::linear_options(int block, LinearKind kind, const std::string& name) const {
+  gemm::LinearOptions o;
+  const int l = kind == LinearKind::kLmHead ? cfg.n_layers : block;
+  o.sr = RandomStream{m.options_.seed, make_stream_id(step, (uint32_t)tensor_id(l, kind), 0)};
+  o.stream = stream();
+  o.name = name;
+  o.error_flag = flag();
+  return o;
+}
+
+namespace {
+std::string layer_name(int block, LinearKind kind) {
+  return kind == LinearKind::kLmHead ? std::string("lm_head")
+                                     : fmt::format("blocks.{}.{}", block, recipe::kind_name(kind));
+}
+}  // namespace
+
+void Model::Impl::fprop(Section s, int block, LinearKind kind, const TensorView& x,
+                        const TensorView& wt, const TensorView& y, bool bf16_output) {
+  const gemm::LinearRecipe& r = linear_recipe(block, kind);
+  if (m.profiler_) m.profiler_->linear_call({s, recipe::Gemm::kFprop, &r, x.shape[0], wt.shape[0], x.shape[1], 1});
+  const std::string name = layer_name(block, kind);
+  Scope scope(*this, s, Work::kLinear);
+  gemm::linear_fprop(r, x, wt, y, linear_options(block, kind, name));
+  if (bf16_output) bf16(y);
+}
+
+void Model::Impl::dgrad(Section s, int block, LinearKind kind, const TensorView& dy,
+                        const TensorView& wt, const TensorView& dx) {
+  const gemm::LinearRecipe& r = linear_recipe(block, kind);
+  if (m.profiler_) m.profiler_->linear_call({s, recipe::Gemm::kDgrad, &r, dy.shape[0], wt.shape[0], wt.shape[1], 1});
+  const std::string name = layer_name(block, kind);
+  Scope scope(*this, s, Work::kLinear);
+  gemm::linear_dgrad(r, dy, wt, dx, linear_options(block, kind, name));
+  bf16(dx);
+}
+
+void Model::Impl::wgrad(Section s, int block, LinearKind kind, const TensorView& dy,
+                        const TensorView& x, const TensorView& dw) {
+  const gemm::LinearRecipe& r = linear_recipe(block, kind);
+  if (m.profiler_) m.profiler_->linear_call({s, recipe::Gemm::kWgrad, &r, dy.shape[0], dy.shape[1], x.shape[1], 1});
+  const std::string name = layer_name(block, kind);
+  Scope scope(*this, s, Work::kLinear);
+  gemm::linear_wgrad(r, dy, x, dw, 1.0f, linear_options(block, kind, name));
+}
+
+// ---- Impl: the feed-forward half of a block -----------------------------------------------------
+
+namespace {
+// A [rows, cols] contiguous view at the start of a (larger) contiguous buffer.
+TensorView prefix(const TensorView& buf, int64_t rows, int64_t cols) {
+  TensorView v = buf;
+  v.shape = Shape{rows, cols};
+  v.strides = contiguous_strides(v.shape);
+  return v;
+}
+}  // namespace
+
+
+void Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& out,
+                              const TensorView& forced_host) {
+  if (cfg.is_moe_block(l)) {
+    forward_moe(l, a, b, out, forced_host);
+    return;
+  }
+  const detail::BlockParams& p = bp[(size_t)l];
+  const int64_t N = a.N, F = cfg.d_ff;
+  const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
+  fprop(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, w(p.mlp_up), gu);
+  {
+    Scope s(*this, Section::kMlp, Work::kOther);
+    ops::swiglu_forward(act, gu, stream());
+    bf16(act);
+  }
+  fprop(Section::kMlp, l, LinearKind::kMlpDown, act, w(p.mlp_down), out);
+  if (a.training) {
+    record(fmt::format("blocks.{}.mlp.gate_up", l), gu, true);
+    record(fmt::format("blocks.{}.mlp.act", l), act);
+  }
+}
+
+void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& out,
+                              const TensorView& forced_host) {
+  const detail::BlockParams& p = bp[(size_t)l];
+  const int mi = cfg.moe_index(l);
+  const int64_t N = a.N, C = cfg.d_model, E = cfg.moe.n_experts, k = cfg.moe.top_k;
+  const int64_t Fe = cfg.moe.expert_d_ff;
+  // Router: logits in the stat dtype (FP32 on CUDA), the router's own recipe (BF16 by default).
+  fprop(Section::kMoe, l, LinearKind::kRouter, b.ln2, w(p.router), b.router_logits, false);
+  {
+    Scope s(*this, Section::kMoe, Work::kOther);
+    ops::RouterOptions ro;
+    ro.top_k = (int)k;
+    if (p.router_bias >= 0) ro.selection_bias = master(p.router_bias);
+    if (forced_host.data != nullptr) {
+      // Host [N, n_moe, k] -> this block's contiguous [N, k].
+      std::vector<int32_t> ids((size_t)(N * k));
+      const int32_t* src = forced_host.ptr<const int32_t>();
+      const int64_t n_moe = cfg.n_moe_layers();
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t j = 0; j < k; ++j) ids[(size_t)(n * k + j)] = src[(n * n_moe + mi) * k + j];
+      detail::copy_to_device(a.forced, ids.data(), stream());
+      ro.forced_ids = a.forced;
+      ro.error_flag = flag();
+    }
+    ops::router_forward(b.router_logits, ro,
+                        {b.probs, b.expert_ids, b.gates, b.counts, b.router_losses}, stream());
+    // The grouped GEMMs need the group sizes on the host.
+    b.counts_host.resize((size_t)E);
+    detail::copy_to_host(b.counts_host.data(), b.counts, stream());
+    b.group_sizes = ops::moe_group_sizes(b.counts_host, row_align[(size_t)mode]);
+    b.rows = 0;
+    for (int64_t s : b.group_sizes) b.rows += s;
+    ops::moe_plan(b.expert_ids, row_align[(size_t)mode], b.plan(), stream());
+    ops::moe_permute(b.ln2, b.plan(), b.x_perm, stream());
+  }
+  const TensorView x_perm = prefix(b.x_perm, b.rows, C), h_perm = prefix(b.h_perm, b.rows, 2 * Fe);
+  const TensorView act_perm = prefix(b.act_perm, b.rows, Fe), y_perm = prefix(b.y_perm, b.rows, C);
+  auto expert_call = [&](LinearKind kind, recipe::Gemm gemm_kind, int64_t m_rows, const TensorView& wt) {
+    if (m.profiler_) {
+      m.profiler_->linear_call({Section::kMoe, gemm_kind, &linear_recipe(l, kind), m_rows, wt.shape[1],
+                                wt.shape[2], (int)E});
+    }
+  };
+  const std::string up_name = layer_name(l, LinearKind::kExpertUp);
+  const std::string down_name = layer_name(l, LinearKind::kExpertDown);
+  expert_call(LinearKind::kExpertUp, recipe::Gemm::kFprop, b.rows, w(p.experts_up));
+  {
+    Scope s(*this, Section::kMoe, Work::kLinear);
+    expert_fprop(linear_recipe(l, LinearKind::kExpertUp), x_perm, w(p.experts_up), b.group_sizes,
+                 h_perm, linear_options(l, LinearKind::kExpertUp, up_name));
+    bf16(h_perm);
+  }
+  {
+    Scope s(*this, Section::kMoe, Work::kOther);
+    ops::swiglu_forward(act_perm, h_perm, stream());
+    bf16(act_perm);
+  }
+  expert_call(LinearKind::kExpertDown, recipe::Gemm::kFprop, b.rows, w(p.experts_down));
+  {
+    Scope s(*this, Section::kMoe, Work::kLinear);
+    expert_fprop(linear_recipe(l, LinearKind::kExpertDown), act_perm, w(p.experts_down),
+                 b.group_sizes, y_perm, linear_options(l, LinearKind::kExpertDown, down_name));
+    bf16(y_perm);
+  }
+  {
+    Scope s(*this, Section::kMoe, Work::kOther);
+    ops::moe_unpermute(b.y_perm, b.gates, b.plan(), out, stream());
+    bf16(out);
+  }
+  if (a.training) {
+    const std::string pfx = fmt::format("blocks.{}.moe.", l);
+    record(pfx + "router_logits", b.router_logits);
+    record(pfx + "router_probs", b.probs);
+    record(pfx + "gates", b.gates);
+    record(pfx + "x_perm", x_perm);
+    record(pfx + "h_perm", h_perm, true);
+    record(pfx + "act_perm", act_perm);
+    record(pfx + "y_perm", y_perm);
+  }
+  if (p.mlp_up < 0) return;
+  // The shared expert: a dense SwiGLU MLP of hidden size Fe over every token.
+  const TensorView gu = prefix(b.gate_up, N, 2 * Fe), act = prefix(b.act, N, Fe);
+  fprop(Section::kMoe, l, LinearKind::kMlpUp, b.ln2, w(p.mlp_up), gu);
+  {
+    Scope s(*this, Section::kMoe, Work::kOther);
+    ops::swiglu_forward(act, gu, stream());
+    bf16(act);
+  }
+  fprop(Section::kMoe, l, LinearKind::kMlpDown, act, w(p.mlp_down), b.shared_out);
+  {
+    Scope s(*this, Section::kMoe, Work::kOther);
+    ops::add_inplace(out, b.shared_out, stream());
+    bf16(out);
+  }
+  if (a.training) {
+    record(fmt::format("blocks.{}.moe.shared.gate_up", l), gu, true);
+    record(fmt::format("blocks.{}.moe.shared.act", l), act);
+    record(fmt::format("blocks.{}.moe.shared.out", l), b.shared_out);
+  }
+}
+
+void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale) {
+  detail::Scratch& s = a.s;
+  const detail::BlockParams& p = bp[(size_t)l];
+  const int64_t N = a.N, C = cfg.d_model;
+  const Section sec = cfg.is_moe_block(l) ? Section::kMoe : Section::kMlp;
+  // d_ln accumulates d ln2 from every consumer of ln2; dense: the MLP only.
+  if (!cfg.is_moe_block(l)) {
+    const int64_t F = cfg.d_ff;
+    const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
+    const TensorView d_act = prefix(s.d_act, N, F);
+    dgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act);
+    wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, act, g(p.mlp_down));
+    {
+      Scope sc(*this, sec, Work::kOther);
+      ops::swiglu_backward_inplace(gu, d_act, stream());  // gu now holds d_gate_up
+      bf16(gu);
+    }
+    dgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_ln);
+    wgrad(sec, l, LinearKind::kMlpUp, gu, b.ln2, g(p.mlp_up));
+    return;
+  }
+  const int64_t E = cfg.moe.n_experts, Fe = cfg.moe.expert_d_ff;
+  const TensorView x_perm = prefix(b.x_perm, b.rows, C), h_perm = prefix(b.h_perm, b.rows, 2 * Fe);
+  const TensorView act_perm = prefix(b.act_perm, b.rows, Fe);
+  const TensorView d_y_perm = prefix(s.d_perm_c, b.rows, C), d_act_perm = prefix(s.d_perm_f, b.rows, Fe);
+  {
+    Scope sc(*this, sec, Work::kOther);
+    ops::moe_unpermute_backward(s.d_resid, b.y_perm, b.gates, b.plan(), s.d_perm_c, s.d_gates, stream());
+    bf16(d_y_perm);
+  }
+  auto expert_call = [&](LinearKind kind, recipe::Gemm gemm_kind, const TensorView& wt) {
+    if (m.profiler_) {
+      m.profiler_->linear_call({sec, gemm_kind, &linear_recipe(l, kind), b.rows, wt.shape[1], wt.shape[2], (int)E});
+    }
+  };
+  const std::string up_name = layer_name(l, LinearKind::kExpertUp);
+  const std::string down_name = layer_name(l, LinearKind::kExpertDown);
+  const gemm::LinearRecipe& r_up = linear_recipe(l, LinearKind::kExpertUp);
+  const gemm::LinearRecipe& r_down = linear_recipe(l, LinearKind::kExpertDown);
+  expert_call(LinearKind::kExpertDown, recipe::Gemm::kDgrad, w(p.experts_down));
+  {
+    Scope sc(*this, sec, Work::kLinear);
+    expert_dgrad(r_down, d_y_perm, w(p.experts_down), b.group_sizes, d_act_perm,
+                 linear_options(l, LinearKind::kExpertDown, down_name));
+    bf16(d_act_perm);
+  }
+  expert_call(LinearKind::kExpertDown, recipe::Gemm::kWgrad, w(p.experts_down));
+  {
+    Scope sc(*this, sec, Work::kLinear);
+    expert_wgrad(r_down, d_y_perm, act_perm, b.group_sizes, g(p.experts_down), 1.0f,
+                 linear_options(l, LinearKind::kExpertDown, down_name));
+  }
+  {
+    Scope sc(*this, sec, Work::kOther);
+    ops::swiglu_backward_inplace(h_perm, d_act_perm, stream());  // h_perm now holds d_h_perm
+    bf16(h_perm);
+  }
+  const TensorView d_x_perm = d_y_perm;  // d_y_perm is no longer needed (rows beyond `rows`
+                                         // are padding, never read)
+  expert_call(LinearKind::kExpertUp, recipe::Gemm::kDgrad, w(p.experts_up));
+  {
+    Scope sc(*this, sec, Work::kLinear);
+    expert_dgrad(r_up, h_perm, w(p.experts_up), b.group_sizes, d_x_perm,
+                 linear_options(l, LinearKind::kExpertUp, up_name));
+    bf16(d_x_perm);
+  }
+  expert_call(LinearKind::kExpertUp, recipe::Gemm::kWgrad, w(p.experts_up));
+  {
+    Scope sc(*this, sec, Work::kLinear);
+    expert_wgrad(r_up, h_perm, x_perm, b.group_sizes, g(p.experts_up), 1.0f,
+                 linear_options(l, LinearKind::kExpertUp, up_name));
+  }
+  {
+    Scope sc(*this, sec, Work::kOther);
+    ops::moe_permute_backward(s.d_perm_c, b.plan(), s.d_ln, stream());
+    bf16(s.d_ln);
+    // Router: the gates' gradient plus the load-balancing losses'.
+    const double n_moe = cfg.n_moe_layers();
+    ops::RouterLossGrads lg;
+    if (cfg.moe.load_balancing == LoadBalancing::kAuxLoss)
+      lg.aux = (float)(loss_scale * cfg.moe.aux_loss_coef / n_moe);
+    lg.z = (float)(loss_scale * cfg.moe.z_loss_coef / n_moe);
+    ops::router_backward({b.router_logits, b.probs, b.expert_ids, b.counts}, s.d_gates, lg,
+                         s.d_logits, stream());
+    if (s.d_logits_c.data != nullptr) {  // the router GEMMs' bf16 operand (CUDA, or emulated)
+      if (s.d_logits_c.dtype == DType::kBF16) {
+        ops::cast(s.d_logits_c, s.d_logits, stream());
+      } else {
+        copy_tensor(s.d_logits_c, s.d_logits);
+        bf16(s.d_logits_c);
+      }
+    }
+  }
+  const TensorView d_logits = s.d_logits_c.data != nullptr ? s.d_logits_c : s.d_logits;
+  dgrad(sec, l, LinearKind::kRouter, d_logits, w(p.router), s.d_tmp);
+  wgrad(sec, l, LinearKind::kRouter, d_logits, b.ln2, g(p.router));
+  {
+    Scope sc(*this, sec, Work::kOther);
+    ops::add_inplace(s.d_ln, s.d_tmp, stream());
+    bf16(s.d_ln);
+  }
+  if (p.mlp_up < 0) return;
+  const TensorView gu = prefix(b.gate_up, N, 2 * Fe), act = prefix(b.act, N, Fe);
+  const TensorView d_act = prefix(s.d_act, N, Fe);
+  dgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act);
+  wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, act, g(p.mlp_down));
+  {
+    Scope sc(*this, sec, Work::kOther);
+    ops::swiglu_backward_inplace(gu, d_act, stream());
+    bf16(gu);
+  }
+  dgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_tmp);
+  wgrad(sec, l, LinearKind::kMlpUp, gu, b.ln2, g(p.mlp_up));
+  {
+    Scope sc(*this, sec, Work::kOther);
+    ops::add_inplace(s.d_ln, s.d_tmp, stream());
+    bf16(s.d_ln);
+  }
+}
+
+// ---- Model -------------------------------------------------------------------------------------
+
+Model::Model(ModelConfig config, recipe::ResolvedRecipe resolved, const ModelOptions& options)
+    : config_(std::move(config)), recipe_(std::move(resolved)), options_(options),
+      table_(ParamTable::build(config_)) {
+  const bool cuda = options_.device == Device::kCuda;
+  FOURBIT_CHECK(recipe_.shape() == config_.recipe_shape(),
+                "model '{}': the recipe '{}' was resolved for another model shape ({} blocks, MoE "
+                "blocks [{}]); resolve it with config.recipe_shape()",
+                config_.name, recipe_.recipe().name, recipe_.shape().n_layers,
+                fmt::join(recipe_.shape().moe_blocks, ", "));
+  FOURBIT_CHECK(options_.max_batch >= 1, "model '{}': max_batch must be >= 1, got {}", config_.name,
+                options_.max_batch);
+  max_seq_ = options_.max_seq == 0 ? config_.max_seq : options_.max_seq;
+  FOURBIT_CHECK(max_seq_ >= 1 && max_seq_ <= config_.max_seq,
+                "model '{}': max_seq {} must lie in [1, config.max_seq = {}]", config_.name, max_seq_,
+                config_.max_seq);
+  if (cuda) {
+    FOURBIT_CHECK(built_with_cuda() && cuda_device_count() > 0,
+                  "model '{}' on cuda: {}; use device cpu", config_.name,
+                  built_with_cuda() ? "no CUDA GPU is visible" : "this binary was built without CUDA");
+    FOURBIT_CHECK(config_.head_dim() == 64 || config_.head_dim() == 128,
+                  "model '{}': head_dim = d_model / n_heads = {}; the CUDA attention kernels take 64 "
+                  "or 128 (change n_heads)", config_.name, config_.head_dim());
+    act_dtype_ = DType::kBF16;
+    stat_dtype_ = DType::kF32;
+  } else {
+    FOURBIT_CHECK(options_.cpu_dtype == DType::kF32 || options_.cpu_dtype == DType::kF64,
+                  "model '{}' on the CPU: cpu_dtype must be f32 or f64, got {}", config_.name,
+                  dtype_name(options_.cpu_dtype));
+    act_dtype_ = stat_dtype_ = options_.cpu_dtype;
+  }
+  FOURBIT_CHECK(!options_.cpu_bf16_rounding || (!cuda && options_.cpu_dtype == DType::kF32),
+                "model '{}': cpu_bf16_rounding needs device cpu and cpu_dtype f32", config_.name);
+  const DType master = cuda ? DType::kF32 : options_.cpu_dtype;
+  params_ = ParamBuffer(table_, master, options_.device);
+  init_params(table_, params_, options_.seed);
+  grads_ = ParamBuffer(table_, master, options_.device);
+  impl_ = std::make_unique<Impl>(*this);
+  if (cuda) compute_ = ParamBuffer(table_, DType::kBF16, Device::kCuda);
+  if (options_.cpu_bf16_rounding) compute_ = ParamBuffer(table_, DType::kF32, Device::kCpu);
+  params_changed();
+  detail::Carver counter(nullptr, options_.device);
+  impl_->plan(counter, options_.max_batch, max_seq_, true, (int64_t)options_.max_batch * max_seq_,
+              act_dtype_, false);
+  arena_ = std::make_unique<Arena>(counter.bytes(), options_.device);
+  counts_host_.resize((size_t)config_.n_moe_layers());
+}
+
+Model::~Model() = default;
+
+void Model::zero_grads() { fill_bytes(grads_.flat(), 0); }
+
+void Model::params_changed() {
+  if (!compute_.defined()) return;
+  if (compute_.dtype() == DType::kBF16) {
+    ops::cast(compute_.flat(), params_.flat(), options_.stream);
+    return;
+  }
+  // CPU with bf16 rounding: the GEMM weights are the master weights rounded to bf16, in f32.
+  copy_tensor(compute_.flat(), params_.flat());
+  impl_->bf16(compute_.flat());
+}
+
+int64_t Model::activation_bytes() const { return arena_->capacity(); }
+int64_t Model::activation_peak_bytes() const { return arena_->peak(); }
+
+TensorView Model::logits() const {
+  FOURBIT_CHECK(impl_->have_forward && !impl_->backward_done,
+                "Model::logits: no forward since the last backward (backward overwrites the logits "
+                "with their gradient); run forward first");
+  return impl_->acts.logits;
+}
+
+void Model::expert_ids(const TensorView& out) const {
+  const Impl& im = *impl_;
+  FOURBIT_CHECK(im.have_forward, "Model::expert_ids: run forward first");
+  const int64_t N = im.acts.N, k = config_.moe.top_k, n_moe = config_.n_moe_layers();
+  FOURBIT_CHECK(out.device == Device::kCpu && out.dtype == DType::kI32 && out.is_contiguous() &&
+                    out.numel() == N * n_moe * k,
+                "Model::expert_ids: out must be a contiguous host i32 [{}, {}, {}], got {}", N, n_moe,
+                k, out.describe());
+  std::vector<int32_t> ids((size_t)(N * k));
+  for (int mi = 0; mi < n_moe; ++mi) {
+    const BlockActs& b = im.acts.blocks[(size_t)config_.moe.layers[(size_t)mi]];
+    detail::copy_to_host(ids.data(), b.expert_ids, options_.stream);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 0; j < k; ++j) out.ptr<int32_t>()[(n * n_moe + mi) * k + j] = ids[(size_t)(n * k + j)];
+  }
+}
+
+void Model::update_router_bias() {
+  if (config_.moe.load_balancing != LoadBalancing::kBias || !config_.is_moe()) return;
+  FOURBIT_CHECK(impl_->have_forward, "Model::update_router_bias: run a forward first");
+  const int E = config_.moe.n_experts;
+  for (int mi = 0; mi < config_.n_moe_layers(); ++mi) {
+    const int l = config_.moe.layers[(size_t)mi];
+    const TensorView bias = params_.view(impl_->bp[(size_t)l].router_bias);
+    const std::vector<int32_t>& counts = counts_host_[(size_t)mi];
+    double mean = 0;
+    for (int32_t c : counts) mean += c;
+    mean /= E;
+    std::vector<double> b = host_values(bias, options_.stream);
+    for (int e = 0; e < E; ++e) {
+      const double d = mean - counts[(size_t)e];
+      b[(size_t)e] += config_.moe.bias_update_rate * (d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0);
+    }
+    if (bias.dtype == DType::kF64) {
+      detail::copy_to_device(bias, b.data(), options_.stream);
+    } else {
+      std::vector<float> f(b.begin(), b.end());
+      detail::copy_to_device(bias, f.data(), options_.stream);
+    }
+  }
+  detail::sync_stream(options_.device, options_.stream);  // the host vectors die here
+}
+
+// ---- training forward ------------------------------------------------------------------------
+
+LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, const ForwardOptions& o) {
+  Impl& im = *impl_;
+  const ModelConfig& c = config_;
+  FOURBIT_CHECK(tokens.device == Device::kCpu && tokens.dtype == DType::kI32 && tokens.shape.ndim == 2 &&
+                    tokens.is_contiguous(),
+                "Model::forward: tokens must be a contiguous host i32 [B, T], got {}", tokens.describe());
+  FOURBIT_CHECK(targets.device == Device::kCpu && targets.dtype == DType::kI32 &&
+                    targets.shape == tokens.shape && targets.is_contiguous(),
+                "Model::forward: targets must be a contiguous host i32 {} like tokens, got {}",
+                tokens.shape.str(), targets.describe());
+  const int B = (int)tokens.shape[0], T = (int)tokens.shape[1];
+  FOURBIT_CHECK(B >= 1 && B <= options_.max_batch && T >= 1 && T <= max_seq_,
+                "Model::forward: batch [{}, {}] exceeds the model's max_batch {} x max_seq {} (set "
+                "ModelOptions::max_batch / max_seq)", B, T, options_.max_batch, max_seq_);
+  const int64_t N = (int64_t)B * T;
+  int64_t n_valid = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const int32_t id = tokens.ptr<const int32_t>()[i], tg = targets.ptr<const int32_t>()[i];
+    FOURBIT_CHECK(id >= 0 && id < c.vocab, "Model::forward: token [{}, {}] = {} lies outside [0, {})",
+                  i / T, i % T, id, c.vocab);
+    FOURBIT_CHECK(tg == -1 || (tg >= 0 && tg < c.vocab),
+                  "Model::forward: target [{}, {}] = {} must be -1 (ignored) or in [0, {})", i / T,
+                  i % T, tg, c.vocab);
+    n_valid += tg >= 0;
+  }
+  if (o.forced_expert_ids.data != nullptr) {
+    FOURBIT_CHECK(c.is_moe(), "Model::forward: forced_expert_ids given to a dense model");
+    FOURBIT_CHECK(o.forced_expert_ids.device == Device::kCpu && o.forced_expert_ids.dtype == DType::kI32 &&
+                      o.forced_expert_ids.is_contiguous() &&
+                      o.forced_expert_ids.numel() == N * c.n_moe_layers() * c.moe.top_k,
+                  "Model::forward: forced_expert_ids must be a contiguous host i32 [{}, {}, {}], got {}",
+                  N, c.n_moe_layers(), c.moe.top_k, o.forced_expert_ids.describe());
+  }
+  im.mode = o.stage == TrainingStage::kPretrain ? Mode::kPretrain : Mode::kRlTrainer;
+  im.step = o.step;
+  im.n_valid = n_valid;
+  im.have_forward = false;
+  im.backward_done = false;
+  im.named.clear();
+
+  arena_->reset();
+  detail::Carver carver(arena_.get(), options_.device);
+  im.acts = im.plan(carver, B, T, true, N, act_dtype_, false);
+  Acts& a = im.acts;
+  void* st = options_.stream;
+
+  detail::copy_to_device(a.tokens, tokens.data, st);
+  detail::copy_to_device(a.targets, targets.data, st);
+  {
+    std::vector<int32_t> pos((size_t)N);
+    for (int64_t i = 0; i < N; ++i) pos[(size_t)i] = (int32_t)(i % T);
+    detail::copy_to_device(a.positions, pos.data(), st);
+    detail::sync_stream(options_.device, st);
+  }
+  {
+    Scope s(im, Section::kEmbedding, Work::kOther);
+    ops::embedding_forward(a.resid[0], a.tokens, im.master(im.embedding), im.flag(), st);
+    im.bf16(a.resid[0]);
+  }
+  im.record("embedding", a.resid[0]);
+
+  const int64_t D = c.head_dim(), H = c.n_heads, Hkv = c.n_kv_heads;
+  const float eps = (float)c.norm_eps, theta = (float)c.rope_theta;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const detail::BlockParams& p = im.bp[(size_t)l];
+    BlockActs& b = a.blocks[(size_t)l];
+    const std::string pfx = fmt::format("blocks.{}.", l);
+    {
+      Scope s(im, Section::kAttention, Work::kOther);
+      ops::rmsnorm_forward(b.ln1, b.ln1_rstd, a.resid[(size_t)l], im.master(p.attn_norm), eps, st);
+      im.bf16(b.ln1);
+    }
+    im.fprop(Section::kAttention, l, LinearKind::kQkv, b.ln1, im.w(p.qkv), b.qkv);
+    {
+      Scope s(im, Section::kAttention, Work::kOther);
+      ops::rope_forward_inplace(detail::qkv_part3(b.qkv, 0, H, D), detail::qkv_part3(b.qkv, H * D, Hkv, D),
+                                a.positions, theta, st);
+      im.bf16(b.qkv);
+    }
+    {
+      Scope s(im, Section::kAttention, Work::kAttention);
+      TensorView out4 = b.attn;
+      out4.shape = Shape{B, T, H, D};
+      out4.strides = contiguous_strides(out4.shape);
+      ops::attention_forward(detail::qkv_part4(b.qkv, 0, H, D, B, T),
+                             detail::qkv_part4(b.qkv, H * D, Hkv, D, B, T),
+                             detail::qkv_part4(b.qkv, (H + Hkv) * D, Hkv, D, B, T), out4, b.lse, {}, st);
+      im.bf16(b.attn);
+    }
+    const TensorView mid = a.mid[(size_t)l];
+    im.fprop(Section::kAttention, l, LinearKind::kAttnOut, b.attn, im.w(p.attn_out), mid);
+    {
+      Scope s(im, Section::kAttention, Work::kOther);
+      ops::add_inplace(mid, a.resid[(size_t)l], st);
+      im.bf16(mid);
+    }
+    const Section ffn = c.is_moe_block(l) ? Section::kMoe : Section::kMlp;
+    {
+      Scope s(im, ffn, Work::kOther);
+      ops::rmsnorm_forward(b.ln2, b.ln2_rstd, mid, im.master(p.mlp_norm), eps, st);
+      im.bf16(b.ln2);
+    }
+    im.record(pfx + "attn_norm", b.ln1);
+    im.record(pfx + "attn.qkv", b.qkv);
+    im.record(pfx + "attn.out", b.attn);
+    im.record(pfx + "attn.residual", mid);
+    im.record(pfx + "mlp_norm", b.ln2);
+    const TensorView out = a.resid[(size_t)l + 1];
+    im.forward_ffn(l, a, b, out, o.forced_expert_ids);
+    {
+      Scope s(im, ffn, Work::kOther);
+      ops::add_inplace(out, mid, st);
+      im.bf16(out);
+    }
+    im.record(pfx + "output", out);
+  }
+  {
+    Scope s(im, Section::kLmHead, Work::kOther);
+    ops::rmsnorm_forward(a.lnf, a.lnf_rstd, a.resid[(size_t)c.n_layers], im.master(im.final_norm), eps, st);
+    im.bf16(a.lnf);
+  }
+  im.fprop(Section::kLmHead, c.n_layers, LinearKind::kLmHead, a.lnf, im.w(im.lm_head), a.logits);
+  {
+    Scope s(im, Section::kLmHead, Work::kOther);
+    ops::cross_entropy_forward(a.losses, a.mean_loss, a.logits, a.targets, im.flag(), st);
+  }
+  im.record("final_norm", a.lnf);
+  im.record("logits", a.logits, true);
+
+  LossInfo info;
+  info.n_valid = n_valid;
+  info.ce = host_values(a.mean_loss, st)[0];
+  im.router_losses.assign((size_t)c.n_moe_layers(), {0.0, 0.0});
+  for (int mi = 0; mi < c.n_moe_layers(); ++mi) {
+    const BlockActs& b = a.blocks[(size_t)c.moe.layers[(size_t)mi]];
+    const std::vector<double> v = host_values(b.router_losses, st);
+    im.router_losses[(size_t)mi] = {v[0], v[1]};
+    info.aux += v[0] / c.n_moe_layers();
+    info.z += v[1] / c.n_moe_layers();
+    counts_host_[(size_t)mi] = b.counts_host;
+  }
+  info.loss = info.ce + c.moe.z_loss_coef * info.z;
+  if (c.moe.load_balancing == LoadBalancing::kAuxLoss) info.loss += c.moe.aux_loss_coef * info.aux;
+  im.have_forward = true;
+  im.check_error_flag("forward");
+  if (o.check_finite && !std::isfinite(info.loss)) {
+    check_activations_finite();
+    throw Error(fmt::format("model forward: the loss is {} (ce {}, aux {}, z {}) although every "
+                            "activation is finite", info.loss, info.ce, info.aux, info.z));
+  }
+  return info;
+}
+
+// ---- training backward -----------------------------------------------------------------------
+
+void Model::backward(const BackwardOptions& o) {
+  Impl& im = *impl_;
+  FOURBIT_CHECK(im.have_forward && !im.backward_done,
+                "Model::backward: needs a forward first (and one backward per forward)");
+  const ModelConfig& c = config_;
+  Acts& a = im.acts;
+  detail::Scratch& s = a.s;
+  void* st = options_.stream;
+  const int64_t D = c.head_dim(), H = c.n_heads, Hkv = c.n_kv_heads;
+  const float theta = (float)c.rope_theta;
+  const int L = c.n_layers;
+  im.backward_done = true;
+
+  // LM head and loss: dlogits over the logits, then the final norm.
+  {
+    Scope sc(im, Section::kLmHead, Work::kOther);
+    const double scale = im.n_valid > 0 ? o.loss_scale / (double)im.n_valid : 0.0;
+    ops::cross_entropy_forward_backward_inplace(a.logits, a.losses, a.mean_loss, a.targets,
+                                                (float)scale, im.flag(), st);
+    im.bf16(a.logits);
+  }
+  im.dgrad(Section::kLmHead, L, LinearKind::kLmHead, a.logits, im.w(im.lm_head), s.d_ln);
+  im.wgrad(Section::kLmHead, L, LinearKind::kLmHead, a.logits, a.lnf, im.g(im.lm_head));
+  {
+    Scope sc(im, Section::kLmHead, Work::kOther);
+    ops::rmsnorm_backward(s.d_resid, im.g(im.final_norm), s.d_ln, a.resid[(size_t)L],
+                          im.master(im.final_norm), a.lnf_rstd, s.norm_ws, st);
+    im.bf16(s.d_resid);
+  }
+
+  for (int l = L - 1; l >= 0; --l) {
+    const detail::BlockParams& p = im.bp[(size_t)l];
+    BlockActs& b = a.blocks[(size_t)l];
+    const Section ffn = c.is_moe_block(l) ? Section::kMoe : Section::kMlp;
+    // Feed-forward half: d_resid is d resid[l + 1]; the branch's gradient lands in d_ln.
+    im.backward_ffn(l, a, b, o.loss_scale);
+    {
+      Scope sc(im, ffn, Work::kOther);
+      ops::rmsnorm_backward(s.d_tmp, im.g(p.mlp_norm), s.d_ln, a.mid[(size_t)l], im.master(p.mlp_norm),
+                            b.ln2_rstd, s.norm_ws, st);
+      im.bf16(s.d_tmp);
+      ops::add_inplace(s.d_resid, s.d_tmp, st);  // now d mid[l]
+      im.bf16(s.d_resid);
+    }
+    // Attention half.
+    im.dgrad(Section::kAttention, l, LinearKind::kAttnOut, s.d_resid, im.w(p.attn_out), s.d_attn);
+    im.wgrad(Section::kAttention, l, LinearKind::kAttnOut, s.d_resid, b.attn, im.g(p.attn_out));
+    {
+      Scope sc(im, Section::kAttention, Work::kAttention);
+      const int B = a.B, T = a.T;
+      TensorView d_out4 = s.d_attn, out4 = b.attn;
+      d_out4.shape = out4.shape = Shape{B, T, H, D};
+      d_out4.strides = out4.strides = contiguous_strides(out4.shape);
+      ops::attention_backward(d_out4, detail::qkv_part4(b.qkv, 0, H, D, B, T),
+                              detail::qkv_part4(b.qkv, H * D, Hkv, D, B, T),
+                              detail::qkv_part4(b.qkv, (H + Hkv) * D, Hkv, D, B, T), out4, b.lse,
+                              detail::qkv_part4(s.d_qkv, 0, H, D, B, T),
+                              detail::qkv_part4(s.d_qkv, H * D, Hkv, D, B, T),
+                              detail::qkv_part4(s.d_qkv, (H + Hkv) * D, Hkv, D, B, T), {}, st);
+      im.bf16(s.d_qkv);
+    }
+    {
+      Scope sc(im, Section::kAttention, Work::kOther);
+      ops::rope_backward_inplace(detail::qkv_part3(s.d_qkv, 0, H, D),
+                                 detail::qkv_part3(s.d_qkv, H * D, Hkv, D), a.positions, theta, st);
+      im.bf16(s.d_qkv);
+    }
+    im.dgrad(Section::kAttention, l, LinearKind::kQkv, s.d_qkv, im.w(p.qkv), s.d_ln);
+    im.wgrad(Section::kAttention, l, LinearKind::kQkv, s.d_qkv, b.ln1, im.g(p.qkv));
+    {
+      Scope sc(im, Section::kAttention, Work::kOther);
+      ops::rmsnorm_backward(s.d_tmp, im.g(p.attn_norm), s.d_ln, a.resid[(size_t)l],
+                            im.master(p.attn_norm), b.ln1_rstd, s.norm_ws, st);
+      im.bf16(s.d_tmp);
+      ops::add_inplace(s.d_resid, s.d_tmp, st);  // now d resid[l]
+      im.bf16(s.d_resid);
+    }
+  }
+  {
+    Scope sc(im, Section::kEmbedding, Work::kOther);
+    ops::embedding_backward(im.g(im.embedding), s.d_resid, a.tokens, s.emb_ws, im.flag(), st);
+  }
+  im.check_error_flag("backward");
+}
+
+// ---- non-finite values -----------------------------------------------------------------------
+
+void Model::check_activations_finite() const {
+  FOURBIT_CHECK(impl_->have_forward, "Model::check_activations_finite: run a forward first");
+  for (const Impl::Named& a : impl_->named) {
+    if (a.overwritten_by_backward && impl_->backward_done) continue;  // holds a gradient now
+    ops::check_finite(a.view, fmt::format("activation '{}' (model '{}')", a.name, config_.name),
+                      options_.stream);
+  }
+}
+
+void Model::check_grads_finite() const {
+  for (int i = 0; i < table_.size(); ++i) {
+    if (!table_.row(i).trainable) continue;
+    ops::check_finite(grads_.view(i), fmt::format("gradient of '{}'", table_.row(i).name), options_.stream);
+  }
+}
+
+void Model::check_params_finite() const {
+  for (int i = 0; i < table_.size(); ++i)
+    ops::check_finite(params_.view(i), fmt::format("parameter '{}'", table_.row(i).name), options_.stream);
+}
+
+}  // namespace fourbit::model

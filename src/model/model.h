@@ -1,0 +1,217 @@
+// The transformer (config.h): parameters laid out by the parameter table (params.h), a training
+// forward and backward written out op by op (no autograd), and a KV-cache forward for generation.
+//
+// Devices and dtypes.
+//   CPU:  every parameter, gradient and activation in ModelOptions::cpu_dtype: f32, or f64 for the
+//         finite-difference gradient checks (plain recipes only: the quantizers take f32 sources).
+//         Ops run their CPU references, GEMMs the CPU backends (OpenBLAS in f32, the float64
+//         reference in f64); quantized recipes use the reference quantizers.
+//   CUDA: FP32 master parameters and FP32 parameter gradients; a BF16 copy of the parameters for
+//         the GEMMs (refresh it with params_changed() after writing the master weights; AdamW can
+//         write it in its update pass); BF16 activations and activation gradients; FP32 norm
+//         statistics, attention logsumexp, router logits/probabilities/gates, losses. Norm weights,
+//         the embedding lookup and the router bias read the FP32 master.
+// Every linear layer runs gemm::linear_fprop / dgrad / wgrad (the routed experts
+// model/expert_linear.h's grouped GEMMs) under the gemm::LinearRecipe that the ResolvedRecipe
+// gives for (stage, block, kind): pretraining uses pretrain_linear(block, kind), RL training
+// linear(rl_trainer, ...), the KV-cache forward the Fprop operands of the stage it is given
+// (rl_sampler by default).
+//
+// Memory. Activations (what the backward needs) and the backward's scratch come from one Arena
+// per model, sized at construction for ModelOptions::max_batch x max_seq tokens by the same code
+// that carves the buffers (so the size is exact, not an estimate); activation_bytes() reports it.
+// A KvCache holds its own cache tensors and step arena.
+//
+// Conventions. forward() overwrites the activations of the previous call; backward() differentiates
+// the last forward() and ACCUMULATES into the parameter gradients (zero_grads() first; gradient
+// accumulation over micro-batches is repeated forward/backward). backward() overwrites the logits
+// with their gradient (the fused in-place cross-entropy): read logits() before it.
+// The objective is  ce + moe.aux_loss_coef * aux + moe.z_loss_coef * z, with ce the mean over
+// valid targets (target -1 = ignored) and aux, z averaged over the MoE blocks (aux only with
+// load_balancing = aux_loss), all times BackwardOptions::loss_scale.
+//
+// Synchronization (CUDA): forward() synchronizes to read the loss and, in MoE blocks, once per
+// block to read the expert counts (the grouped GEMMs' sizes live on the host); gemm::linear_*
+// allocate their quantized operands per call (cudaMalloc/cudaFree synchronize). Everything runs on
+// ModelOptions::stream.
+#pragma once
+
+#include "core/arena.h"
+#include "core/tensor.h"
+#include "model/config.h"
+#include "model/params.h"
+#include "model/profile.h"
+#include "ops/moe.h"
+#include "recipe/recipe.h"
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace fourbit::model {
+
+// Which recipe stages a training step runs: pretraining (pretrain_forward Fprop, pretrain_backward
+// Dgrad/Wgrad) or RL training (rl_trainer for all three).
+enum class TrainingStage : uint8_t { kPretrain, kRlTrainer };
+
+struct ModelOptions {
+  Device device = Device::kCpu;
+  DType cpu_dtype = DType::kF32;  // CPU only: f32 or f64
+  uint64_t seed = 0;              // parameter initialization (params.h) and stochastic rounding
+  int max_batch = 1;              // the activation arena holds max_batch x max_seq tokens
+  int max_seq = 0;                // 0: config.max_seq
+  void* stream = nullptr;         // cudaStream_t
+  // CPU f32 only: mirror the CUDA model's roundings: every activation and activation gradient
+  // that the CUDA model stores in bf16 is rounded to bf16 (in f32), and the GEMMs read the master
+  // weights rounded to bf16. The reference the gpu tests compare the CUDA model with: the
+  // quantizers then see the same values on both sides.
+  bool cpu_bf16_rounding = false;
+};
+
+struct ForwardOptions {
+  TrainingStage stage = TrainingStage::kPretrain;
+  uint64_t step = 0;  // keys the stochastic-rounding draws (with the seed), see model.cpp
+  // Routing replay (RL.md): host i32 [B*T, n_moe_layers, top_k], the experts every token uses in
+  // every MoE block (in the order of moe.layers); absent: the router selects.
+  TensorView forced_expert_ids;
+  // A non-finite loss: find the first non-finite activation (forward order) and throw naming it.
+  bool check_finite = true;
+};
+
+struct BackwardOptions {
+  double loss_scale = 1.0;  // d objective / d loss (e.g. 1 / micro-batches)
+};
+
+struct LossInfo {
+  double loss = 0;  // the objective: ce + aux_loss_coef * aux + z_loss_coef * z
+  double ce = 0;    // mean cross-entropy over valid targets (0 when none)
+  double aux = 0;   // MoE auxiliary loss averaged over the MoE blocks (perfect balance: top_k)
+  double z = 0;     // router z-loss averaged over the MoE blocks
+  int64_t n_valid = 0;
+};
+
+// Keys and values of every block for B sequences of up to max_len positions, plus the scratch of
+// one KV-cache forward of up to max_step_tokens tokens per sequence. Made by Model::make_kv_cache.
+class KvCache {
+ public:
+  int batch() const { return batch_; }
+  int max_len() const { return max_len_; }
+  int max_step_tokens() const { return max_step_tokens_; }
+  const std::vector<int32_t>& lengths() const { return lengths_; }  // valid positions per sequence
+  void reset();  // empties every sequence (the memory stays)
+  int64_t bytes() const;  // cache tensors + step arena
+
+ private:
+  friend class Model;
+  int batch_ = 0, max_len_ = 0, max_step_tokens_ = 0;
+  std::vector<Tensor> k_, v_;      // per block [B, max_len, Hkv, D] (activation dtype)
+  std::vector<int32_t> lengths_;   // host [B]
+  Tensor lengths_device_;          // i32 [B] on the model's device
+  std::unique_ptr<Arena> arena_;   // one step's activations
+};
+
+struct CachedForwardOptions {
+  // The stage whose Fprop operands the linear layers use: rl_sampler (the sampler), rl_trainer,
+  // or pretrain_forward.
+  recipe::Stage stage = recipe::Stage::kRlSampler;
+  bool all_logits = false;  // logits of every row [B * Tq, V] instead of each sequence's last [B, V]
+  TensorView forced_expert_ids;  // host i32 [B * Tq, n_moe_layers, top_k] (routing replay)
+  TensorView expert_ids_out;     // host i32 [B * Tq, n_moe_layers, top_k], optional: the routing
+};
+
+class Model {
+ public:
+  // Validates the config, builds the parameter table, allocates and initializes the parameters
+  // (seed), zero gradients, and the activation arena. `recipe` must be resolved for this config's
+  // shape (config.recipe_shape()).
+  Model(ModelConfig config, recipe::ResolvedRecipe recipe, const ModelOptions& options);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  const recipe::ResolvedRecipe& recipe() const { return recipe_; }
+  const ParamTable& table() const { return table_; }
+  Device device() const { return options_.device; }
+  DType activation_dtype() const { return act_dtype_; }  // bf16 on CUDA, cpu_dtype on the CPU
+  DType stat_dtype() const { return stat_dtype_; }       // f32 on CUDA, cpu_dtype on the CPU
+  int max_batch() const { return options_.max_batch; }
+  int max_seq() const { return max_seq_; }
+
+  // ---- parameters ------------------------------------------------------------------------------
+  const ParamBuffer& params() const { return params_; }  // master: f32 (CUDA, CPU f32) or f64
+  const ParamBuffer& grads() const { return grads_; }    // same layout and dtype
+  // What the GEMMs read: the BF16 copy on CUDA, the master itself on the CPU.
+  const ParamBuffer& compute_params() const { return compute_.defined() ? compute_ : params_; }
+  TensorView param(std::string_view name) const { return params_.view(table_.index_of(name)); }
+  TensorView grad(std::string_view name) const { return grads_.view(table_.index_of(name)); }
+  void zero_grads();
+  // Refreshes the BF16 compute copy from the master weights (CUDA; a no-op on the CPU).
+  void params_changed();
+
+  // ---- training --------------------------------------------------------------------------------
+  // tokens, targets: host i32 [B, T], B <= max_batch, T <= max_seq; targets[b, t] is the token
+  // after tokens[b, t] or -1 (ignored). Returns the losses (synchronizes).
+  LossInfo forward(const TensorView& tokens, const TensorView& targets, const ForwardOptions& options = {});
+  // The gradient of the last forward's objective, accumulated into grads().
+  void backward(const BackwardOptions& options = {});
+  // [B*T, V] logits of the last forward (activation dtype); overwritten by backward().
+  TensorView logits() const;
+  // The last forward's routing, host i32 [B*T, n_moe_layers, top_k] (copied into `out`).
+  void expert_ids(const TensorView& out) const;
+  // The last forward's expert counts per MoE block (host).
+  const std::vector<std::vector<int32_t>>& expert_counts() const { return counts_host_; }
+  // Auxiliary-loss-free load balancing (load_balancing = bias): after a training step, moves each
+  // MoE block's selection bias by bias_update_rate * sign(mean count - count_e) using the last
+  // forward's counts. A no-op otherwise.
+  void update_router_bias();
+
+  // ---- non-finite values -----------------------------------------------------------------------
+  // Throws naming the first activation of the last forward (in forward order) that holds a NaN or
+  // an Inf, with counts and position (ops::check_finite); returns if all are finite.
+  void check_activations_finite() const;
+  // The same over the parameter gradients (named by their parameter) and then the parameters.
+  void check_grads_finite() const;
+  void check_params_finite() const;
+
+  int64_t activation_bytes() const;       // the arena's capacity
+  int64_t activation_peak_bytes() const;  // the most it has held
+
+  // ---- generation ------------------------------------------------------------------------------
+  // A cache for `batch` sequences of up to max_len positions (<= config.max_seq), whose forward
+  // steps take up to max_step_tokens tokens per sequence.
+  KvCache make_kv_cache(int batch, int max_len, int max_step_tokens) const;
+  // One KV-cache forward step. tokens: host i32 [B, Tq] (B = cache.batch(), Tq <= max_step_tokens).
+  // Sequence b's real tokens are its LAST n_new[b] rows (right-aligned; the rows before are
+  // padding, as when prompts of different lengths are prefilled together); they take positions
+  // lengths[b] .. lengths[b] + n_new[b] - 1, their keys and values are appended to the cache, and
+  // lengths[b] grows by n_new[b]. Prefill: Tq = longest prompt; decode: Tq = 1, n_new = 1.
+  // Returns logits, f32 on CUDA (cpu_dtype on the CPU): [B, V] for each sequence's last row, or
+  // [B * Tq, V] with all_logits (padding rows hold garbage); a view valid until the next step.
+  // Uses the same weights, ops and kernels as forward(); attention through ops::attention_decode.
+  TensorView forward_cached(KvCache& cache, const TensorView& tokens, std::span<const int32_t> n_new,
+                            const CachedForwardOptions& options = {});
+
+  // Timing hooks (profile.h); null detaches. Not owned.
+  void set_profiler(Profiler* profiler) { profiler_ = profiler; }
+
+  struct Impl;  // the forward/backward machinery (model.cpp)
+
+ private:
+  ModelConfig config_;
+  recipe::ResolvedRecipe recipe_;
+  ModelOptions options_;
+  ParamTable table_;
+  DType act_dtype_, stat_dtype_;
+  int max_seq_ = 0;
+  ParamBuffer params_, grads_, compute_;
+  std::unique_ptr<Arena> arena_;
+  std::unique_ptr<Impl> impl_;
+  std::vector<std::vector<int32_t>> counts_host_;
+  Profiler* profiler_ = nullptr;
+};
+
+}  // namespace fourbit::model

@@ -1,0 +1,257 @@
+// The KV-cache forward of model.h (generation: prefill, then decode steps). The same weights, ops
+// and linear layers as the training forward; the attention appends each new row's key and value
+// to the cache and runs ops::attention_decode over it. Activations are not kept between blocks
+// (one set of block buffers serves every block, the residual stream ping-pongs between two).
+#include "model/model_internal.h"
+
+#include "core/check.h"
+#include "ops/attention.h"
+#include "ops/elementwise.h"
+#include "ops/embedding.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+
+#if defined(FOURBIT_WITH_CUDA)
+#include "model/kv_cache_kernels.h"
+#endif
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+namespace fourbit::model {
+
+using detail::Acts;
+using detail::BlockActs;
+using detail::Mode;
+using detail::Scope;
+using recipe::LinearKind;
+
+void KvCache::reset() {
+  std::fill(lengths_.begin(), lengths_.end(), 0);
+}
+
+int64_t KvCache::bytes() const {
+  int64_t n = arena_ ? arena_->capacity() : 0;
+  for (const Tensor& t : k_) n += t.nbytes();
+  for (const Tensor& t : v_) n += t.nbytes();
+  return n;
+}
+
+KvCache Model::make_kv_cache(int batch, int max_len, int max_step_tokens) const {
+  FOURBIT_CHECK(batch >= 1, "make_kv_cache: batch must be >= 1, got {}", batch);
+  FOURBIT_CHECK(max_len >= 1 && max_len <= config_.max_seq,
+                "make_kv_cache: max_len {} must lie in [1, config.max_seq = {}]", max_len, config_.max_seq);
+  FOURBIT_CHECK(max_step_tokens >= 1 && max_step_tokens <= max_len,
+                "make_kv_cache: max_step_tokens {} must lie in [1, max_len = {}]", max_step_tokens, max_len);
+  KvCache c;
+  c.batch_ = batch;
+  c.max_len_ = max_len;
+  c.max_step_tokens_ = max_step_tokens;
+  const Shape shape{batch, max_len, config_.n_kv_heads, config_.head_dim()};
+  for (int l = 0; l < config_.n_layers; ++l) {
+    c.k_.push_back(Tensor::zeros(shape, act_dtype_, options_.device));
+    c.v_.push_back(Tensor::zeros(shape, act_dtype_, options_.device));
+  }
+  c.lengths_.assign((size_t)batch, 0);
+  c.lengths_device_ = Tensor::zeros({batch}, DType::kI32, options_.device);
+  const int64_t n_tokens = (int64_t)batch * max_step_tokens;
+  detail::Carver counter(nullptr, options_.device);
+  impl_->plan(counter, batch, max_step_tokens, false, n_tokens, stat_dtype_, true);
+  c.arena_ = std::make_unique<Arena>(counter.bytes(), options_.device);
+  return c;
+}
+
+namespace {
+
+// Appends the keys and values of the rows with write_pos >= 0 to the caches (CPU).
+void kv_append_cpu(const TensorView& qkv, int64_t k_col, int64_t v_col, int64_t width,
+                   const std::vector<int32_t>& write_pos, int64_t rows_per_seq, const Tensor& k_cache,
+                   const Tensor& v_cache, int64_t t_max) {
+  const int64_t row_bytes = dtype_bytes(qkv.dtype, width);
+  const int64_t stride = qkv.shape[1];
+  for (size_t n = 0; n < write_pos.size(); ++n) {
+    if (write_pos[n] < 0) continue;
+    const int64_t b = (int64_t)n / rows_per_seq;
+    const char* src = static_cast<const char*>(qkv.data) + dtype_bytes(qkv.dtype, (int64_t)n * stride);
+    const int64_t at = dtype_bytes(qkv.dtype, (b * t_max + write_pos[n]) * width);
+    std::memcpy(static_cast<char*>(k_cache.data()) + at, src + dtype_bytes(qkv.dtype, k_col), (size_t)row_bytes);
+    std::memcpy(static_cast<char*>(v_cache.data()) + at, src + dtype_bytes(qkv.dtype, v_col), (size_t)row_bytes);
+  }
+}
+
+// Restores the mode and step of the training pass when the cached forward returns.
+class ModeGuard {
+ public:
+  ModeGuard(Model::Impl& im, Mode mode) : im_(im), mode_(im.mode), step_(im.step) { im.mode = mode; }
+  ~ModeGuard() {
+    im_.mode = mode_;
+    im_.step = step_;
+  }
+
+ private:
+  Model::Impl& im_;
+  Mode mode_;
+  uint64_t step_;
+};
+
+}  // namespace
+
+TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::span<const int32_t> n_new,
+                                 const CachedForwardOptions& o) {
+  Impl& im = *impl_;
+  const ModelConfig& c = config_;
+  FOURBIT_CHECK(cache.arena_ != nullptr, "forward_cached: the cache was not made by make_kv_cache");
+  FOURBIT_CHECK(tokens.device == Device::kCpu && tokens.dtype == DType::kI32 && tokens.shape.ndim == 2 &&
+                    tokens.is_contiguous(),
+                "forward_cached: tokens must be a contiguous host i32 [B, Tq], got {}", tokens.describe());
+  const int B = (int)tokens.shape[0], Tq = (int)tokens.shape[1];
+  FOURBIT_CHECK(B == cache.batch() && Tq >= 1 && Tq <= cache.max_step_tokens(),
+                "forward_cached: tokens [{}, {}] do not fit the cache (batch {}, at most {} tokens per "
+                "step)", B, Tq, cache.batch(), cache.max_step_tokens());
+  FOURBIT_CHECK((int)n_new.size() == B, "forward_cached: n_new has {} entries for {} sequences",
+                n_new.size(), B);
+  const int64_t N = (int64_t)B * Tq;
+  std::vector<int32_t> new_lengths((size_t)B), positions((size_t)N), write_pos((size_t)N);
+  for (int b = 0; b < B; ++b) {
+    const int32_t len = cache.lengths_[(size_t)b];
+    FOURBIT_CHECK(n_new[(size_t)b] >= 0 && n_new[(size_t)b] <= Tq,
+                  "forward_cached: n_new[{}] = {} must lie in [0, Tq = {}]", b, n_new[(size_t)b], Tq);
+    FOURBIT_CHECK(len + n_new[(size_t)b] <= cache.max_len(),
+                  "forward_cached: sequence {} would grow to {} positions, beyond the cache's max_len {}",
+                  b, len + n_new[(size_t)b], cache.max_len());
+    new_lengths[(size_t)b] = len + n_new[(size_t)b];
+    for (int t = 0; t < Tq; ++t) {
+      const int32_t pos = new_lengths[(size_t)b] - Tq + t;
+      positions[(size_t)(b * Tq + t)] = pos;
+      write_pos[(size_t)(b * Tq + t)] = t >= Tq - n_new[(size_t)b] ? pos : -1;
+    }
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    const int32_t id = tokens.ptr<const int32_t>()[i];
+    FOURBIT_CHECK(id >= 0 && id < c.vocab,
+                  "forward_cached: token [{}, {}] = {} lies outside [0, {}) (padding rows need a valid "
+                  "id too, e.g. 0)", i / Tq, i % Tq, id, c.vocab);
+  }
+  const int n_moe = c.n_moe_layers();
+  const int64_t k = c.moe.top_k;
+  for (const TensorView* t : {&o.forced_expert_ids, &o.expert_ids_out}) {
+    if (t->data == nullptr) continue;
+    FOURBIT_CHECK(c.is_moe(), "forward_cached: expert ids given for a dense model");
+    FOURBIT_CHECK(t->device == Device::kCpu && t->dtype == DType::kI32 && t->is_contiguous() &&
+                      t->numel() == N * n_moe * k,
+                  "forward_cached: expert ids must be a contiguous host i32 [{}, {}, {}], got {}", N,
+                  n_moe, k, t->describe());
+  }
+  Mode mode = Mode::kRlSampler;
+  switch (o.stage) {
+    case recipe::Stage::kRlSampler: mode = Mode::kRlSampler; break;
+    case recipe::Stage::kRlTrainer: mode = Mode::kRlTrainer; break;
+    case recipe::Stage::kPretrainForward: mode = Mode::kPretrain; break;
+    case recipe::Stage::kPretrainBackward:
+      throw Error("forward_cached: stage pretrain_backward runs no Fprop; use pretrain_forward, "
+                  "rl_sampler or rl_trainer");
+  }
+  ModeGuard guard(im, mode);
+
+  cache.arena_->reset();
+  detail::Carver carver(cache.arena_.get(), options_.device);
+  Acts a = im.plan(carver, B, Tq, false, o.all_logits ? N : B, stat_dtype_, !o.all_logits);
+  void* st = options_.stream;
+  detail::copy_to_device(a.tokens, tokens.data, st);
+  detail::copy_to_device(a.positions, positions.data(), st);
+  detail::copy_to_device(a.write_pos, write_pos.data(), st);
+  detail::copy_to_device(cache.lengths_device_.view(), new_lengths.data(), st);
+  detail::sync_stream(options_.device, st);  // the host vectors above are locals
+
+  {
+    Scope s(im, Section::kEmbedding, Work::kOther);
+    ops::embedding_forward(a.resid[0], a.tokens, im.master(im.embedding), im.flag(), st);
+    im.bf16(a.resid[0]);
+  }
+  const int64_t D = c.head_dim(), H = c.n_heads, Hkv = c.n_kv_heads;
+  const float eps = (float)c.norm_eps, theta = (float)c.rope_theta;
+  BlockActs& b = a.blocks[0];
+  const TensorView mid = a.mid[0];
+  std::vector<int32_t> ids((size_t)(N * k));
+  for (int l = 0; l < c.n_layers; ++l) {
+    const detail::BlockParams& p = im.bp[(size_t)l];
+    const TensorView x = a.resid[(size_t)(l % 2)], out = a.resid[(size_t)((l + 1) % 2)];
+    {
+      Scope s(im, Section::kAttention, Work::kOther);
+      ops::rmsnorm_forward(b.ln1, b.ln1_rstd, x, im.master(p.attn_norm), eps, st);
+      im.bf16(b.ln1);
+    }
+    im.fprop(Section::kAttention, l, LinearKind::kQkv, b.ln1, im.w(p.qkv), b.qkv);
+    {
+      Scope s(im, Section::kAttention, Work::kOther);
+      ops::rope_forward_inplace(detail::qkv_part3(b.qkv, 0, H, D), detail::qkv_part3(b.qkv, H * D, Hkv, D),
+                                a.positions, theta, st);
+      im.bf16(b.qkv);
+      const Tensor& kc = cache.k_[(size_t)l];
+      const Tensor& vc = cache.v_[(size_t)l];
+      if (options_.device == Device::kCpu) {
+        kv_append_cpu(b.qkv, H * D, (H + Hkv) * D, Hkv * D, write_pos, Tq, kc, vc, cache.max_len());
+      } else {
+#if defined(FOURBIT_WITH_CUDA)
+        kernels::launch_kv_cache_append(b.qkv.ptr<const uint16_t>(), b.qkv.shape[1], H * D, (H + Hkv) * D,
+                                        Hkv * D, a.write_pos.ptr<const int32_t>(), N, Tq,
+                                        kc.ptr<uint16_t>(), vc.ptr<uint16_t>(), cache.max_len(),
+                                        (cudaStream_t)st);
+#endif
+      }
+    }
+    {
+      Scope s(im, Section::kAttention, Work::kAttention);
+      TensorView out4 = b.attn;
+      out4.shape = Shape{B, Tq, H, D};
+      out4.strides = contiguous_strides(out4.shape);
+      ops::attention_decode(detail::qkv_part4(b.qkv, 0, H, D, B, Tq), cache.k_[(size_t)l],
+                            cache.v_[(size_t)l], cache.lengths_device_, out4, {}, st);
+      im.bf16(b.attn);
+    }
+    im.fprop(Section::kAttention, l, LinearKind::kAttnOut, b.attn, im.w(p.attn_out), mid);
+    const Section ffn = c.is_moe_block(l) ? Section::kMoe : Section::kMlp;
+    {
+      Scope s(im, Section::kAttention, Work::kOther);
+      ops::add_inplace(mid, x, st);
+      im.bf16(mid);
+    }
+    {
+      Scope s(im, ffn, Work::kOther);
+      ops::rmsnorm_forward(b.ln2, b.ln2_rstd, mid, im.master(p.mlp_norm), eps, st);
+      im.bf16(b.ln2);
+    }
+    im.forward_ffn(l, a, b, out, o.forced_expert_ids);
+    {
+      Scope s(im, ffn, Work::kOther);
+      ops::add_inplace(out, mid, st);
+      im.bf16(out);
+    }
+    if (o.expert_ids_out.data != nullptr && c.is_moe_block(l)) {
+      const int mi = c.moe_index(l);
+      detail::copy_to_host(ids.data(), b.expert_ids, st);
+      int32_t* dst = o.expert_ids_out.ptr<int32_t>();
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t j = 0; j < k; ++j) dst[(n * n_moe + mi) * k + j] = ids[(size_t)(n * k + j)];
+    }
+  }
+  const TensorView final_resid = a.resid[(size_t)(c.n_layers % 2)];
+  {
+    Scope s(im, Section::kLmHead, Work::kOther);
+    TensorView x = final_resid;
+    if (!o.all_logits) {
+      detail::gather_rows(a.last_rows, final_resid, Tq - 1, Tq, st);
+      x = a.last_rows;
+    }
+    ops::rmsnorm_forward(a.lnf, a.lnf_rstd, x, im.master(im.final_norm), eps, st);
+    im.bf16(a.lnf);
+  }
+  // FP32 logits (for sampling), not rounded.
+  im.fprop(Section::kLmHead, c.n_layers, LinearKind::kLmHead, a.lnf, im.w(im.lm_head), a.logits, false);
+  im.check_error_flag("forward_cached");
+  cache.lengths_ = new_lengths;
+  return a.logits;
+}
+
+}  // namespace fourbit::model

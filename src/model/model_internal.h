@@ -1,0 +1,223 @@
+// Internal to the model module: the activation buffers, the carving of the arena, and the
+// forward/backward machinery shared by the training path (model.cpp) and the KV-cache forward
+// (model_cached.cpp). Not part of the API.
+#pragma once
+
+#include "gemm/linear.h"
+#include "model/model.h"
+#include "ops/moe.h"
+
+#include <array>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace fourbit::model::detail {
+
+// Carves buffers out of an arena in order, or (arena == nullptr) only counts the bytes they would
+// take with the arena's alignment: the same planning code sizes the arena and fills it.
+class Carver {
+ public:
+  Carver(Arena* arena, Device device) : arena_(arena), device_(device) {}
+  TensorView take(Shape shape, DType dtype, std::string_view name);
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  Arena* arena_;
+  Device device_;
+  int64_t bytes_ = 0;
+};
+
+// Rows [row0, row0 + rows) of a contiguous tensor (along its first dimension).
+TensorView rows_of(const TensorView& t, int64_t row0, int64_t rows);
+
+// Indices into the parameter table of one block's parameters (-1: absent).
+struct BlockParams {
+  int attn_norm = -1, qkv = -1, attn_out = -1, mlp_norm = -1;
+  int mlp_up = -1, mlp_down = -1;                  // dense MLP, or the shared expert
+  int router = -1, router_bias = -1, experts_up = -1, experts_down = -1;
+};
+
+// The activations of one block. N = tokens, C = d_model, R = rows of the permuted MoE buffers
+// (the worst case moe_permuted_rows, which moe_plan requires; the expert GEMMs use the first
+// `rows` of them, the rest are padding that nothing reads).
+struct BlockActs {
+  TensorView ln1;        // [N, C]       attn_norm output
+  TensorView ln1_rstd;   // [N]          stat dtype
+  TensorView qkv;        // [N, (H + 2 Hkv) D]  after RoPE (q and k rotated in place)
+  TensorView attn;       // [N, H D]     attention output
+  TensorView lse;        // [B, H, T]    stat dtype (training only)
+  TensorView ln2;        // [N, C]       mlp_norm output
+  TensorView ln2_rstd;   // [N]
+  TensorView gate_up;    // [N, 2F]      dense MLP or shared expert (F = d_ff or expert_d_ff)
+  TensorView act;        // [N, F]
+  // MoE
+  TensorView router_logits;  // [N, E]  stat dtype
+  TensorView probs;          // [N, E]  stat dtype
+  TensorView expert_ids;     // i32 [N, k]
+  TensorView gates;          // [N, k]  stat dtype
+  TensorView counts;         // i32 [E]
+  TensorView router_losses;  // [2] = {aux, z}, stat dtype
+  TensorView offsets;        // i32 [E + 1]
+  TensorView slot_rows;      // i32 [N, k]
+  TensorView row_slots;      // i32 [R]
+  TensorView x_perm;         // [R, C]
+  TensorView h_perm;         // [R, 2 Fe]
+  TensorView act_perm;       // [R, Fe]
+  TensorView y_perm;         // [R, C]
+  TensorView shared_out;     // [N, C]  (n_shared_experts = 1)
+  // Host side of the last forward of this block.
+  int64_t rows = 0;                  // sum of the group sizes (rows in use)
+  std::vector<int64_t> group_sizes;  // [E]
+  std::vector<int32_t> counts_host;  // [E]
+
+  ops::MoePlan plan() const;
+};
+
+// The backward's scratch (training only), reused by every block.
+struct Scratch {
+  TensorView d_resid;     // [N, C]  gradient w.r.t. the residual stream
+  TensorView d_tmp;       // [N, C]
+  TensorView d_ln;        // [N, C]
+  TensorView d_qkv;       // [N, (H + 2 Hkv) D]
+  TensorView d_attn;      // [N, H D]
+  TensorView d_act;       // [N, max(F, Fe)]
+  TensorView d_perm_c;    // [R, C]   d_y_perm, then d_x_perm
+  TensorView d_perm_f;    // [R, Fe]  d_act_perm
+  TensorView d_gates;     // [N, k]   stat dtype
+  TensorView d_logits;    // [N, E]   stat dtype
+  TensorView d_logits_c;  // [N, E]   activation dtype (CUDA: the router GEMMs' bf16 operand)
+  TensorView norm_ws;     // CUDA rmsnorm_backward workspace (u8)
+  TensorView emb_ws;      // CUDA embedding_backward workspace (u8)
+};
+
+// Every buffer of one forward (and backward) over B x T tokens.
+struct Acts {
+  bool training = false;  // per-block activations kept for the backward
+  int B = 0, T = 0;
+  int64_t N = 0;
+  TensorView tokens;     // i32 [N]
+  TensorView targets;    // i32 [N]
+  TensorView positions;  // i32 [N]
+  TensorView write_pos;  // i32 [N]  KV-cache forward: cache position of each row (-1: padding)
+  TensorView forced;     // i32 [N, k] (MoE): one block's forced expert ids
+  std::vector<TensorView> resid;  // [N, C] each: L + 1 (training) or 2 (ping-pong, KV cache)
+  std::vector<TensorView> mid;    // [N, C] each: the residual after attention, L or 1
+  std::vector<BlockActs> blocks;  // L (training) or 1 (KV cache: reused by every block)
+  TensorView last_rows;  // [B, C]  KV cache: each sequence's last row of the final residual
+  TensorView lnf;        // [rows, C]  final norm output
+  TensorView lnf_rstd;   // [rows]
+  TensorView logits;     // [rows, V]
+  TensorView losses;     // [N] stat dtype
+  TensorView mean_loss;  // [1] stat dtype
+  Scratch s;
+};
+
+// The mode that picks the LinearRecipe of every layer.
+enum class Mode : uint8_t { kPretrain, kRlTrainer, kRlSampler };
+inline constexpr int kNumModes = 3;
+
+}  // namespace fourbit::model::detail
+
+namespace fourbit::model {
+
+struct Model::Impl {
+  explicit Impl(Model& model);
+
+  Model& m;
+  const ModelConfig& cfg;
+  std::vector<detail::BlockParams> bp;
+  int embedding = -1, final_norm = -1, lm_head = -1;  // lm_head: the embedding row when tied
+  // [mode][block * kKinds + kind]; lm_head at block n_layers.
+  std::array<std::vector<gemm::LinearRecipe>, detail::kNumModes> recipes;
+  std::array<int, detail::kNumModes> row_align{};  // MoE group alignment per mode
+  int row_align_max = 8;
+  Tensor error_flag;  // CUDA: i32 [1], the ops' and quantizers' error bits
+
+  // The pass in progress.
+  detail::Mode mode = detail::Mode::kPretrain;
+  uint64_t step = 0;
+
+  // The last training forward.
+  detail::Acts acts;
+  bool have_forward = false;
+  bool backward_done = false;
+  int64_t n_valid = 0;
+  std::vector<std::array<double, 2>> router_losses;  // per MoE block {aux, z}
+  struct Named {
+    std::string name;
+    TensorView view;
+    bool overwritten_by_backward;  // the in-place backward writes gradients over it
+  };
+  std::vector<Named> named;  // the activations in forward order
+
+  // ---- planning ----
+  detail::Acts plan(detail::Carver& c, int B, int T, bool training, int64_t logits_rows,
+                    DType logits_dtype, bool gather_last) const;
+  int64_t max_perm_rows(int64_t n_tokens) const;
+
+  // ---- linear layers ----
+  const gemm::LinearRecipe& linear_recipe(int block, recipe::LinearKind kind) const;
+  gemm::LinearOptions linear_options(int block, recipe::LinearKind kind, const std::string& name) const;
+  // fprop and dgrad round their output to bf16 under cpu_bf16_rounding (bf16_output: the output
+  // is a bf16 activation on CUDA; the router's FP32 logits are not).
+  void fprop(Section s, int block, recipe::LinearKind kind, const TensorView& x, const TensorView& w,
+             const TensorView& y, bool bf16_output = true);
+  void dgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy, const TensorView& w,
+             const TensorView& dx);
+  void wgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy, const TensorView& x,
+             const TensorView& dw);
+
+  // ---- pieces of the forward shared by both paths ----
+  // The MLP or MoE half of block l: out = mlp(ln2) (overwritten). forced: host i32
+  // [N, n_moe, k] or absent.
+  void forward_ffn(int l, detail::Acts& a, detail::BlockActs& b, const TensorView& out,
+                   const TensorView& forced_host);
+  void forward_moe(int l, detail::Acts& a, detail::BlockActs& b, const TensorView& out,
+                   const TensorView& forced_host);
+  void backward_ffn(int l, detail::Acts& a, detail::BlockActs& b, double loss_scale);
+
+  // ---- helpers ----
+  void scope_begin(Section s, Work w) const;
+  void scope_end() const;
+  // CPU with cpu_bf16_rounding: rounds an f32 activation to bf16 values in place, where the CUDA
+  // model stores that activation in bf16. A no-op otherwise.
+  void bf16(const TensorView& t) const;
+  void record(std::string name, const TensorView& t, bool overwritten_by_backward = false);
+  void check_error_flag(std::string_view where);
+  const TensorView& w(int index) const;       // compute copy (GEMM weights)
+  const TensorView& master(int index) const;  // master (norm weights, embedding, router bias)
+  const TensorView& g(int index) const;       // gradient
+  void* stream() const { return m.options_.stream; }
+  int* flag() const;
+};
+
+namespace detail {
+
+// RAII bracket for the profiler.
+class Scope {
+ public:
+  Scope(const Model::Impl& impl, Section s, Work w) : impl_(impl) { impl_.scope_begin(s, w); }
+  ~Scope() { impl_.scope_end(); }
+  Scope(const Scope&) = delete;
+  Scope& operator=(const Scope&) = delete;
+
+ private:
+  const Model::Impl& impl_;
+};
+
+// Host <-> device copies on the model's stream (synchronous for device -> host).
+void copy_to_device(const TensorView& dst, const void* host, void* stream);
+void copy_to_host(void* host, const TensorView& src, void* stream);
+void sync_stream(Device device, void* stream);
+// dst [rows, width] (contiguous) = rows src_row0 + i * src_step of the 2D contiguous src.
+void gather_rows(const TensorView& dst, const TensorView& src, int64_t src_row0, int64_t src_step,
+                 void* stream);
+
+// The strided views of the fused QKV buffer [N, (H + 2 Hkv) D]: q, k or v as [N, heads, D] or
+// [B, T, heads, D].
+TensorView qkv_part3(const TensorView& qkv, int64_t col0, int64_t heads, int64_t D);
+TensorView qkv_part4(const TensorView& qkv, int64_t col0, int64_t heads, int64_t D, int B, int T);
+
+}  // namespace detail
+}  // namespace fourbit::model
