@@ -67,7 +67,7 @@ TEST(ModelConfig, ValidationNamesTheField) {
   c.d_model = 20;
   expect_error_naming([&] { c.validate(); }, "even");
   c = preset("moe-tiny");
-  c.moe.top_k = 5;
+  c.moe.top_k = 9;
   expect_error_naming([&] { c.validate(); }, "moe.top_k");
   c = preset("moe-tiny");
   c.moe.layers = {3, 1};

@@ -220,7 +220,7 @@ ModelConfig preset(std::string_view name) {
     c.max_seq = 256;
     if (name == "moe-tiny") {
       c.moe.layers = {1, 3};
-      c.moe.n_experts = 4;
+      c.moe.n_experts = 8;
       c.moe.top_k = 2;
       c.moe.expert_d_ff = 384;
       c.moe.z_loss_coef = 1e-3;

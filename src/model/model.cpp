@@ -1071,6 +1071,20 @@ void Model::check_activations_finite() const {
   }
 }
 
+std::vector<std::string> Model::activation_names() const {
+  std::vector<std::string> names;
+  for (const Impl::Named& a : impl_->named) names.push_back(a.name);
+  return names;
+}
+
+TensorView Model::activation(std::string_view name) const {
+  FOURBIT_CHECK(impl_->have_forward, "Model::activation: run a forward first");
+  for (const Impl::Named& a : impl_->named)
+    if (a.name == name) return a.view;
+  throw Error(fmt::format("Model::activation: no activation '{}'; the last forward has: {}", name,
+                          fmt::join(activation_names(), ", ")));
+}
+
 void Model::check_grads_finite() const {
   for (int i = 0; i < table_.size(); ++i) {
     if (!table_.row(i).trainable) continue;

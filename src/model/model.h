@@ -171,8 +171,14 @@ class Model {
 
   // ---- non-finite values -----------------------------------------------------------------------
   // Throws naming the first activation of the last forward (in forward order) that holds a NaN or
-  // an Inf, with counts and position (ops::check_finite); returns if all are finite.
+  // an Inf, with counts and position (ops::check_finite); returns if all are finite. After a
+  // backward, the activations it overwrote in place are skipped.
   void check_activations_finite() const;
+  // The activations of the last forward by name, in forward order ("embedding",
+  // "blocks.0.attn_norm", "blocks.0.attn.qkv", ..., "logits"); views valid until the next forward.
+  // Those the backward overwrites in place (gate_up, h_perm, logits) hold gradients after it.
+  std::vector<std::string> activation_names() const;
+  TensorView activation(std::string_view name) const;  // throws listing the names
   // The same over the parameter gradients (named by their parameter) and then the parameters.
   void check_grads_finite() const;
   void check_params_finite() const;

@@ -1,0 +1,338 @@
+// model (gpu): the CUDA model against the CPU reference model, determinism, and the KV-cache
+// forward against the full forward on the GPU.
+//
+// The reference is the CPU model in f32 with cpu_bf16_rounding: it rounds every activation and
+// activation gradient to bf16 where the CUDA model stores bf16, and its GEMMs read the same
+// bf16-rounded weights. Both start from the same FP32 master weights (one seed). What remains
+// between them: FP32 summation order (GEMMs, norms, softmax; ~1e-7 relative, which flips the bf16
+// rounding of a few elements by one ulp), and the attention kernels' own roundings (P and dS are
+// rounded to bf16 before their tensor-core products, FlashAttention-2 style: ~u = 2^-8 relative on
+// the attention outputs and on dq/dk/dv, see ops/attention.h). Those propagate through the layers.
+// MoE routing is made identical by replaying the reference's expert ids on the GPU (routing
+// replay); the GPU's own selection is checked separately (>= 98% of the ids equal: near-ties may
+// flip under the FP32 differences).
+//
+// Tolerances (norm-wise relative errors ||gpu - ref|| / ||ref|| unless stated):
+//   bf16 recipe: every named activation 1e-2 (a few u), logits 1e-2, loss 2e-3 relative,
+//     every parameter gradient 3e-2 (the backward adds its own bf16 roundings of dY, dq/dk/dv).
+//   quantized recipes (nvfp4, fp8, mxfp8, e2e4 with every block quantized): the quantizers are
+//     bit-exact CPU vs GPU and see identical inputs wherever the inputs agree, so the first GEMM
+//     of the model (blocks.0.attn.qkv: its inputs differ only by FP32 rounding flips) must agree to
+//     2e-3; after the attention, the operands differ in some elements by one bf16 ulp, which flips
+//     a few quantized elements (one 4-bit step each), so the later tensors are compared against the
+//     size of the quantization itself: err(gpu, ref) <= 0.35 * err(ref, ref with the bf16 recipe)
+//     for the logits and every gradient, and <= 0.15 absolute.
+// Every comparison prints its measured error, so the tolerances can be tightened from a run.
+#include "core/device.h"
+#include "model/model.h"
+
+#include "model_test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace fourbit::model {
+namespace {
+
+using testing::close_normwise;
+using testing::diff_norm2;
+using testing::make_batch;
+using testing::norm2;
+using testing::values;
+
+constexpr int kB = 2, kT = 64;
+
+class ModelCuda : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+// head_dim 64 (the CUDA attention kernels), GQA 2:1; every GEMM dimension a multiple of 128 so that
+// every recipe (fp8 block scales) runs; 8 experts so that the router GEMMs have 16-byte rows.
+ModelConfig gpu_dense() {
+  ModelConfig c;
+  c.name = "gpu-dense";
+  c.vocab = 512;
+  c.d_model = 128;
+  c.n_layers = 2;
+  c.n_heads = 2;
+  c.n_kv_heads = 1;
+  c.d_ff = 256;
+  c.max_seq = kT;
+  c.tied_embeddings = false;
+  c.validate();
+  return c;
+}
+
+ModelConfig gpu_moe() {
+  ModelConfig c = gpu_dense();
+  c.name = "gpu-moe";
+  c.tied_embeddings = true;
+  c.moe.layers = {1};
+  c.moe.n_experts = 8;
+  c.moe.top_k = 2;
+  c.moe.expert_d_ff = 128;
+  c.moe.n_shared_experts = 1;
+  c.moe.aux_loss_coef = 0.01;
+  c.moe.z_loss_coef = 0.001;
+  c.validate();
+  return c;
+}
+
+recipe::ResolvedRecipe all_blocks(const ModelConfig& c, const std::string& preset) {
+  recipe::Recipe r = recipe::preset(preset);
+  r.high_precision.last_blocks = 0;
+  return recipe::resolve(r, c.recipe_shape());
+}
+
+ModelOptions options(Device device, bool bf16_rounding = false) {
+  ModelOptions o;
+  o.device = device;
+  o.cpu_bf16_rounding = bf16_rounding;
+  o.seed = 2024;
+  o.max_batch = kB;
+  o.max_seq = kT;
+  return o;
+}
+
+std::vector<int32_t> routing(const Model& m) {
+  if (!m.config().is_moe()) return {};
+  Tensor ids = Tensor::empty({kB * kT, m.config().n_moe_layers(), m.config().moe.top_k}, DType::kI32, Device::kCpu);
+  m.expert_ids(ids.view());
+  return std::vector<int32_t>(ids.ptr<int32_t>(), ids.ptr<int32_t>() + ids.numel());
+}
+
+double rel(const std::vector<double>& a, const std::vector<double>& b) {
+  return diff_norm2(a, b) / std::max(norm2(b), 1e-300);
+}
+
+// Everything one training step produced, on the host.
+struct StepResult {
+  LossInfo loss;
+  std::vector<std::string> names;
+  std::vector<std::vector<double>> activations;  // forward order (before the backward)
+  std::vector<double> logits;
+  std::vector<std::vector<double>> grads;  // per parameter row
+  std::vector<int32_t> routing;
+};
+
+StepResult run_step(Model& m, const testing::Batch& batch, const Tensor* forced, uint64_t step = 1) {
+  StepResult r;
+  ForwardOptions fo;
+  fo.step = step;
+  if (forced) fo.forced_expert_ids = *forced;
+  m.zero_grads();
+  r.loss = m.forward(batch.tokens, batch.targets, fo);
+  r.names = m.activation_names();
+  for (const std::string& n : r.names) r.activations.push_back(values(m.activation(n)));
+  r.logits = values(m.logits());
+  r.routing = routing(m);
+  m.backward();
+  for (int i = 0; i < m.table().size(); ++i)
+    if (m.table().row(i).trainable) r.grads.push_back(values(m.grads().view(i)));
+  return r;
+}
+
+std::vector<std::string> trainable_names(const Model& m) {
+  std::vector<std::string> n;
+  for (const ParamSpec& p : m.table().rows())
+    if (p.trainable) n.push_back(p.name);
+  return n;
+}
+
+// The reference's routing, replayed on the GPU (nullptr for a dense model).
+std::unique_ptr<Tensor> forced_from(const StepResult& ref, const ModelConfig& c) {
+  if (!c.is_moe()) return nullptr;
+  auto t = std::make_unique<Tensor>(Tensor::empty({kB * kT, c.n_moe_layers(), c.moe.top_k}, DType::kI32, Device::kCpu));
+  std::memcpy(t->data(), ref.routing.data(), ref.routing.size() * sizeof(int32_t));
+  return t;
+}
+
+void expect_routing_mostly_equal(const std::vector<int32_t>& gpu, const std::vector<int32_t>& cpu) {
+  ASSERT_EQ(gpu.size(), cpu.size());
+  int64_t same = 0;
+  for (size_t i = 0; i < gpu.size(); ++i) same += gpu[i] == cpu[i];
+  const double frac = gpu.empty() ? 1.0 : (double)same / gpu.size();
+  std::printf("  routing: %.4f of the expert ids equal (gpu's own selection vs cpu)\n", frac);
+  EXPECT_GE(frac, 0.98) << "the GPU router selects other experts than the CPU reference";
+}
+
+TEST_F(ModelCuda, Bf16RecipeMatchesTheCpuReference) {
+  for (const ModelConfig& c : {gpu_dense(), gpu_moe()}) {
+    SCOPED_TRACE(c.name);
+    const testing::Batch batch = make_batch(kB, kT, c.vocab, 7);
+    Model cpu(c, testing::resolved(c), options(Device::kCpu, true));
+    Model gpu(c, testing::resolved(c), options(Device::kCuda));
+    const StepResult ref = run_step(cpu, batch, nullptr);
+    if (c.is_moe()) expect_routing_mostly_equal(run_step(gpu, batch, nullptr).routing, ref.routing);
+    const std::unique_ptr<Tensor> forced = forced_from(ref, c);
+    const StepResult got = run_step(gpu, batch, forced.get());
+    std::printf("%s, bf16 recipe: loss gpu %.7f cpu %.7f\n", c.name.c_str(), got.loss.loss, ref.loss.loss);
+    EXPECT_NEAR(got.loss.loss, ref.loss.loss, 2e-3 * ref.loss.loss);
+    EXPECT_NEAR(got.loss.aux, ref.loss.aux, 1e-3 * (1 + ref.loss.aux));
+    EXPECT_NEAR(got.loss.z, ref.loss.z, 1e-2 * (1 + ref.loss.z));
+    ASSERT_EQ(got.names, ref.names);
+    // Forward order: the first activation beyond its tolerance is where a bug would start.
+    for (size_t i = 0; i < ref.names.size(); ++i) {
+      std::printf("  activation %-32s %.3e\n", ref.names[i].c_str(), rel(got.activations[i], ref.activations[i]));
+      EXPECT_TRUE(close_normwise(got.activations[i], ref.activations[i], 1e-2, "activation " + ref.names[i]));
+    }
+    EXPECT_TRUE(close_normwise(got.logits, ref.logits, 1e-2, "logits"));
+    const std::vector<std::string> names = trainable_names(cpu);
+    for (size_t i = 0; i < names.size(); ++i) {
+      std::printf("  gradient   %-32s %.3e\n", names[i].c_str(), rel(got.grads[i], ref.grads[i]));
+      EXPECT_TRUE(close_normwise(got.grads[i], ref.grads[i], 3e-2, "gradient of " + names[i]));
+    }
+  }
+}
+
+TEST_F(ModelCuda, QuantizedRecipesMatchTheCpuReference) {
+  for (const ModelConfig& c : {gpu_dense(), gpu_moe()}) {
+    const testing::Batch batch = make_batch(kB, kT, c.vocab, 8);
+    Model cpu_bf16(c, testing::resolved(c), options(Device::kCpu, true));
+    const StepResult bf16 = run_step(cpu_bf16, batch, nullptr);
+    const std::unique_ptr<Tensor> forced = forced_from(bf16, c);
+    for (const std::string preset : {"nvfp4", "fp8", "mxfp8", "e2e4"}) {
+      SCOPED_TRACE(c.name + ", recipe " + preset);
+      Model cpu(c, all_blocks(c, preset), options(Device::kCpu, true));
+      Model gpu(c, all_blocks(c, preset), options(Device::kCuda));
+      const StepResult ref = run_step(cpu, batch, forced.get());
+      const StepResult got = run_step(gpu, batch, forced.get());
+      std::printf("%s, recipe %s: loss gpu %.7f cpu %.7f (bf16 recipe %.7f)\n", c.name.c_str(),
+                  preset.c_str(), got.loss.loss, ref.loss.loss, bf16.loss.loss);
+      ASSERT_EQ(got.names, ref.names);
+      // The first GEMM: identical quantized operands up to rare FP32 flips of the bf16 input.
+      for (size_t i = 0; i < ref.names.size(); ++i) {
+        if (ref.names[i] != "blocks.0.attn.qkv") continue;
+        std::printf("  first GEMM output: %.3e\n", rel(got.activations[i], ref.activations[i]));
+        EXPECT_TRUE(close_normwise(got.activations[i], ref.activations[i], 2e-3, "blocks.0.attn.qkv"));
+      }
+      const double quant_logits = rel(ref.logits, bf16.logits);
+      const double err_logits = rel(got.logits, ref.logits);
+      std::printf("  logits: gpu vs cpu %.3e, quantization effect %.3e\n", err_logits, quant_logits);
+      EXPECT_LE(err_logits, std::min(0.35 * quant_logits, 0.15)) << "logits";
+      EXPECT_NEAR(got.loss.loss, ref.loss.loss, 0.35 * std::fabs(ref.loss.loss - bf16.loss.loss) + 1e-3);
+      const std::vector<std::string> names = trainable_names(cpu);
+      for (size_t i = 0; i < names.size(); ++i) {
+        const double q = rel(ref.grads[i], bf16.grads[i]), e = rel(got.grads[i], ref.grads[i]);
+        std::printf("  gradient %-32s gpu vs cpu %.3e, quantization effect %.3e\n", names[i].c_str(), e, q);
+        EXPECT_LE(e, std::min(0.35 * q, 0.15)) << "gradient of " << names[i] << ": gpu vs cpu " << e
+                                               << ", quantization effect " << q;
+      }
+    }
+  }
+}
+
+TEST_F(ModelCuda, SameSeedSameBits) {
+  for (const std::string preset : {"bf16", "nvfp4"}) {
+    const ModelConfig c = gpu_moe();
+    SCOPED_TRACE(preset);
+    const testing::Batch batch = make_batch(kB, kT, c.vocab, 9);
+    Model a(c, all_blocks(c, preset), options(Device::kCuda));
+    Model b(c, all_blocks(c, preset), options(Device::kCuda));
+    const StepResult ra = run_step(a, batch, nullptr, 5), rb = run_step(b, batch, nullptr, 5);
+    const StepResult ra2 = run_step(a, batch, nullptr, 5);
+    EXPECT_EQ(ra.loss.loss, rb.loss.loss);
+    EXPECT_EQ(ra.logits, rb.logits);
+    EXPECT_EQ(ra.routing, rb.routing);
+    EXPECT_EQ(ra.grads, rb.grads) << "two models of one seed";
+    EXPECT_EQ(ra.grads, ra2.grads) << "one model twice";
+    EXPECT_EQ(a.activation_peak_bytes(), a.activation_bytes());
+  }
+}
+
+// Prefill (right-aligned prompts) and decode on the GPU against the GPU's full forward at the same
+// positions. The paths differ in their attention kernels (the FP32 decode kernel vs the BF16
+// flash kernel, whose P rounding is ~u) and in the logits' dtype (f32 vs bf16: u/2), so the
+// tolerance is 2e-2 per row; routing is replayed from the full forward.
+TEST_F(ModelCuda, KvCacheDecodeMatchesTheFullForward) {
+  for (const ModelConfig& c : {gpu_dense(), gpu_moe()}) {
+    SCOPED_TRACE(c.name);
+    Model m(c, testing::resolved(c), options(Device::kCuda));
+    const int T = 24, prompt[kB] = {16, 9}, Tq = 16;
+    const testing::Batch batch = make_batch(kB, T, c.vocab, 10);
+    m.forward(batch.tokens, batch.targets);
+    const std::vector<double> full = values(m.logits());
+    const int64_t V = c.vocab, n_moe = c.n_moe_layers(), k = c.moe.top_k;
+    std::vector<int32_t> full_routing;
+    if (c.is_moe()) {
+      Tensor ids = Tensor::empty({kB * T, n_moe, k}, DType::kI32, Device::kCpu);
+      m.expert_ids(ids.view());
+      full_routing.assign(ids.ptr<int32_t>(), ids.ptr<int32_t>() + ids.numel());
+    }
+    auto full_row = [&](int b, int t) {
+      return std::vector<double>(full.begin() + (b * T + t) * V, full.begin() + (b * T + t + 1) * V);
+    };
+    // The full forward's ids for rows (b, position) of a step, as forced ids of that step.
+    auto forced_for = [&](int rows_per_seq, const std::vector<int>& first_pos) {
+      Tensor f = Tensor::zeros({kB * rows_per_seq, std::max<int64_t>(n_moe, 1), std::max<int64_t>(k, 1)}, DType::kI32, Device::kCpu);
+      for (int b = 0; b < kB; ++b)
+        for (int t = 0; t < rows_per_seq; ++t) {
+          const int pos = first_pos[(size_t)b] + t;
+          for (int64_t x = 0; x < n_moe * k; ++x)
+            f.ptr<int32_t>()[(b * rows_per_seq + t) * n_moe * k + x] =
+                pos >= 0 ? full_routing[(size_t)((b * T + pos) * n_moe * k + x)] : (int32_t)(x % k);
+        }
+      return f;
+    };
+    KvCache cache = m.make_kv_cache(kB, T, Tq);
+    Tensor toks = Tensor::zeros({kB, Tq}, DType::kI32, Device::kCpu);
+    for (int b = 0; b < kB; ++b)
+      for (int t = 0; t < prompt[b]; ++t)
+        toks.ptr<int32_t>()[b * Tq + Tq - prompt[b] + t] = batch.tokens.ptr<int32_t>()[b * T + t];
+    const int32_t n_new[kB] = {prompt[0], prompt[1]};
+    CachedForwardOptions o;
+    o.all_logits = true;
+    Tensor forced;
+    if (c.is_moe()) {
+      forced = forced_for(Tq, {prompt[0] - Tq, prompt[1] - Tq});
+      o.forced_expert_ids = forced;
+    }
+    const std::vector<double> pre = values(m.forward_cached(cache, toks, n_new, o));
+    double worst = 0;
+    for (int b = 0; b < kB; ++b)
+      for (int t = 0; t < prompt[b]; ++t) {
+        const int row = b * Tq + Tq - prompt[b] + t;
+        const std::vector<double> got(pre.begin() + row * V, pre.begin() + (row + 1) * V);
+        worst = std::max(worst, rel(got, full_row(b, t)));
+        EXPECT_TRUE(close_normwise(got, full_row(b, t), 2e-2, "prefill b " + std::to_string(b) + " t " + std::to_string(t)));
+      }
+    for (int step = 0; step < T - prompt[1]; ++step) {
+      Tensor next = Tensor::zeros({kB, 1}, DType::kI32, Device::kCpu);
+      int32_t grow[kB];
+      std::vector<int> pos(kB);
+      for (int b = 0; b < kB; ++b) {
+        pos[(size_t)b] = cache.lengths()[(size_t)b];
+        grow[b] = pos[(size_t)b] < T ? 1 : 0;
+        next.ptr<int32_t>()[b] = grow[b] ? batch.tokens.ptr<int32_t>()[b * T + pos[(size_t)b]] : 0;
+      }
+      CachedForwardOptions d;
+      Tensor f;
+      if (c.is_moe()) {
+        std::vector<int> first = pos;
+        for (int b = 0; b < kB; ++b) first[(size_t)b] = grow[b] ? pos[(size_t)b] : pos[(size_t)b] - 1;
+        f = forced_for(1, first);
+        d.forced_expert_ids = f;
+      }
+      const std::vector<double> last = values(m.forward_cached(cache, next, grow, d));
+      for (int b = 0; b < kB; ++b) {
+        if (!grow[b]) continue;
+        const std::vector<double> got(last.begin() + b * V, last.begin() + (b + 1) * V);
+        worst = std::max(worst, rel(got, full_row(b, pos[(size_t)b])));
+        EXPECT_TRUE(close_normwise(got, full_row(b, pos[(size_t)b]), 2e-2,
+                                   "decode b " + std::to_string(b) + " position " + std::to_string(pos[(size_t)b])));
+      }
+    }
+    std::printf("%s: KV-cache logits vs full forward, worst row %.3e\n", c.name.c_str(), worst);
+  }
+}
+
+}  // namespace
+}  // namespace fourbit::model
