@@ -39,6 +39,7 @@ benches=(
   "gemm bench gemm"
   "attention bench attention"
   "moe bench moe"
+  "model bench model"
 )
 
 # --- identity of this run ------------------------------------------------------------------------
@@ -132,6 +133,16 @@ step test-gpu "$test_log" 3 \
   ctest --test-dir "$build" -L gpu --output-on-failure --no-tests=error
 step test-cpu "$test_log" 3 \
   ctest --test-dir "$build" -L cpu --output-on-failure --no-tests=error -j "$jobs"
+
+# The PyTorch cross-check of the transformer (tools/torch_crosscheck.py), where torch is installed:
+# fourbit's CPU float64 model, then its CUDA model, against an independent PyTorch model.
+if python3 -c 'import torch, numpy' >/dev/null 2>&1; then
+  step torch-check-cpu "$test_log" 40 python3 "$root/tools/torch_crosscheck.py" --fourbit "$fourbit"
+  step torch-check-cuda "$test_log" 40 \
+    python3 "$root/tools/torch_crosscheck.py" --fourbit "$fourbit" --device cuda
+else
+  echo "torch cross-check skipped: python3 cannot import torch and numpy" | tee -a "$test_log"
+fi
 
 bench_names=()
 for line in "${benches[@]}"; do

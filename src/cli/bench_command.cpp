@@ -3,6 +3,7 @@
 #include "core/check.h"
 #include "core/device.h"
 #include "gemm/bench.h"
+#include "model/bench.h"
 #include "ops/attention_bench.h"
 #include "ops/moe_bench.h"
 #include "quant/bench.h"
@@ -22,6 +23,7 @@ Command add_bench_command(CLI::App& app) {
   auto gemm_opts = std::make_shared<gemm::GemmBenchOptions>();
   auto attn_opts = std::make_shared<ops::AttentionBenchOptions>();
   auto moe_opts = std::make_shared<ops::MoeBenchOptions>();
+  auto model_opts = std::make_shared<model::ModelBenchOptions>();
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks against the GPU's ceilings");
   bench->require_subcommand(1);
   CLI::App* q = bench->add_subcommand(
@@ -50,7 +52,15 @@ Command add_bench_command(CLI::App& app) {
   mo->add_option("--reps", moe_opts->reps, "timed repetitions (median reported)")->capture_default_str();
   mo->add_option("--shapes", moe_opts->shape_filter, "only the shapes whose name contains this text");
   mo->add_option("--csv", moe_opts->csv_path, "also write the table as CSV to this file");
-  return {bench, [q, g, at, mo, quant_opts, gemm_opts, attn_opts, moe_opts] {
+  CLI::App* md = bench->add_subcommand(
+      "model", "one training step (forward + backward) per recipe at the gpt2-124m, gpt2-124m-moe8 "
+               "and 1.3b shapes: time per layer type, share in GEMMs, attention, quantization and the "
+               "rest, tokens/s");
+  md->add_option("--reps", model_opts->reps, "timed steps (median reported)")->capture_default_str();
+  md->add_option("--shapes", model_opts->shape_filter, "only the shapes whose name contains this text");
+  md->add_option("--recipes", model_opts->recipe_filter, "only the recipes whose name contains this text");
+  md->add_option("--csv", model_opts->csv_path, "also write the table as CSV to this file");
+  return {bench, [q, g, at, mo, md, quant_opts, gemm_opts, attn_opts, moe_opts, model_opts] {
             if (q->parsed()) {
               require_gpu("quant");
 #if defined(FOURBIT_WITH_CUDA)
@@ -70,6 +80,10 @@ Command add_bench_command(CLI::App& app) {
             if (mo->parsed()) {
               require_gpu("moe");
               ops::run_moe_bench(*moe_opts);
+            }
+            if (md->parsed()) {
+              require_gpu("model");
+              model::run_model_bench(*model_opts);
             }
           }};
 }

@@ -226,8 +226,14 @@ Model::Impl::Impl(Model& model) : m(model), cfg(model.config_) {
     }
     bp.push_back(b);
   }
+  build_recipes();
+  if (m.options_.device == Device::kCuda) error_flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+}
+
+void Model::Impl::build_recipes() {
   // Every (mode, block, kind) recipe, resolved once.
   const recipe::ResolvedRecipe& r = m.recipe_;
+  row_align_max = 8;
   const recipe::ModelShape& shape = r.shape();
   for (int mode = 0; mode < detail::kNumModes; ++mode) {
     std::vector<gemm::LinearRecipe>& v = recipes[(size_t)mode];
@@ -255,7 +261,6 @@ Model::Impl::Impl(Model& model) : m(model), cfg(model.config_) {
     row_align[(size_t)mode] = align;
     row_align_max = std::max(row_align_max, align);
   }
-  if (m.options_.device == Device::kCuda) error_flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
 }
 
 void Model::Impl::bf16(const TensorView& t) const {
@@ -707,11 +712,6 @@ Model::Model(ModelConfig config, recipe::ResolvedRecipe resolved, const ModelOpt
     : config_(std::move(config)), recipe_(std::move(resolved)), options_(options),
       table_(ParamTable::build(config_)) {
   const bool cuda = options_.device == Device::kCuda;
-  FOURBIT_CHECK(recipe_.shape() == config_.recipe_shape(),
-                "model '{}': the recipe '{}' was resolved for another model shape ({} blocks, MoE "
-                "blocks [{}]); resolve it with config.recipe_shape()",
-                config_.name, recipe_.recipe().name, recipe_.shape().n_layers,
-                fmt::join(recipe_.shape().moe_blocks, ", "));
   FOURBIT_CHECK(options_.max_batch >= 1, "model '{}': max_batch must be >= 1, got {}", config_.name,
                 options_.max_batch);
   max_seq_ = options_.max_seq == 0 ? config_.max_seq : options_.max_seq;
@@ -739,15 +739,43 @@ Model::Model(ModelConfig config, recipe::ResolvedRecipe resolved, const ModelOpt
   params_ = ParamBuffer(table_, master, options_.device);
   init_params(table_, params_, options_.seed);
   grads_ = ParamBuffer(table_, master, options_.device);
+  check_recipe_shape();
   impl_ = std::make_unique<Impl>(*this);
   if (cuda) compute_ = ParamBuffer(table_, DType::kBF16, Device::kCuda);
   if (options_.cpu_bf16_rounding) compute_ = ParamBuffer(table_, DType::kF32, Device::kCpu);
   params_changed();
+  size_arena();
+  counts_host_.resize((size_t)config_.n_moe_layers());
+}
+
+void Model::check_recipe_shape() const {
+  FOURBIT_CHECK(recipe_.shape() == config_.recipe_shape(),
+                "model '{}': the recipe '{}' was resolved for another model shape ({} blocks, MoE "
+                "blocks [{}]); resolve it with config.recipe_shape()",
+                config_.name, recipe_.recipe().name, recipe_.shape().n_layers,
+                fmt::join(recipe_.shape().moe_blocks, ", "));
+}
+
+void Model::size_arena() {
   detail::Carver counter(nullptr, options_.device);
   impl_->plan(counter, options_.max_batch, max_seq_, true, (int64_t)options_.max_batch * max_seq_,
               act_dtype_, false);
-  arena_ = std::make_unique<Arena>(counter.bytes(), options_.device);
-  counts_host_.resize((size_t)config_.n_moe_layers());
+  if (!arena_ || arena_->capacity() < counter.bytes())
+    arena_ = std::make_unique<Arena>(counter.bytes(), options_.device);
+}
+
+void Model::set_recipe(recipe::ResolvedRecipe resolved) {
+  recipe::ResolvedRecipe previous = std::move(recipe_);
+  recipe_ = std::move(resolved);
+  try {
+    check_recipe_shape();
+  } catch (...) {
+    recipe_ = std::move(previous);
+    throw;
+  }
+  impl_->build_recipes();
+  impl_->have_forward = false;
+  size_arena();
 }
 
 Model::~Model() = default;

@@ -139,6 +139,9 @@ class Model {
   DType activation_dtype() const { return act_dtype_; }  // bf16 on CUDA, cpu_dtype on the CPU
   DType stat_dtype() const { return stat_dtype_; }       // f32 on CUDA, cpu_dtype on the CPU
   int max_batch() const { return options_.max_batch; }
+  // The same weights under another recipe (resolved for this config's shape). The activation
+  // arena grows if the new recipe's MoE group alignment needs more rows.
+  void set_recipe(recipe::ResolvedRecipe recipe);
   int max_seq() const { return max_seq_; }
 
   // ---- parameters ------------------------------------------------------------------------------
@@ -207,6 +210,9 @@ class Model {
   struct Impl;  // the forward/backward machinery (model.cpp)
 
  private:
+  void check_recipe_shape() const;
+  void size_arena();
+
   ModelConfig config_;
   recipe::ResolvedRecipe recipe_;
   ModelOptions options_;

@@ -123,6 +123,7 @@ namespace fourbit::model {
 
 struct Model::Impl {
   explicit Impl(Model& model);
+  void build_recipes();  // from m.recipe_
 
   Model& m;
   const ModelConfig& cfg;

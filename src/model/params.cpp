@@ -7,7 +7,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <thread>
 #include <vector>
 
 namespace fourbit::model {
@@ -125,13 +128,13 @@ int64_t ParamTable::n_active_params() const {
 }
 
 std::string ParamTable::table() const {
-  std::string s = fmt::format("{:<36} {:<18} {:<12} {:<10} {:<16} {}\n", "parameter", "shape",
+  std::string s = fmt::format("{:<36} {:<18} {:<12} {:<12} {:<16} {}\n", "parameter", "shape",
                               "kind", "recipe", "init", "decay");
   for (const ParamSpec& p : rows_) {
     const std::string init = p.init == InitKind::kOnes    ? "ones"
                              : p.init == InitKind::kZeros ? "zeros"
                                                           : fmt::format("normal({:.5f})", p.init_std);
-    s += fmt::format("{:<36} {:<18} {:<12} {:<10} {:<16} {}\n", p.name, p.shape.str(),
+    s += fmt::format("{:<36} {:<18} {:<12} {:<12} {:<16} {}\n", p.name, p.shape.str(),
                      param_kind_name(p.kind),
                      p.linear_kind ? recipe::kind_name(*p.linear_kind) : std::string_view("-"), init,
                      !p.trainable ? "(buffer)" : p.weight_decay ? "yes" : "no");
@@ -163,25 +166,28 @@ uint64_t name_stream(std::string_view name) {
 }  // namespace
 
 double init_normal_value(uint64_t seed, std::string_view name, int64_t index, double std) {
+  // Box-Muller over one Philox block per pair of elements: element 2j takes r cos(theta), element
+  // 2j + 1 takes r sin(theta) of block j (two independent normals).
   const RandomStream rs{seed, name_stream(name)};
-  const Philox4x32Result r = rs.block((uint64_t)index);
-  // Two 32-bit words per uniform (53 bits would be overkill; 32 suffice for an init).
+  const Philox4x32Result r = rs.block((uint64_t)index >> 1);
   const double u1 = ((double)r.v[0] + 1.0) / 4294967297.0;  // (0, 1)
   const double u2 = (double)r.v[1] / 4294967296.0;         // [0, 1)
-  return std * std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  const double radius = std * std::sqrt(-2.0 * std::log(u1)), theta = 6.283185307179586 * u2;
+  return (index & 1) ? radius * std::sin(theta) : radius * std::cos(theta);
 }
 
 void init_params(const ParamTable& table, const ParamBuffer& params, uint64_t seed) {
   const DType dtype = params.dtype();
   FOURBIT_CHECK(dtype == DType::kF64 || dtype == DType::kF32 || dtype == DType::kBF16,
                 "init_params: parameters must be f64, f32 or bf16, got {}", dtype_name(dtype));
-  // Built on the host in the target dtype, then copied (on the host: in place).
+  // Built on the host in the target dtype, then copied (on the host: in place). Every element is
+  // a pure function of (seed, name, index), so the work is split over threads freely.
   Tensor host = Tensor::zeros({table.total_elements()}, dtype, Device::kCpu);
-  for (const ParamSpec& p : table.rows()) {
-    for (int64_t i = 0; i < p.numel(); ++i) {
+  auto fill = [&](const ParamSpec& p, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
       double x = p.init == InitKind::kOnes    ? 1.0
-                       : p.init == InitKind::kZeros ? 0.0
-                                                    : init_normal_value(seed, p.name, i, p.init_std);
+                 : p.init == InitKind::kZeros ? 0.0
+                                              : init_normal_value(seed, p.name, i, p.init_std);
       // Rounded to FP32 first (the master weights' dtype), so that an f64 model of the same seed
       // holds exactly the FP32 model's values.
       x = (double)(float)x;
@@ -192,7 +198,25 @@ void init_params(const ParamTable& table, const ParamBuffer& params, uint64_t se
         default: host.ptr<uint16_t>()[at] = formats::encode_bf16_rn((float)x); break;
       }
     }
-  }
+  };
+  constexpr int64_t kChunk = 1 << 20;
+  struct Piece {
+    const ParamSpec* p;
+    int64_t begin, end;
+  };
+  std::vector<Piece> pieces;
+  for (const ParamSpec& p : table.rows())
+    for (int64_t b = 0; b < p.numel(); b += kChunk) pieces.push_back({&p, b, std::min(p.numel(), b + kChunk)});
+  const int n_threads = (int)std::clamp<int64_t>(std::thread::hardware_concurrency(), 1,
+                                                 std::max<int64_t>(1, (int64_t)pieces.size()));
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i = next++; i < pieces.size(); i = next++) fill(*pieces[i].p, pieces[i].begin, pieces[i].end);
+  };
+  std::vector<std::thread> threads;
+  for (int t = 1; t < n_threads; ++t) threads.emplace_back(worker);
+  worker();
+  for (std::thread& t : threads) t.join();
   copy_tensor(params.flat(), host.view());
 }
 
