@@ -12,8 +12,11 @@ weights, runs the same batch, and compares the losses, the logits and every para
 
 Needs torch and numpy (not a fourbit dependency). Exit code 0 when every comparison is within its
 tolerance. Tolerances (norm-wise relative error ||fourbit - torch|| / ||torch||): float64 dumps
-1e-9 (two float64 implementations, different summation orders), f32 1e-4, CUDA (bf16 activations)
-5e-2 for the logits and 1e-1 for the gradients.
+1e-9 for losses and logits (two float64 implementations, different summation orders; norm_eps
+enters fourbit's RMSNorm as an FP32 scalar: ~2e-10 on the logits here) and 1e-7 for
+the gradients (the loss-gradient scale 1 / n_valid and the router-loss coefficients enter fourbit's
+ops as FP32 scalars: a uniform relative error up to 2^-24; measured 3.2e-8); f32 dumps 1e-4; CUDA
+(bf16 activations) 5e-2 for the logits and 1e-1 for the gradients.
 
 The MoE routing: torch's own top-k selection is compared with fourbit's (it must agree on at least
 99% of the expert ids: near-ties may break differently), then the forward and backward run with
@@ -192,7 +195,7 @@ def compare(folder):
     cfg = m["config"]
     exact = m["dtype"] == "f64"
     tol_logits = 1e-9 if exact else (1e-4 if m["device"] == "cpu" else 5e-2)
-    tol_grads = 1e-9 if exact else (1e-4 if m["device"] == "cpu" else 1e-1)
+    tol_grads = 1e-7 if exact else (1e-4 if m["device"] == "cpu" else 1e-1)
     print(f"== {folder}: model {cfg['name']} on {m['device']} ({m['dtype']}), recipe {m['recipe']}, "
           f"batch {m['batch']} x {m['seq']}")
     if m["recipe"] != "bf16":
@@ -219,7 +222,7 @@ def compare(folder):
 
     ref = m["loss"]
     for key, value in (("loss", loss), ("ce", ce), ("aux", aux), ("z", z)):
-        v = float(value)
+        v = float(value.detach()) if torch.is_tensor(value) else float(value)
         check(f"loss.{key} (fourbit {ref[key]:.9f}, torch {v:.9f})",
               abs(ref[key] - v) / max(abs(v), 1e-12), tol_logits)
     check("logits", rel_err(data["logits"], logits.detach().numpy().reshape(-1)), tol_logits)
