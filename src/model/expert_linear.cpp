@@ -122,6 +122,15 @@ int expert_row_align(const gemm::LinearRecipe& r) {
   return align;
 }
 
+int expert_rows_tile(const gemm::LinearRecipe& r) {
+  int tile = 1;
+  for (const OperandRecipe* o : {&r.fprop_x, &r.dgrad_dy, &r.wgrad_dy, &r.wgrad_x}) {
+    if (!o->quant) continue;
+    tile = std::max(tile, o->quant->format == quant::Format::kFp8Block ? 128 : 64);
+  }
+  return tile;
+}
+
 void expert_fprop(const gemm::LinearRecipe& r, const TensorView& x, const TensorView& w,
                   std::span<const int64_t> group_sizes, const TensorView& y, const LinearOptions& o) {
   const std::string name = fmt::format("{} fprop", o.name);

@@ -34,6 +34,11 @@ namespace fourbit::model {
 // The row alignment of expert groups that `recipe`'s expert GEMMs need (>= 8; the same on the CPU
 // and CUDA so that both quantize the same blocks).
 int expert_row_align(const gemm::LinearRecipe& recipe);
+// The multiple of rows that the permuted token buffers must have in total when `recipe` quantizes
+// a token-side operand: the CUDA quantize kernels work on whole tiles of 64 rows (128 for FP8
+// block scales); 1 when nothing is quantized. The model pads the last expert's group with zero
+// rows up to it (on the CPU too, so that both quantize the same blocks).
+int expert_rows_tile(const gemm::LinearRecipe& recipe);
 
 // x: [T, K], w: [E, N, K], y: [T, N] (overwritten); sum of group_sizes = T, one size per expert.
 void expert_fprop(const gemm::LinearRecipe& recipe, const TensorView& x, const TensorView& w,

@@ -234,6 +234,8 @@ void Model::Impl::build_recipes() {
   // Every (mode, block, kind) recipe, resolved once.
   const recipe::ResolvedRecipe& r = m.recipe_;
   row_align_max = 8;
+  rows_tile_max = 1;
+  tokens_tile.fill(1);
   const recipe::ModelShape& shape = r.shape();
   for (int mode = 0; mode < detail::kNumModes; ++mode) {
     std::vector<gemm::LinearRecipe>& v = recipes[(size_t)mode];
@@ -251,15 +253,21 @@ void Model::Impl::build_recipes() {
           case Mode::kRlSampler: lr = r.linear(recipe::Stage::kRlSampler, block, k); break;
         }
         v[(size_t)tensor_id(l, k)] = lr;
+        tokens_tile[(size_t)mode] = std::max(tokens_tile[(size_t)mode], expert_rows_tile(lr));
       }
     }
-    int align = 8;
+    int align = 8, tile = 1;
     for (int l : cfg.moe.layers) {
-      align = std::max({align, expert_row_align(v[(size_t)tensor_id(l, LinearKind::kExpertUp)]),
-                        expert_row_align(v[(size_t)tensor_id(l, LinearKind::kExpertDown)])});
+      for (LinearKind k : {LinearKind::kExpertUp, LinearKind::kExpertDown}) {
+        const gemm::LinearRecipe& lr = v[(size_t)tensor_id(l, k)];
+        align = std::max(align, expert_row_align(lr));
+        tile = std::max(tile, expert_rows_tile(lr));
+      }
     }
     row_align[(size_t)mode] = align;
+    rows_tile[(size_t)mode] = tile;
     row_align_max = std::max(row_align_max, align);
+    rows_tile_max = std::max(rows_tile_max, tile);
   }
 }
 
@@ -277,6 +285,16 @@ int* Model::Impl::flag() const {
 const TensorView& Model::Impl::w(int index) const { return m.compute_params().view(index); }
 const TensorView& Model::Impl::master(int index) const { return m.params_.view(index); }
 const TensorView& Model::Impl::g(int index) const { return m.grads_.view(index); }
+
+void Model::Impl::check_token_tile(int64_t n_tokens, std::string_view where) const {
+  const int tile = tokens_tile[(size_t)mode];
+  if (m.options_.device != Device::kCuda || n_tokens % tile == 0) return;
+  throw Error(fmt::format(
+      "{}: the recipe '{}' quantizes activations or gradients, and the CUDA quantize kernels take "
+      "whole tiles of {} token rows; this call has {} tokens: use a batch x sequence (or batch x "
+      "step tokens) that is a multiple of {}, or a recipe that keeps these layers in BF16",
+      where, m.recipe_.recipe().name, tile, n_tokens, tile));
+}
 
 void Model::Impl::scope_begin(Section s, Work w) const {
   if (m.profiler_ != nullptr) m.profiler_->begin(s, w);
@@ -300,7 +318,8 @@ void Model::Impl::check_error_flag(std::string_view where) {
 }
 
 int64_t Model::Impl::max_perm_rows(int64_t n_tokens) const {
-  return ops::moe_permuted_rows(n_tokens, cfg.moe.top_k, cfg.moe.n_experts, row_align_max);
+  return ops::moe_permuted_rows(n_tokens, cfg.moe.top_k, cfg.moe.n_experts, row_align_max) +
+         rows_tile_max - 1;
 }
 
 Acts Model::Impl::plan(detail::Carver& c, int B, int T, bool training, int64_t logits_rows,
@@ -517,6 +536,12 @@ void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& ou
     b.group_sizes = ops::moe_group_sizes(b.counts_host, row_align[(size_t)mode]);
     b.rows = 0;
     for (int64_t s : b.group_sizes) b.rows += s;
+    // The quantize kernels take whole tiles of rows: the last expert's group runs on into the
+    // plan's padding rows (zeros, contributing nothing) up to a multiple of the tile.
+    const int64_t tile = rows_tile[(size_t)mode];
+    const int64_t padded = (b.rows + tile - 1) / tile * tile;
+    b.group_sizes.back() += padded - b.rows;
+    b.rows = padded;
     ops::moe_plan(b.expert_ids, row_align[(size_t)mode], b.plan(), stream());
     ops::moe_permute(b.ln2, b.plan(), b.x_perm, stream());
   }
@@ -884,6 +909,7 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
   im.mode = o.stage == TrainingStage::kPretrain ? Mode::kPretrain : Mode::kRlTrainer;
   im.step = o.step;
   im.n_valid = n_valid;
+  im.check_token_tile(N, "Model::forward");
   im.have_forward = false;
   im.backward_done = false;
   im.named.clear();

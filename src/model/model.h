@@ -30,6 +30,12 @@
 // valid targets (target -1 = ignored) and aux, z averaged over the MoE blocks (aux only with
 // load_balancing = aux_loss), all times BackwardOptions::loss_scale.
 //
+// Quantized recipes on CUDA: the quantize kernels take whole tiles of 64 token rows (128 with FP8
+// block scales) and 128 features, so the token count of a pass (B * T, or B * Tq in the KV-cache
+// forward) must be a multiple of 64 (128) when the recipe quantizes a token-side operand (checked,
+// with a message), and every layer width a multiple of 128 (the presets' are). MoE blocks pad the
+// permuted tokens themselves.
+//
 // Synchronization (CUDA): forward() synchronizes to read the loss and, in MoE blocks, once per
 // block to read the expert counts (the grouped GEMMs' sizes live on the host); gemm::linear_*
 // allocate their quantized operands per call (cudaMalloc/cudaFree synchronize). Everything runs on

@@ -153,6 +153,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
                   "rl_sampler or rl_trainer");
   }
   ModeGuard guard(im, mode);
+  im.check_token_tile(N, "forward_cached");
 
   cache.arena_->reset();
   detail::Carver carver(cache.arena_.get(), options_.device);

@@ -132,7 +132,12 @@ struct Model::Impl {
   // [mode][block * kKinds + kind]; lm_head at block n_layers.
   std::array<std::vector<gemm::LinearRecipe>, detail::kNumModes> recipes;
   std::array<int, detail::kNumModes> row_align{};  // MoE group alignment per mode
-  int row_align_max = 8;
+  std::array<int, detail::kNumModes> rows_tile{};  // MoE total rows: a multiple of this
+  int row_align_max = 8, rows_tile_max = 1;
+  // CUDA: the token count of a pass must be a multiple of this (the quantize kernels' row tile)
+  // when the mode's recipe quantizes a token-side operand of any layer; 1 otherwise.
+  std::array<int, detail::kNumModes> tokens_tile{};
+  void check_token_tile(int64_t n_tokens, std::string_view where) const;
   Tensor error_flag;  // CUDA: i32 [1], the ops' and quantizers' error bits
 
   // The pass in progress.
