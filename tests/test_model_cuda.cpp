@@ -16,12 +16,17 @@
 //   bf16 recipe: every named activation 1e-2 (a few u), logits 1e-2, loss 2e-3 relative,
 //     every parameter gradient 3e-2 (the backward adds its own bf16 roundings of dY, dq/dk/dv).
 //   quantized recipes (nvfp4, fp8, mxfp8, e2e4 with every block quantized): the quantizers are
-//     bit-exact CPU vs GPU and see identical inputs wherever the inputs agree, so the first GEMM
-//     of the model (blocks.0.attn.qkv: its inputs differ only by FP32 rounding flips) must agree to
-//     2e-3; after the attention, the operands differ in some elements by one bf16 ulp, which flips
-//     a few quantized elements (one 4-bit step each), so the later tensors are compared against the
-//     size of the quantization itself: err(gpu, ref) <= 0.35 * err(ref, ref with the bf16 recipe)
-//     for the logits and every gradient, and <= 0.15 absolute.
+//     bit-exact CPU vs GPU, so they produce identical operands from identical inputs. To give them
+//     identical inputs all through the model, this test runs sequences of ONE token (B = 128,
+//     T = 1): attention is then exact on both devices (softmax of one score is 1, out = v; in the
+//     backward dS = 0, dv = dout) and RoPE at position 0 is the identity, so the only differences
+//     left are FP32 summation orders, which move a bf16 activation by one ulp in rare elements and
+//     a quantized element by one step more rarely still. Bound: err(gpu, ref) <= 0.1 * q + 5e-3
+//     for every activation, the logits and every gradient, where q = err(ref, the same CPU model
+//     under the bf16 recipe) is the size of the quantization itself (typically 5-20%); the first
+//     GEMM (blocks.0.attn.qkv) 2e-3. With longer sequences the attention kernels' own bf16
+//     roundings (above) flip quantized elements in every layer and the two runs drift apart by a
+//     fraction of q: that is measured by no test here.
 // Every comparison prints its measured error, so the tolerances can be tightened from a run.
 #include "core/device.h"
 #include "model/model.h"
@@ -46,6 +51,7 @@ using testing::norm2;
 using testing::values;
 
 constexpr int kB = 2, kT = 64;
+constexpr int kQuantBatch = 128;  // sequences of one token for the quantized comparison
 
 class ModelCuda : public ::testing::Test {
  protected:
@@ -92,19 +98,19 @@ recipe::ResolvedRecipe all_blocks(const ModelConfig& c, const std::string& prese
   return recipe::resolve(r, c.recipe_shape());
 }
 
-ModelOptions options(Device device, bool bf16_rounding = false) {
+ModelOptions options(Device device, bool bf16_rounding = false, int batch = kB, int seq = kT) {
   ModelOptions o;
   o.device = device;
   o.cpu_bf16_rounding = bf16_rounding;
   o.seed = 2024;
-  o.max_batch = kB;
-  o.max_seq = kT;
+  o.max_batch = batch;
+  o.max_seq = seq;
   return o;
 }
 
-std::vector<int32_t> routing(const Model& m) {
+std::vector<int32_t> routing(const Model& m, int64_t n_tokens) {
   if (!m.config().is_moe()) return {};
-  Tensor ids = Tensor::empty({kB * kT, m.config().n_moe_layers(), m.config().moe.top_k}, DType::kI32, Device::kCpu);
+  Tensor ids = Tensor::empty({n_tokens, m.config().n_moe_layers(), m.config().moe.top_k}, DType::kI32, Device::kCpu);
   m.expert_ids(ids.view());
   return std::vector<int32_t>(ids.ptr<int32_t>(), ids.ptr<int32_t>() + ids.numel());
 }
@@ -133,7 +139,7 @@ StepResult run_step(Model& m, const testing::Batch& batch, const Tensor* forced,
   r.names = m.activation_names();
   for (const std::string& n : r.names) r.activations.push_back(values(m.activation(n)));
   r.logits = values(m.logits());
-  r.routing = routing(m);
+  r.routing = routing(m, batch.tokens.numel());
   m.backward();
   for (int i = 0; i < m.table().size(); ++i)
     if (m.table().row(i).trainable) r.grads.push_back(values(m.grads().view(i)));
@@ -150,7 +156,8 @@ std::vector<std::string> trainable_names(const Model& m) {
 // The reference's routing, replayed on the GPU (nullptr for a dense model).
 std::unique_ptr<Tensor> forced_from(const StepResult& ref, const ModelConfig& c) {
   if (!c.is_moe()) return nullptr;
-  auto t = std::make_unique<Tensor>(Tensor::empty({kB * kT, c.n_moe_layers(), c.moe.top_k}, DType::kI32, Device::kCpu));
+  const int64_t n = (int64_t)ref.routing.size() / (c.n_moe_layers() * c.moe.top_k);
+  auto t = std::make_unique<Tensor>(Tensor::empty({n, c.n_moe_layers(), c.moe.top_k}, DType::kI32, Device::kCpu));
   std::memcpy(t->data(), ref.routing.data(), ref.routing.size() * sizeof(int32_t));
   return t;
 }
@@ -195,36 +202,36 @@ TEST_F(ModelCuda, Bf16RecipeMatchesTheCpuReference) {
 
 TEST_F(ModelCuda, QuantizedRecipesMatchTheCpuReference) {
   for (const ModelConfig& c : {gpu_dense(), gpu_moe()}) {
-    const testing::Batch batch = make_batch(kB, kT, c.vocab, 8);
-    Model cpu_bf16(c, testing::resolved(c), options(Device::kCpu, true));
+    const int B = kQuantBatch, T = 1;
+    const testing::Batch batch = make_batch(B, T, c.vocab, 8, 0);
+    Model cpu_bf16(c, testing::resolved(c), options(Device::kCpu, true, B, T));
     const StepResult bf16 = run_step(cpu_bf16, batch, nullptr);
     const std::unique_ptr<Tensor> forced = forced_from(bf16, c);
     for (const std::string preset : {"nvfp4", "fp8", "mxfp8", "e2e4"}) {
       SCOPED_TRACE(c.name + ", recipe " + preset);
-      Model cpu(c, all_blocks(c, preset), options(Device::kCpu, true));
-      Model gpu(c, all_blocks(c, preset), options(Device::kCuda));
+      Model cpu(c, all_blocks(c, preset), options(Device::kCpu, true, B, T));
+      Model gpu(c, all_blocks(c, preset), options(Device::kCuda, false, B, T));
       const StepResult ref = run_step(cpu, batch, forced.get());
       const StepResult got = run_step(gpu, batch, forced.get());
-      std::printf("%s, recipe %s: loss gpu %.7f cpu %.7f (bf16 recipe %.7f)\n", c.name.c_str(),
-                  preset.c_str(), got.loss.loss, ref.loss.loss, bf16.loss.loss);
+      std::printf("%s, recipe %s (B %d, T 1): loss gpu %.7f cpu %.7f (bf16 recipe %.7f)\n", c.name.c_str(),
+                  preset.c_str(), B, got.loss.loss, ref.loss.loss, bf16.loss.loss);
       ASSERT_EQ(got.names, ref.names);
-      // The first GEMM: identical quantized operands up to rare FP32 flips of the bf16 input.
+      auto bound = [](double q) { return 0.1 * q + 5e-3; };
       for (size_t i = 0; i < ref.names.size(); ++i) {
-        if (ref.names[i] != "blocks.0.attn.qkv") continue;
-        std::printf("  first GEMM output: %.3e\n", rel(got.activations[i], ref.activations[i]));
-        EXPECT_TRUE(close_normwise(got.activations[i], ref.activations[i], 2e-3, "blocks.0.attn.qkv"));
+        const double q = rel(ref.activations[i], bf16.activations[i]), e = rel(got.activations[i], ref.activations[i]);
+        std::printf("  activation %-32s gpu vs cpu %.3e, quantization effect %.3e\n", ref.names[i].c_str(), e, q);
+        const double tol = ref.names[i] == "blocks.0.attn.qkv" ? 2e-3 : bound(q);
+        EXPECT_LE(e, tol) << "activation " << ref.names[i] << ": gpu vs cpu " << e << ", quantization effect " << q;
       }
-      const double quant_logits = rel(ref.logits, bf16.logits);
-      const double err_logits = rel(got.logits, ref.logits);
-      std::printf("  logits: gpu vs cpu %.3e, quantization effect %.3e\n", err_logits, quant_logits);
-      EXPECT_LE(err_logits, std::min(0.35 * quant_logits, 0.15)) << "logits";
-      EXPECT_NEAR(got.loss.loss, ref.loss.loss, 0.35 * std::fabs(ref.loss.loss - bf16.loss.loss) + 1e-3);
+      const double q_logits = rel(ref.logits, bf16.logits), e_logits = rel(got.logits, ref.logits);
+      std::printf("  logits: gpu vs cpu %.3e, quantization effect %.3e\n", e_logits, q_logits);
+      EXPECT_LE(e_logits, bound(q_logits)) << "logits";
+      EXPECT_NEAR(got.loss.loss, ref.loss.loss, 0.1 * std::fabs(ref.loss.loss - bf16.loss.loss) + 1e-3);
       const std::vector<std::string> names = trainable_names(cpu);
       for (size_t i = 0; i < names.size(); ++i) {
         const double q = rel(ref.grads[i], bf16.grads[i]), e = rel(got.grads[i], ref.grads[i]);
-        std::printf("  gradient %-32s gpu vs cpu %.3e, quantization effect %.3e\n", names[i].c_str(), e, q);
-        EXPECT_LE(e, std::min(0.35 * q, 0.15)) << "gradient of " << names[i] << ": gpu vs cpu " << e
-                                               << ", quantization effect " << q;
+        std::printf("  gradient   %-32s gpu vs cpu %.3e, quantization effect %.3e\n", names[i].c_str(), e, q);
+        EXPECT_LE(e, bound(q)) << "gradient of " << names[i] << ": gpu vs cpu " << e << ", quantization effect " << q;
       }
     }
   }
