@@ -146,7 +146,8 @@ class Model {
   DType stat_dtype() const { return stat_dtype_; }       // f32 on CUDA, cpu_dtype on the CPU
   int max_batch() const { return options_.max_batch; }
   // The same weights under another recipe (resolved for this config's shape). The activation
-  // arena grows if the new recipe's MoE group alignment needs more rows.
+  // arena grows if the new recipe's MoE group alignment needs more rows; make KV caches after it
+  // (a cache's step arena is sized for the recipe of its time).
   void set_recipe(recipe::ResolvedRecipe recipe);
   int max_seq() const { return max_seq_; }
 
