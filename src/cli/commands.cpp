@@ -17,8 +17,11 @@ void register_commands(CLI::App& app) {
   registry().push_back(add_quant_report_command(app));
   registry().push_back(add_bench_command(app));
   registry().push_back(add_recipe_command(app));
+  registry().push_back(add_prepare_command(app));
   registry().push_back(add_model_command(app));
   registry().push_back(add_model_dump_command(app));
+  registry().push_back(add_tasks_command(app));
+  registry().push_back(add_corpus_command(app));
 }
 
 void run_selected(CLI::App& /*app*/) {

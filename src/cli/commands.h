@@ -18,7 +18,10 @@ Command add_quant_report_command(CLI::App& app);
 Command add_run_command(CLI::App& app);
 Command add_bench_command(CLI::App& app);
 Command add_recipe_command(CLI::App& app);
+Command add_prepare_command(CLI::App& app);
 Command add_model_command(CLI::App& app);
 Command add_model_dump_command(CLI::App& app);
+Command add_tasks_command(CLI::App& app);
+Command add_corpus_command(CLI::App& app);
 
 }  // namespace fourbit::cli

@@ -70,14 +70,6 @@ TensorView Carver::take(Shape shape, DType dtype, std::string_view name) {
   return TensorView::contiguous(nullptr, dtype, shape, device_);
 }
 
-TensorView rows_of(const TensorView& t, int64_t row0, int64_t rows) {
-  TensorView v = t;
-  const int64_t row_elems = t.shape.ndim > 1 ? t.numel() / t.shape[0] : 1;
-  v.data = static_cast<char*>(t.data) + dtype_bytes(t.dtype, row0 * row_elems);
-  v.shape[0] = rows;
-  return v;
-}
-
 ops::MoePlan BlockActs::plan() const { return {offsets, slot_rows, row_slots}; }
 
 void sync_stream(Device device, void* stream) {
@@ -164,7 +156,6 @@ TensorView qkv_part4(const TensorView& qkv, int64_t col0, int64_t heads, int64_t
 using detail::Acts;
 using detail::BlockActs;
 using detail::Mode;
-using detail::rows_of;
 using detail::Scope;
 
 namespace {

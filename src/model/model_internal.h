@@ -28,9 +28,6 @@ class Carver {
   int64_t bytes_ = 0;
 };
 
-// Rows [row0, row0 + rows) of a contiguous tensor (along its first dimension).
-TensorView rows_of(const TensorView& t, int64_t row0, int64_t rows);
-
 // Indices into the parameter table of one block's parameters (-1: absent).
 struct BlockParams {
   int attn_norm = -1, qkv = -1, attn_out = -1, mlp_norm = -1;
