@@ -38,13 +38,67 @@ DeviceProperties current_device_properties() {
   return d;
 }
 
+namespace {
+// The current device's default memory pool, set (once per device) to keep every freed byte for
+// reuse instead of returning it to the driver at each synchronization.
+cudaMemPool_t default_pool() {
+  int dev = 0;
+  FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));
+  static bool configured[64] = {};
+  cudaMemPool_t pool = nullptr;
+  FOURBIT_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  if (dev >= 0 && dev < 64 && !configured[dev]) {
+    uint64_t keep = ~uint64_t{0};
+    FOURBIT_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    configured[dev] = true;
+  }
+  return pool;
+}
+}  // namespace
+
 void* device_malloc(int64_t bytes) {
   void* p = nullptr;
-  FOURBIT_CUDA_CHECK(cudaMalloc(&p, (size_t)bytes));
+  default_pool();
+  const cudaError_t e = cudaMallocAsync(&p, (size_t)bytes, cudaStreamLegacy);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    throw Error(fmt::format("device allocation of {} bytes failed: {} ({} of {} MiB free on the "
+                            "device); use a smaller batch or model, or free other processes' memory",
+                            bytes, cudaGetErrorString(e), free_b >> 20, total_b >> 20));
+  }
+  FOURBIT_CHECK(reinterpret_cast<uintptr_t>(p) % 256 == 0,
+                "device allocation of {} bytes: the pool returned {} (not 256-byte aligned), which "
+                "the kernels' vector loads assume", bytes, p);
   return p;
 }
 
-void device_free(void* p) { cudaFree(p); }
+void device_free(void* p) {
+  if (p) cudaFreeAsync(p, cudaStreamLegacy);
+}
+
+DeviceMemoryStats device_memory_stats() {
+  cudaMemPool_t pool = default_pool();
+  DeviceMemoryStats s;
+  uint64_t v = 0;
+  FOURBIT_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &v));
+  s.used = (int64_t)v;
+  FOURBIT_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v));
+  s.used_peak = (int64_t)v;
+  FOURBIT_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &v));
+  s.reserved = (int64_t)v;
+  FOURBIT_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &v));
+  s.reserved_peak = (int64_t)v;
+  return s;
+}
+
+void reset_device_memory_peak() {
+  cudaMemPool_t pool = default_pool();
+  uint64_t zero = 0;
+  FOURBIT_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+  FOURBIT_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero));
+}
 
 void device_memcpy(void* dst, Device dst_device, const void* src, Device src_device,
                    int64_t bytes) {
@@ -76,6 +130,8 @@ int cuda_device_count() { return 0; }
 DeviceProperties current_device_properties() { no_cuda("device properties"); }
 void* device_malloc(int64_t) { no_cuda("device allocation"); }
 void device_free(void*) {}
+DeviceMemoryStats device_memory_stats() { return {}; }
+void reset_device_memory_peak() {}
 void device_memcpy(void*, Device, const void*, Device, int64_t) { no_cuda("device copy"); }
 void device_memset(void*, uint8_t, int64_t) { no_cuda("device memset"); }
 void device_synchronize() {}

@@ -2,7 +2,7 @@
 //
 // Shapes are row-major, outermost first (as in PyTorch); strides count elements. Views are cheap
 // values passed to kernels and ops; Tensor owns its storage through a shared pointer and converts
-// to a view. Host storage is 64-byte aligned; device storage comes from cudaMalloc (256-byte
+// to a view. Host storage is 64-byte aligned; device storage comes from the stream-ordered pool (256-byte
 // aligned). Quantized formats are bundles of several tensors (see quant/quantized_tensor.h).
 #pragma once
 
