@@ -437,8 +437,10 @@ void Model::Impl::fprop(Section s, int block, LinearKind kind, const TensorView&
   if (m.profiler_) m.profiler_->linear_call({s, recipe::Gemm::kFprop, &r, x.shape[0], wt.shape[0], x.shape[1], 1});
   const std::string name = layer_name(block, kind);
   Scope scope(*this, s, Work::kLinear);
-  gemm::linear_fprop(r, x, wt, y, linear_options(block, kind, name));
+  const gemm::LinearOptions o = linear_options(block, kind, name);
+  gemm::linear_fprop(r, x, wt, y, o);
   if (bf16_output) bf16(y);
+  observe(name, recipe::Gemm::kFprop, r, x, wt, y, {}, o.sr);
 }
 
 void Model::Impl::dgrad(Section s, int block, LinearKind kind, const TensorView& dy,
@@ -447,8 +449,10 @@ void Model::Impl::dgrad(Section s, int block, LinearKind kind, const TensorView&
   if (m.profiler_) m.profiler_->linear_call({s, recipe::Gemm::kDgrad, &r, dy.shape[0], wt.shape[0], wt.shape[1], 1});
   const std::string name = layer_name(block, kind);
   Scope scope(*this, s, Work::kLinear);
-  gemm::linear_dgrad(r, dy, wt, dx, linear_options(block, kind, name));
+  const gemm::LinearOptions o = linear_options(block, kind, name);
+  gemm::linear_dgrad(r, dy, wt, dx, o);
   bf16(dx);
+  observe(name, recipe::Gemm::kDgrad, r, dy, wt, dx, {}, o.sr);
 }
 
 void Model::Impl::wgrad(Section s, int block, LinearKind kind, const TensorView& dy,
@@ -457,7 +461,20 @@ void Model::Impl::wgrad(Section s, int block, LinearKind kind, const TensorView&
   if (m.profiler_) m.profiler_->linear_call({s, recipe::Gemm::kWgrad, &r, dy.shape[0], dy.shape[1], x.shape[1], 1});
   const std::string name = layer_name(block, kind);
   Scope scope(*this, s, Work::kLinear);
-  gemm::linear_wgrad(r, dy, x, dw, 1.0f, linear_options(block, kind, name));
+  const gemm::LinearOptions o = linear_options(block, kind, name);
+  gemm::linear_wgrad(r, dy, x, dw, 1.0f, o);
+  observe(name, recipe::Gemm::kWgrad, r, dy, x, dw, {}, o.sr);
+}
+
+void Model::Impl::observe(std::string_view layer, recipe::Gemm gemm_kind, const gemm::LinearRecipe& r,
+                          const TensorView& a, const TensorView& b, const TensorView& out,
+                          std::span<const int64_t> group_sizes, RandomStream sr) const {
+  if (!m.gemm_observer_) return;
+  recipe::Stage stage = recipe::Stage::kRlTrainer;
+  if (mode == Mode::kRlSampler) stage = recipe::Stage::kRlSampler;
+  if (mode == Mode::kPretrain)
+    stage = gemm_kind == recipe::Gemm::kFprop ? recipe::Stage::kPretrainForward : recipe::Stage::kPretrainBackward;
+  m.gemm_observer_({layer, stage, gemm_kind, &r, a, b, out, group_sizes, sr});
 }
 
 // ---- Impl: the feed-forward half of a block -----------------------------------------------------
@@ -549,9 +566,12 @@ void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& ou
   expert_call(LinearKind::kExpertUp, recipe::Gemm::kFprop, b.rows, w(p.experts_up));
   {
     Scope s(*this, Section::kMoe, Work::kLinear);
+    const gemm::LinearOptions o = linear_options(l, LinearKind::kExpertUp, up_name);
     expert_fprop(linear_recipe(l, LinearKind::kExpertUp), x_perm, w(p.experts_up), b.group_sizes,
-                 h_perm, linear_options(l, LinearKind::kExpertUp, up_name));
+                 h_perm, o);
     bf16(h_perm);
+    observe(up_name, recipe::Gemm::kFprop, linear_recipe(l, LinearKind::kExpertUp), x_perm,
+            w(p.experts_up), h_perm, b.group_sizes, o.sr);
   }
   {
     Scope s(*this, Section::kMoe, Work::kOther);
@@ -561,9 +581,12 @@ void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& ou
   expert_call(LinearKind::kExpertDown, recipe::Gemm::kFprop, b.rows, w(p.experts_down));
   {
     Scope s(*this, Section::kMoe, Work::kLinear);
+    const gemm::LinearOptions o = linear_options(l, LinearKind::kExpertDown, down_name);
     expert_fprop(linear_recipe(l, LinearKind::kExpertDown), act_perm, w(p.experts_down),
-                 b.group_sizes, y_perm, linear_options(l, LinearKind::kExpertDown, down_name));
+                 b.group_sizes, y_perm, o);
     bf16(y_perm);
+    observe(down_name, recipe::Gemm::kFprop, linear_recipe(l, LinearKind::kExpertDown), act_perm,
+            w(p.experts_down), y_perm, b.group_sizes, o.sr);
   }
   {
     Scope s(*this, Section::kMoe, Work::kOther);
@@ -644,15 +667,19 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale) 
   expert_call(LinearKind::kExpertDown, recipe::Gemm::kDgrad, w(p.experts_down));
   {
     Scope sc(*this, sec, Work::kLinear);
-    expert_dgrad(r_down, d_y_perm, w(p.experts_down), b.group_sizes, d_act_perm,
-                 linear_options(l, LinearKind::kExpertDown, down_name));
+    const gemm::LinearOptions o = linear_options(l, LinearKind::kExpertDown, down_name);
+    expert_dgrad(r_down, d_y_perm, w(p.experts_down), b.group_sizes, d_act_perm, o);
     bf16(d_act_perm);
+    observe(down_name, recipe::Gemm::kDgrad, r_down, d_y_perm, w(p.experts_down), d_act_perm,
+            b.group_sizes, o.sr);
   }
   expert_call(LinearKind::kExpertDown, recipe::Gemm::kWgrad, w(p.experts_down));
   {
     Scope sc(*this, sec, Work::kLinear);
-    expert_wgrad(r_down, d_y_perm, act_perm, b.group_sizes, g(p.experts_down), 1.0f,
-                 linear_options(l, LinearKind::kExpertDown, down_name));
+    const gemm::LinearOptions o = linear_options(l, LinearKind::kExpertDown, down_name);
+    expert_wgrad(r_down, d_y_perm, act_perm, b.group_sizes, g(p.experts_down), 1.0f, o);
+    observe(down_name, recipe::Gemm::kWgrad, r_down, d_y_perm, act_perm, g(p.experts_down),
+            b.group_sizes, o.sr);
   }
   {
     Scope sc(*this, sec, Work::kOther);
@@ -664,15 +691,19 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale) 
   expert_call(LinearKind::kExpertUp, recipe::Gemm::kDgrad, w(p.experts_up));
   {
     Scope sc(*this, sec, Work::kLinear);
-    expert_dgrad(r_up, h_perm, w(p.experts_up), b.group_sizes, d_x_perm,
-                 linear_options(l, LinearKind::kExpertUp, up_name));
+    const gemm::LinearOptions o = linear_options(l, LinearKind::kExpertUp, up_name);
+    expert_dgrad(r_up, h_perm, w(p.experts_up), b.group_sizes, d_x_perm, o);
     bf16(d_x_perm);
+    observe(up_name, recipe::Gemm::kDgrad, r_up, h_perm, w(p.experts_up), d_x_perm, b.group_sizes,
+            o.sr);
   }
   expert_call(LinearKind::kExpertUp, recipe::Gemm::kWgrad, w(p.experts_up));
   {
     Scope sc(*this, sec, Work::kLinear);
-    expert_wgrad(r_up, h_perm, x_perm, b.group_sizes, g(p.experts_up), 1.0f,
-                 linear_options(l, LinearKind::kExpertUp, up_name));
+    const gemm::LinearOptions o = linear_options(l, LinearKind::kExpertUp, up_name);
+    expert_wgrad(r_up, h_perm, x_perm, b.group_sizes, g(p.experts_up), 1.0f, o);
+    observe(up_name, recipe::Gemm::kWgrad, r_up, h_perm, x_perm, g(p.experts_up), b.group_sizes,
+            o.sr);
   }
   {
     Scope sc(*this, sec, Work::kOther);

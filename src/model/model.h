@@ -52,6 +52,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -127,6 +128,27 @@ struct CachedForwardOptions {
   TensorView forced_expert_ids;  // host i32 [B * Tq, n_moe_layers, top_k] (routing replay)
   TensorView expert_ids_out;     // host i32 [B * Tq, n_moe_layers, top_k], optional: the routing
 };
+
+// One linear-layer GEMM as the model ran it, for a GemmObserver (the precision audit,
+// src/audit/audit.h). Called right after the GEMM, on the model's thread; the views are valid during
+// the call only (device tensors stay on the device; the observer copies what it keeps).
+//   Fprop  a = X  [M, K], b = W [N, K], out = Y  [M, N]
+//   Dgrad  a = dY [M, N], b = W [N, K], out = dX [M, K]
+//   Wgrad  a = dY [M, N], b = X [M, K], out = dW [N, K] (ACCUMULATED: beta = 1 over the backward)
+// Routed experts: W is the stacked [E, N, K] (dW too) and group_sizes holds the rows of each
+// expert (the permuted token buffers, zero-padded up to the recipe's alignment); empty otherwise.
+// a, b are the high-precision sources the recipe's quantizers read (`recipe`: the per-operand
+// quantizers of this layer in this pass; sr: the stochastic-rounding streams the call used).
+struct GemmObservation {
+  std::string_view layer;  // "blocks.2.qkv", "blocks.1.expert_up", "lm_head"
+  recipe::Stage stage;     // pretrain_forward / pretrain_backward / rl_sampler / rl_trainer
+  recipe::Gemm gemm;
+  const gemm::LinearRecipe* recipe = nullptr;
+  TensorView a, b, out;
+  std::span<const int64_t> group_sizes;
+  RandomStream sr;
+};
+using GemmObserver = std::function<void(const GemmObservation&)>;
 
 class Model {
  public:
@@ -213,6 +235,8 @@ class Model {
 
   // Timing hooks (profile.h); null detaches. Not owned.
   void set_profiler(Profiler* profiler) { profiler_ = profiler; }
+  // Called after every linear-layer GEMM (GemmObservation); an empty function detaches.
+  void set_gemm_observer(GemmObserver observer) { gemm_observer_ = std::move(observer); }
 
   struct Impl;  // the forward/backward machinery (model.cpp)
 
@@ -231,6 +255,7 @@ class Model {
   std::unique_ptr<Impl> impl_;
   std::vector<std::vector<int32_t>> counts_host_;
   Profiler* profiler_ = nullptr;
+  GemmObserver gemm_observer_;
 };
 
 }  // namespace fourbit::model

@@ -170,6 +170,10 @@ struct Model::Impl {
              const TensorView& dx);
   void wgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy, const TensorView& x,
              const TensorView& dw);
+  // Reports a GEMM that just ran to the model's GemmObserver, if any (model.h GemmObservation).
+  void observe(std::string_view layer, recipe::Gemm gemm, const gemm::LinearRecipe& r,
+               const TensorView& a, const TensorView& b, const TensorView& out,
+               std::span<const int64_t> group_sizes, RandomStream sr) const;
 
   // ---- pieces of the forward shared by both paths ----
   // The MLP or MoE half of block l: out = mlp(ln2) (overwritten). forced: host i32
