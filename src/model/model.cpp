@@ -850,6 +850,11 @@ TensorView Model::logits() const {
   return impl_->acts.logits;
 }
 
+TensorView Model::token_losses() const {
+  FOURBIT_CHECK(impl_->have_forward, "Model::token_losses: run forward first");
+  return impl_->acts.losses;
+}
+
 void Model::expert_ids(const TensorView& out) const {
   const Impl& im = *impl_;
   FOURBIT_CHECK(im.have_forward, "Model::expert_ids: run forward first");
@@ -1067,9 +1072,31 @@ void Model::backward(const BackwardOptions& o) {
   // LM head and loss: dlogits over the logits, then the final norm.
   {
     Scope sc(im, Section::kLmHead, Work::kOther);
-    const double scale = im.n_valid > 0 ? o.loss_scale / (double)im.n_valid : 0.0;
-    ops::cross_entropy_forward_backward_inplace(a.logits, a.losses, a.mean_loss, a.targets,
-                                                (float)scale, im.flag(), st);
+    if (o.token_weights.data != nullptr) {
+      // Per-token weights (RL): copied next to the losses, in the stat dtype.
+      const int64_t N = a.losses.numel();
+      FOURBIT_CHECK(o.token_weights.device == Device::kCpu && o.token_weights.dtype == DType::kF32 &&
+                        o.token_weights.is_contiguous() && o.token_weights.numel() == N,
+                    "Model::backward: token_weights must be a contiguous host f32 [{}] (B*T of the "
+                    "last forward), got {}", N, o.token_weights.describe());
+      std::vector<double> w64;
+      const void* host = o.token_weights.data;
+      if (stat_dtype_ == DType::kF64) {
+        const float* w = o.token_weights.ptr<const float>();
+        w64.assign(w, w + N);
+        host = w64.data();
+      }
+      Tensor weights = Tensor::empty({N}, stat_dtype_, options_.device);
+      detail::copy_to_device(weights.view(), host, st);
+      ops::cross_entropy_forward_backward_inplace_weighted(a.logits, a.losses, a.mean_loss, a.targets,
+                                                           weights.view(), (float)o.loss_scale,
+                                                           im.flag(), st);
+      detail::sync_stream(options_.device, st);  // `weights` dies here
+    } else {
+      const double scale = im.n_valid > 0 ? o.loss_scale / (double)im.n_valid : 0.0;
+      ops::cross_entropy_forward_backward_inplace(a.logits, a.losses, a.mean_loss, a.targets,
+                                                  (float)scale, im.flag(), st);
+    }
     im.bf16(a.logits);
   }
   im.dgrad(Section::kLmHead, L, LinearKind::kLmHead, a.logits, im.w(im.lm_head), s.d_ln);

@@ -90,6 +90,12 @@ struct ForwardOptions {
 
 struct BackwardOptions {
   double loss_scale = 1.0;  // d objective / d loss (e.g. 1 / micro-batches)
+  // Per-token loss weights (the RL policy-gradient loss, RL.md): host f32 [B*T] of the last
+  // forward. When given, the cross-entropy term of the objective is sum_n token_weights[n] *
+  // token_loss[n] (instead of the mean over valid targets), i.e. d objective / d token_loss[n] =
+  // loss_scale * token_weights[n]; ignored targets get no gradient whatever their weight. The
+  // weights are constants (no gradient flows into them) and may be negative.
+  TensorView token_weights;
 };
 
 struct LossInfo {
@@ -190,6 +196,9 @@ class Model {
   LossInfo forward(const TensorView& tokens, const TensorView& targets, const ForwardOptions& options = {});
   // The gradient of the last forward's objective, accumulated into grads().
   void backward(const BackwardOptions& options = {});
+  // [B*T] -log p(target) of every token of the last forward (0 where the target is -1): the
+  // per-token log-probabilities the RL trainer needs. Stat dtype, on the model's device.
+  TensorView token_losses() const;
   // [B*T, V] logits of the last forward (activation dtype); overwritten by backward().
   TensorView logits() const;
   // The last forward's routing, host i32 [B*T, n_moe_layers, top_k] (copied into `out`).

@@ -33,7 +33,7 @@ T row_lse(const T* row, int64_t V) {
 // before the row is overwritten).
 template <typename T>
 void reference(T* losses, T* mean_loss, T* dlogits, const T* logits, const int32_t* targets,
-               int64_t N, int64_t V, T dloss_scale) {
+               const T* row_weights, int64_t N, int64_t V, T dloss_scale) {
   T sum = 0;
   int64_t count = 0;
   for (int64_t n = 0; n < N; ++n) {
@@ -51,9 +51,10 @@ void reference(T* losses, T* mean_loss, T* dlogits, const T* logits, const int32
     if (losses) losses[n] = loss;
     sum += loss;
     ++count;
+    const T scale = row_weights ? row_weights[n] * dloss_scale : dloss_scale;
     if (drow)
       for (int64_t v = 0; v < V; ++v)
-        drow[v] = (std::exp(row[v] - lse) - (v == t ? T(1) : T(0))) * dloss_scale;
+        drow[v] = (std::exp(row[v] - lse) - (v == t ? T(1) : T(0))) * scale;
   }
   if (mean_loss) *mean_loss = count > 0 ? sum / T(count) : T(0);
 }
@@ -74,16 +75,18 @@ kernels::FloatType float_type(const TensorView& t) {
 }
 #endif
 
-// The shared body of the three entry points. dlogits absent: forward only; losses absent:
-// backward only.
+// The shared body of the entry points. dlogits absent: forward only; losses absent: backward
+// only; row_weights absent: weight 1.
 void run(std::string_view op, const TensorView& losses, const TensorView& mean_loss,
          const TensorView& dlogits, const TensorView& logits, const TensorView& targets,
-         float dloss_scale, int* error_flag, void* stream) {
+         float dloss_scale, int* error_flag, void* stream,
+         const TensorView& row_weights = TensorView{}) {
   const Device dev = detail::common_device(op, {{"logits", &logits},
                                                 {"targets", &targets},
                                                 {"losses", &losses},
                                                 {"mean_loss", &mean_loss},
-                                                {"dlogits", &dlogits}});
+                                                {"dlogits", &dlogits},
+                                                {"row_weights", &row_weights}});
   FOURBIT_CHECK(logits.shape.ndim == 2 && logits.shape[1] >= 1,
                 "{}: logits must be [N, V] with V >= 1, got {}", op, logits.describe());
   const int64_t N = logits.shape[0], V = logits.shape[1];
@@ -95,6 +98,7 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
     FOURBIT_CHECK(mean_loss.numel() == 1 && mean_loss.is_contiguous(),
                   "{}: mean_loss must hold one element, got {}", op, mean_loss.describe());
   }
+  if (present(row_weights)) check_shape(op, "row_weights", row_weights, {N});
   if (present(dlogits)) {
     check_shape(op, "dlogits", dlogits, {N, V});
     FOURBIT_CHECK(std::isfinite(dloss_scale), "{}: dloss_scale must be finite, got {}", op,
@@ -105,19 +109,23 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
     const DType dt = detail::cpu_float_dtype(op, {{"logits", &logits},
                                                   {"losses", &losses},
                                                   {"mean_loss", &mean_loss},
-                                                  {"dlogits", &dlogits}});
+                                                  {"dlogits", &dlogits},
+                                                  {"row_weights", &row_weights}});
     check_targets_cpu(op, targets, V);
     const int32_t* t = targets.ptr<const int32_t>();
     if (dt == DType::kF64) {
       reference<double>(present(losses) ? losses.ptr<double>() : nullptr,
                         present(mean_loss) ? mean_loss.ptr<double>() : nullptr,
                         present(dlogits) ? dlogits.ptr<double>() : nullptr,
-                        logits.ptr<const double>(), t, N, V, (double)dloss_scale);
+                        logits.ptr<const double>(), t,
+                        present(row_weights) ? row_weights.ptr<const double>() : nullptr, N, V,
+                        (double)dloss_scale);
     } else {
       reference<float>(present(losses) ? losses.ptr<float>() : nullptr,
                        present(mean_loss) ? mean_loss.ptr<float>() : nullptr,
                        present(dlogits) ? dlogits.ptr<float>() : nullptr, logits.ptr<const float>(),
-                       t, N, V, dloss_scale);
+                       t, present(row_weights) ? row_weights.ptr<const float>() : nullptr, N, V,
+                       dloss_scale);
     }
     return;
   }
@@ -126,6 +134,7 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
   if (present(losses)) check_dtype(op, "losses", losses, {DType::kF32});
   if (present(mean_loss)) check_dtype(op, "mean_loss", mean_loss, {DType::kF32});
   if (present(dlogits)) check_dtype(op, "dlogits", dlogits, {DType::kBF16, DType::kF32});
+  if (present(row_weights)) check_dtype(op, "row_weights", row_weights, {DType::kF32});
   FOURBIT_CHECK(
       reinterpret_cast<uintptr_t>(logits.data) % dtype_bytes(logits.dtype, 1) == 0 &&
           (!present(dlogits) ||
@@ -142,6 +151,7 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
   a.n_rows = N;
   a.vocab = V;
   a.dloss_scale = dloss_scale;
+  a.row_weights = present(row_weights) ? row_weights.ptr<const float>() : nullptr;
   detail::DeviceFlag flag(error_flag, stream);
   a.error_flag = flag.get();
   kernels::launch_cross_entropy(a, static_cast<cudaStream_t>(stream));
@@ -185,6 +195,21 @@ void cross_entropy_forward_backward_inplace(const TensorView& logits_to_dlogits,
   FOURBIT_CHECK(present(losses), "cross_entropy_forward_backward_inplace: losses is required");
   run("cross_entropy_forward_backward_inplace", losses, mean_loss, logits_to_dlogits,
       logits_to_dlogits, targets, dloss_scale, error_flag, stream);
+}
+
+void cross_entropy_forward_backward_inplace_weighted(const TensorView& logits_to_dlogits,
+                                                     const TensorView& losses,
+                                                     const TensorView& mean_loss,
+                                                     const TensorView& targets,
+                                                     const TensorView& row_weights,
+                                                     float dloss_scale, int* error_flag,
+                                                     void* stream) {
+  constexpr std::string_view op = "cross_entropy_forward_backward_inplace_weighted";
+  FOURBIT_CHECK(present(losses), "{}: losses is required", op);
+  FOURBIT_CHECK(present(row_weights), "{}: row_weights is required (use the unweighted entry point "
+                "for weight 1)", op);
+  run(op, losses, mean_loss, logits_to_dlogits, logits_to_dlogits, targets, dloss_scale, error_flag,
+      stream, row_weights);
 }
 
 }  // namespace fourbit::ops

@@ -7,6 +7,10 @@
 //   mean_loss    = sum of losses[n] over valid n / n_valid     (0 when no token is valid)
 //   dlogits[n,v] = (exp(logits[n, v] - lse[n]) - [v == targets[n]]) * dloss_scale
 //                  (a row of zeros for an ignored token)
+// Per-token weights (the RL policy-gradient loss, RL.md: loss = sum_n w_n * losses[n] with
+// constant w_n): the _weighted entry point multiplies row n's gradient by row_weights[n], so
+//   dlogits[n,v] = (exp(logits[n, v] - lse[n]) - [v == targets[n]]) * row_weights[n] * dloss_scale;
+// weights may be negative or zero; losses and mean_loss are unweighted as above.
 // N = tokens (B*T), V = vocabulary. targets[n] == -1 marks an ignored token (padding, prompt
 // positions); any other value must lie in [0, V). dloss_scale is d(objective) / d(losses[n]),
 // the same for every valid token: 1 / n_valid for the mean over one micro-batch, or 1 / (total
@@ -60,5 +64,15 @@ void cross_entropy_forward_backward_inplace(const TensorView& logits_to_dlogits,
                                             const TensorView& mean_loss,
                                             const TensorView& targets, float dloss_scale,
                                             int* error_flag = nullptr, void* stream = nullptr);
+
+// The in-place forward and backward with a weight per row (see the top of this file).
+// row_weights: [N] CPU: the dtype of logits (f32 or f64); CUDA: f32. Finite.
+void cross_entropy_forward_backward_inplace_weighted(const TensorView& logits_to_dlogits,
+                                                     const TensorView& losses,
+                                                     const TensorView& mean_loss,
+                                                     const TensorView& targets,
+                                                     const TensorView& row_weights,
+                                                     float dloss_scale, int* error_flag = nullptr,
+                                                     void* stream = nullptr);
 
 }  // namespace fourbit::ops

@@ -96,7 +96,8 @@ template <typename TL, typename TD>
 __global__ void __launch_bounds__(kMaxThreads)
     cross_entropy_kernel(const TL* logits, TD* dlogits, float* __restrict__ losses,
                          const int32_t* __restrict__ targets, int64_t n_rows, int64_t vocab,
-                         float dloss_scale, int* error_flag) {
+                         float dloss_scale, const float* __restrict__ row_weights,
+                         int* error_flag) {
   __shared__ Softmax scratch[32];
   const int tid = threadIdx.x;
   for (int64_t n = blockIdx.x; n < n_rows; n += gridDim.x) {
@@ -142,8 +143,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 
     // Pass 2: dlogits. The same split as the read; vector stores where drow's body is aligned.
     const bool dvec = is_aligned16(drow + head);
+    const float scale = row_weights ? row_weights[n] * dloss_scale : dloss_scale;
     auto grad = [&](float x, int64_t idx) {
-      return (expf(x - lse) - (idx == target ? 1.0f : 0.0f)) * dloss_scale;
+      return (expf(x - lse) - (idx == target ? 1.0f : 0.0f)) * scale;
     };
     if (tid < head) drow[tid] = from_float<TD>(grad(to_float(row[tid]), tid));
     if (tid < tail) {
@@ -200,7 +202,7 @@ void launch_cross_entropy(const CrossEntropyArgs& a, cudaStream_t stream) {
       using TD = decltype(td);
       cross_entropy_kernel<TL, TD><<<grid, threads, 0, stream>>>(
           static_cast<const TL*>(a.logits), static_cast<TD*>(a.dlogits), a.losses, a.targets,
-          a.n_rows, a.vocab, a.dloss_scale, a.error_flag);
+          a.n_rows, a.vocab, a.dloss_scale, a.row_weights, a.error_flag);
     });
   });
   FOURBIT_CUDA_CHECK_LAUNCH();

@@ -19,6 +19,7 @@ struct CrossEntropyArgs {
   FloatType logits_type, dlogits_type;
   int64_t n_rows, vocab;
   float dloss_scale;
+  const float* row_weights;  // [N]; null: every row's gradient weight is 1
   int* error_flag;        // device int: kErrIndexOutOfRange
 };
 void launch_cross_entropy(const CrossEntropyArgs& a, cudaStream_t stream);
