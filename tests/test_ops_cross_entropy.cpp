@@ -115,6 +115,61 @@ TEST(OpsCrossEntropy, FusedInplaceEqualsForwardPlusBackward) {
   }
 }
 
+// Per-row weights (the RL loss sum_n w_n losses[n]): float64 central differences of that weighted
+// sum, with negative, zero and ignored rows; the losses stay unweighted.
+TEST(OpsCrossEntropy, WeightedRowsFiniteDifferencesFloat64) {
+  const int64_t V = 6;
+  const std::vector<int32_t> targets = {2, -1, 5, 0, 3};
+  const int64_t N = (int64_t)targets.size();
+  const std::vector<double> w = {0.75, 3.0, -1.25, 0.0, 0.5};
+  std::vector<double> logits = random_normal(N * V, 4, 2.0);
+  auto objective = [&] {
+    const Result r = forward(logits, targets, V);
+    double s = 0;
+    for (int64_t n = 0; n < N; ++n) s += w[(size_t)n] * r.losses[(size_t)n];
+    return 0.5 * s;
+  };
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    const Result r = forward(logits, targets, V, dt);
+    Tensor buf = host_tensor({N, V}, dt, logits);
+    Tensor losses = Tensor::empty({N}, dt, Device::kCpu), mean = Tensor::empty({1}, dt, Device::kCpu);
+    cross_entropy_forward_backward_inplace_weighted(buf, losses, mean, host_ints({N}, targets),
+                                                    host_tensor({N}, dt, w), 0.5f);
+    EXPECT_EQ(values_of(losses), r.losses) << dtype_name(dt);
+    EXPECT_EQ(values_of(mean)[0], r.mean) << dtype_name(dt);
+    const std::vector<double> d = values_of(buf);
+    for (int64_t v = 0; v < V; ++v) {
+      EXPECT_EQ(d[(size_t)(V + v)], 0.0) << "an ignored row gets no gradient whatever its weight";
+      EXPECT_EQ(d[(size_t)(3 * V + v)], 0.0) << "a zero weight gives a zero row";
+    }
+    if (dt == DType::kF64) {
+      EXPECT_TRUE(check_gradient(objective, logits.data(), N * V, d, "dlogits (weighted)"));
+    } else {  // f32 equals f64 to rounding
+      const std::vector<double> d64 = [&] {
+        Tensor b = host_tensor({N, V}, DType::kF64, logits);
+        Tensor l = Tensor::empty({N}, DType::kF64, Device::kCpu);
+        cross_entropy_forward_backward_inplace_weighted(b, l, TensorView{}, host_ints({N}, targets),
+                                                        host_tensor({N}, DType::kF64, w), 0.5f);
+        return values_of(b);
+      }();
+      for (size_t i = 0; i < d.size(); ++i) EXPECT_NEAR(d[i], d64[i], 1e-6);
+    }
+  }
+  // Errors: wrong length, wrong dtype.
+  Tensor buf = host_tensor({N, V}, DType::kF32, logits);
+  Tensor losses = Tensor::empty({N}, DType::kF32, Device::kCpu);
+  EXPECT_NE(error_of([&] {
+              cross_entropy_forward_backward_inplace_weighted(buf, losses, TensorView{}, host_ints({N}, targets),
+                                                              host_tensor({N - 1}, DType::kF32, {1, 1, 1, 1}), 1.0f);
+            }).find("row_weights"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              cross_entropy_forward_backward_inplace_weighted(buf, losses, TensorView{}, host_ints({N}, targets),
+                                                              host_tensor({N}, DType::kF64, w), 1.0f);
+            }).find("row_weights"),
+            std::string::npos);
+}
+
 TEST(OpsCrossEntropy, LargeMagnitudesAreStable) {
   // exp(1e4) overflows any float: the max-subtracted softmax never evaluates it.
   for (DType dt : {DType::kF32, DType::kF64}) {

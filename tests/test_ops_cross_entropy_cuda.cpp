@@ -20,6 +20,8 @@
 
 #include <gtest/gtest.h>
 
+#include <tuple>
+
 namespace fourbit::ops {
 namespace {
 
@@ -144,6 +146,42 @@ TEST_F(OpsCrossEntropyCuda, MatchesReference) {
       {700, 515, DType::kBF16, DType::kBF16, 0},
   };
   for (const Case& cs : cases) run_case(cs);
+}
+
+// Per-row weights: the kernel against the CPU reference (f32), with negative, zero and ignored
+// rows; tolerance as dlogits above with |s| replaced by |s w_n| (the weight is one more FP32
+// product: one more u).
+TEST_F(OpsCrossEntropyCuda, WeightedRowsMatchReference) {
+  for (const auto& [N, V, dt] : {std::tuple<int64_t, int64_t, DType>{5, 7, DType::kF32},
+                                 {37, 515, DType::kBF16}, {4, 50257, DType::kBF16}}) {
+    SCOPED_TRACE(::testing::Message() << "N " << N << " V " << V << " " << dtype_name(dt));
+    const std::vector<double> x = rounded(random_normal(N * V, 7 + V, 3.0), dt);
+    std::vector<int32_t> t = random_ints(N, 0, (int32_t)V - 1, 3 + N);
+    t[1] = -1;
+    std::vector<double> w = random_normal(N, 11 + N, 2.0);
+    w[2] = 0.0;
+    const float scale = 0.125f;
+    const Tensor rx = host_tensor({N, V}, DType::kF32, x), ht = host_ints({N}, t);
+    Tensor rbuf = host_tensor({N, V}, DType::kF32, x), rl = Tensor::empty({N}, DType::kF32, Device::kCpu);
+    cross_entropy_forward_backward_inplace_weighted(rbuf, rl, TensorView{}, ht,
+                                                    host_tensor({N}, DType::kF32, w), scale);
+    const std::vector<double> want = values_of(rbuf);
+    const Guarded buf = Guarded::copy_of(host_tensor({N, V}, dt, x), kPoison, 0);
+    const Guarded gl = Guarded::make({N}, DType::kF32, kPoison);
+    const Tensor dw = host_tensor({N}, DType::kF32, w).to(Device::kCuda);
+    cross_entropy_forward_backward_inplace_weighted(buf.view, gl.view, TensorView{}, ht.to(Device::kCuda),
+                                                    dw, scale);
+    EXPECT_EQ(buf.damaged_guard_bytes(), 0);
+    const std::vector<double> got = buf.values();
+    const double round = dt == DType::kBF16 ? 1.0 / 256 : 0.0;
+    auto tol = [&](int64_t e) {
+      const int64_t n = e / V;
+      if (t[(size_t)n] == -1) return 0.0;
+      const double s = std::fabs(scale * w[(size_t)n]);
+      return s * ((2 * V + 64) * kU + 4 * kU * 40.0) + s * kU + round * std::fabs(want[(size_t)e]);
+    };
+    EXPECT_TRUE(all_close(got, want, tol, "weighted dlogits"));
+  }
 }
 
 TEST_F(OpsCrossEntropyCuda, OutOfRangeTargets) {
