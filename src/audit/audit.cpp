@@ -362,7 +362,7 @@ AuditReport run_audit(model::Model& m, const TensorView& tokens, const TensorVie
 namespace {
 
 struct Acc {
-  int n = 0;
+  int n = 0, plain = 0;
   double sum_err = 0, max_err = -1, sum_bias = 0;
   std::string worst;
   void add(const ErrorStats& s, const std::string& layer) {
@@ -382,10 +382,21 @@ std::vector<SummaryRow> AuditReport::summary() const {
   // (stage, gemm, what) in a fixed order: what = 0 input, 1 weight, 2 gradient, 3 output.
   std::map<std::tuple<int, int, int>, Acc> acc;
   for (const GemmAudit& g : gemms) {
+    // Plain operands (and the outputs of GEMMs with no quantized operand) are counted, not pooled.
     for (const OperandAudit* op : {&g.a, &g.b}) {
-      acc[{(int)g.stage, (int)g.gemm, (int)op->operand}].add(op->stats, g.layer);
+      Acc& a = acc[{(int)g.stage, (int)g.gemm, (int)op->operand}];
+      if (op->format == "plain") {
+        ++a.plain;
+      } else {
+        a.add(op->stats, g.layer);
+      }
     }
-    acc[{(int)g.stage, (int)g.gemm, 3}].add(g.output, g.layer);
+    Acc& out = acc[{(int)g.stage, (int)g.gemm, 3}];
+    if (g.a.format == "plain" && g.b.format == "plain") {
+      ++out.plain;
+    } else {
+      out.add(g.output, g.layer);
+    }
   }
   std::vector<SummaryRow> rows;
   for (const auto& [key, a] : acc) {
@@ -395,9 +406,10 @@ std::vector<SummaryRow> AuditReport::summary() const {
     const int w = std::get<2>(key);
     r.what = w == 3 ? "output" : std::string(recipe::operand_name((Operand)w));
     r.layers = a.n;
-    r.mean_error = a.sum_err / a.n;
-    r.max_error = a.max_err;
-    r.mean_bias = a.sum_bias / a.n;
+    r.plain_layers = a.plain;
+    r.mean_error = a.n > 0 ? a.sum_err / a.n : 0.0;
+    r.max_error = a.n > 0 ? a.max_err : 0.0;
+    r.mean_bias = a.n > 0 ? a.sum_bias / a.n : 0.0;
     r.worst_layer = a.worst;
     rows.push_back(std::move(r));
   }
@@ -426,13 +438,14 @@ std::string AuditReport::table() const {
                        g.b.format + (g.b.colwise ? " (col)" : ""), fmt_err(g.b.stats), fmt_err(g.output));
     }
   }
-  s += "\nsummary (per stage, GEMM and tensor, over layers):\n";
-  s += fmt::format("{:<18} {:<5} {:<8} {:>6} {:>11} {:>11} {:>11}  {}\n", "stage", "gemm", "tensor",
-                   "layers", "mean.error", "max.error", "mean.bias", "worst layer");
+  s += "\nsummary (per stage, GEMM and tensor, over the layers where it is quantized; plain ones "
+       "counted):\n";
+  s += fmt::format("{:<18} {:<5} {:<8} {:>6} {:>6} {:>11} {:>11} {:>11}  {}\n", "stage", "gemm", "tensor",
+                   "quant", "plain", "mean.error", "max.error", "mean.bias", "worst layer");
   for (const SummaryRow& r : summary()) {
-    s += fmt::format("{:<18} {:<5} {:<8} {:>6} {:>11.4e} {:>11.4e} {:>+11.3e}  {}\n",
+    s += fmt::format("{:<18} {:<5} {:<8} {:>6} {:>6} {:>11.4e} {:>11.4e} {:>+11.3e}  {}\n",
                      recipe::stage_name(r.stage), recipe::gemm_name(r.gemm), r.what, r.layers,
-                     r.mean_error, r.max_error, r.mean_bias, r.worst_layer);
+                     r.plain_layers, r.mean_error, r.max_error, r.mean_bias, r.worst_layer);
   }
   return s;
 }
@@ -476,7 +489,8 @@ nlohmann::json AuditReport::to_json() const {
     sum.push_back({{"stage", std::string(recipe::stage_name(r.stage))},
                    {"gemm", std::string(recipe::gemm_name(r.gemm))},
                    {"tensor", r.what},
-                   {"layers", r.layers},
+                   {"quantized_layers", r.layers},
+                   {"plain_layers", r.plain_layers},
                    {"mean_rel_error", r.mean_error},
                    {"max_rel_error", r.max_error},
                    {"mean_rel_bias", r.mean_bias},

@@ -88,13 +88,15 @@ struct GemmAudit {
   ErrorStats output;
 };
 
-// Per (stage, gemm, operand-or-output) pooled over layers: mean and max of the per-layer
-// rel_error, mean rel_bias, the layer with the largest error.
+// Per (stage, gemm, operand-or-output) over the layers where that operand is quantized (for the
+// output: where either operand is): mean and max of the per-layer rel_error, mean rel_bias, the
+// layer with the largest error; the layers where it is plain are only counted.
 struct SummaryRow {
   recipe::Stage stage;
   recipe::Gemm gemm;
   std::string what;  // "input", "weight", "gradient", "output"
-  int layers = 0;
+  int layers = 0;        // quantized
+  int plain_layers = 0;  // plain (error 0, not in the means)
   double mean_error = 0, max_error = 0, mean_bias = 0;
   std::string worst_layer;
 };

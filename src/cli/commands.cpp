@@ -22,6 +22,7 @@ void register_commands(CLI::App& app) {
   registry().push_back(add_model_dump_command(app));
   registry().push_back(add_tasks_command(app));
   registry().push_back(add_corpus_command(app));
+  registry().push_back(add_audit_command(app));
 }
 
 void run_selected(CLI::App& /*app*/) {

@@ -23,5 +23,6 @@ Command add_model_command(CLI::App& app);
 Command add_model_dump_command(CLI::App& app);
 Command add_tasks_command(CLI::App& app);
 Command add_corpus_command(CLI::App& app);
+Command add_audit_command(CLI::App& app);
 
 }  // namespace fourbit::cli
