@@ -1,0 +1,317 @@
+// Host side of the decode GEMV (decode_gemv.h): argument validation naming the tensor, the
+// workspace, the launches (CUDA builds) and the float64 CPU reference.
+#include "gemm/decode_gemv.h"
+
+#include "core/check.h"
+#include "core/error.h"
+#include "formats/element.h"
+#include "quant/block_math.h"
+
+#if defined(FOURBIT_WITH_CUDA)
+#include "gemm/decode_gemv_kernels.h"
+
+#include <cuda_runtime_api.h>
+#endif
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <vector>
+
+namespace fourbit::gemm {
+
+// ---- DecodeWeights -------------------------------------------------------------------------------
+
+DecodeWeights DecodeWeights::plain(const TensorView& w, std::string_view name) {
+  DecodeWeights d;
+  d.bf16 = w;
+  d.name = name;
+  return d;
+}
+
+DecodeWeights DecodeWeights::packed(const quant::QuantizedTensor& q, std::string_view name) {
+  DecodeWeights d;
+  d.nvfp4 = &q;
+  d.name = name;
+  return d;
+}
+
+int64_t DecodeWeights::rows() const { return nvfp4 != nullptr ? nvfp4->rows : bf16.shape[0]; }
+int64_t DecodeWeights::k() const { return nvfp4 != nullptr ? nvfp4->cols : bf16.shape[1]; }
+Device DecodeWeights::device() const { return nvfp4 != nullptr ? nvfp4->device : bf16.device; }
+
+int64_t DecodeWeights::bytes() const {
+  const int64_t n = rows(), k = this->k();
+  if (nvfp4 == nullptr) return 2 * n * k;
+  return n * ((k + 1) / 2) + n * ((k + 15) / 16) + 4;
+}
+
+std::string DecodeWeights::describe() const {
+  if (nvfp4 != nullptr) {
+    return fmt::format("{} (nvfp4 {}, row-wise) [{}, {}] on {}", name, nvfp4->config.describe(), rows(), k(),
+                       nvfp4->device == Device::kCuda ? "cuda" : "cpu");
+  }
+  return fmt::format("{} = {}", name, bf16.describe());
+}
+
+namespace {
+
+// Checks a weight bundle and returns its (N, K).
+void check_weights(const DecodeWeights& w, Device device, std::string_view where) {
+  if (w.nvfp4 != nullptr) {
+    const quant::QuantizedTensor& q = *w.nvfp4;
+    FOURBIT_CHECK(q.config.format == quant::Format::kNvfp4,
+                  "{}: weight '{}' is {} (the decode GEMV reads nvfp4 or bf16 weights)", where, w.name,
+                  quant::format_name(q.config.format));
+    FOURBIT_CHECK(q.rowwise.has_value(), "{}: weight '{}' has no row-wise copy (quantize it with "
+                  "Orientations{{.rowwise = true}})", where, w.name);
+    const quant::QuantizedData& d = *q.rowwise;
+    FOURBIT_CHECK(q.device == device && d.data.device() == device,
+                  "{}: weight '{}' must be on {}", where, w.name, device == Device::kCuda ? "cuda" : "the cpu");
+    FOURBIT_CHECK(d.rows == q.rows && d.cols == q.cols && q.rows >= 1 && q.cols >= 1,
+                  "{}: weight '{}' row-wise copy is [{}, {}] for a [{}, {}] source", where, w.name, d.rows,
+                  d.cols, q.rows, q.cols);
+    FOURBIT_CHECK(d.data.nbytes() >= d.rows * ((d.cols + 1) / 2) && d.scales.nbytes() >= d.rows * ((d.cols + 15) / 16) &&
+                      d.amax.defined(),
+                  "{}: weight '{}' row-wise copy is smaller than its [{}, {}] layout", where, w.name, d.rows, d.cols);
+    return;
+  }
+  const TensorView& t = w.bf16;
+  FOURBIT_CHECK(t.data != nullptr, "{}: weight '{}' is empty (give a bf16 tensor or an nvfp4 bundle)", where, w.name);
+  FOURBIT_CHECK(t.device == device && t.dtype == DType::kBF16 && t.shape.ndim == 2 && t.strides[1] == 1 &&
+                    t.strides[0] >= t.shape[1] && t.shape[0] >= 1 && t.shape[1] >= 1,
+                "{}: weight '{}' must be a bf16 [N, K] matrix with unit column stride on {}, got {}", where, w.name,
+                device == Device::kCuda ? "cuda" : "the cpu", t.describe());
+}
+
+}  // namespace
+
+float decode_alpha_eff(float alpha, std::optional<float> x_amax, float x_constant, std::optional<float> w_amax,
+                       float w_constant) {
+  float a = alpha;
+  if (x_amax) a = formats::mul_rn(a, quant::nvfp4_global_decode_scale(*x_amax, x_constant));
+  if (w_amax) a = formats::mul_rn(a, quant::nvfp4_global_decode_scale(*w_amax, w_constant));
+  return a;
+}
+
+bool decode_supports_activation_quant(const quant::QuantConfig& c, std::string* why) {
+  std::string reason;
+  if (c.format != quant::Format::kNvfp4) {
+    reason = fmt::format("format {} (only nvfp4)", quant::format_name(c.format));
+  } else if (c.block_2d) {
+    reason = "16x16 blocks (activations take 1x16)";
+  } else if (c.rounding != quant::Rounding::kNearest) {
+    reason = "stochastic rounding (the sampler rounds to nearest)";
+  } else if (c.sr_unbiased_scale) {
+    reason = "the 16/17 scale";
+  }
+  if (why != nullptr) *why = reason;
+  return reason.empty();
+}
+
+// ---- CPU reference ---------------------------------------------------------------------------------
+
+DecodeReference decode_gemv_reference(const DecodeReferenceArgs& a) {
+  const std::string_view where = "decode_gemv_reference";
+  check_weights(a.w, Device::kCpu, where);
+  const TensorView& x = a.x;
+  FOURBIT_CHECK(x.device == Device::kCpu && (x.dtype == DType::kF32 || x.dtype == DType::kBF16) &&
+                    x.shape.ndim == 2 && x.is_contiguous(),
+                "{}: x must be a contiguous f32 or bf16 [B, K] on the cpu, got {}", where, x.describe());
+  const int64_t B = x.shape[0], K = x.shape[1], N = a.w.rows();
+  FOURBIT_CHECK(K == a.w.k(), "{}: x has K = {} but weight '{}' has K = {}", where, K, a.w.name, a.w.k());
+  std::vector<double> xv((size_t)(B * K));
+  for (int64_t i = 0; i < B * K; ++i) {
+    xv[(size_t)i] = x.dtype == DType::kF32 ? (double)x.ptr<const float>()[i]
+                                           : (double)formats::decode_bf16(x.ptr<const uint16_t>()[i]);
+  }
+  std::vector<double> wv((size_t)(N * K));
+  std::optional<float> w_amax;
+  float w_constant = 1.0f;
+  if (a.w.nvfp4 != nullptr) {
+    const Tensor s = quant::dequantize_bf16_scaled_reference(*a.w.nvfp4, false);  // bf16 [N, K]
+    for (int64_t i = 0; i < N * K; ++i) wv[(size_t)i] = formats::decode_bf16(s.ptr<const uint16_t>()[i]);
+    w_amax = *a.w.nvfp4->rowwise->amax.ptr<const float>();
+    w_constant = a.w.nvfp4->config.nvfp4_global_constant();
+  } else {
+    const TensorView& t = a.w.bf16;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        wv[(size_t)(n * K + k)] = formats::decode_bf16(t.ptr<const uint16_t>()[n * t.strides[0] + k]);
+  }
+  DecodeReference r;
+  r.alpha_eff = decode_alpha_eff(a.alpha, a.x_nvfp4_amax, a.x_global_constant, w_amax, w_constant);
+  r.y = Tensor::empty({B, N}, DType::kF64, Device::kCpu);
+  r.abs_sum = Tensor::empty({B, N}, DType::kF64, Device::kCpu);
+  const double alpha = r.alpha_eff;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0.0, sa = 0.0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double p = xv[(size_t)(b * K + k)] * wv[(size_t)(n * K + k)];
+        s += p;
+        sa += std::fabs(p);
+      }
+      r.y.ptr<double>()[b * N + n] = alpha * s;
+      r.abs_sum.ptr<double>()[b * N + n] = std::fabs(alpha) * sa;
+    }
+  }
+  return r;
+}
+
+// ---- CUDA ------------------------------------------------------------------------------------------
+
+#if defined(FOURBIT_WITH_CUDA)
+
+namespace {
+
+int sm_count() {
+  int device = 0;
+  FOURBIT_CUDA_CHECK(cudaGetDevice(&device));
+  static thread_local int cached_device = -1, cached_count = 0;
+  if (device != cached_device) {
+    FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&cached_count, cudaDevAttrMultiProcessorCount, device));
+    cached_device = device;
+  }
+  return cached_count;
+}
+
+}  // namespace
+
+void DecodeWorkspace::reserve(int64_t partial_floats, int64_t counters) {
+  if (partial_floats <= n_partials_ && counters <= n_counters_ && buffer_.defined()) return;
+  const int64_t nc = std::max(counters, n_counters_), np = std::max(partial_floats, n_partials_);
+  // Counters rounded up to 64 so that the float regions stay 256-byte aligned.
+  const int64_t nc_padded = (nc + 63) / 64 * 64;
+  const int64_t bytes = nc_padded * 4 + (int64_t)kernels::kDecodeAmaxPartials * 4 + np * 4;
+  buffer_ = Tensor::zeros({bytes}, DType::kU8, Device::kCuda);  // zero counters
+  n_counters_ = nc_padded;
+  n_partials_ = np;
+}
+
+void DecodeWorkspace::reserve_for(int B, int64_t N, int64_t K) {
+  const kernels::DecodeGemvPlan plan = kernels::plan_decode_gemv(B, N, K, sm_count());
+  reserve(plan.partial_floats, plan.row_blocks);
+}
+
+unsigned* DecodeWorkspace::counters() const {
+  return buffer_.defined() ? static_cast<unsigned*>(buffer_.data()) : nullptr;
+}
+float* DecodeWorkspace::amax_partials() const {
+  return buffer_.defined() ? reinterpret_cast<float*>(static_cast<char*>(buffer_.data()) + n_counters_ * 4) : nullptr;
+}
+float* DecodeWorkspace::partials() const {
+  return buffer_.defined() ? amax_partials() + kernels::kDecodeAmaxPartials : nullptr;
+}
+
+void decode_gemv(const DecodeGemvArgs& a) {
+  const std::string_view where = a.name;
+  check_weights(a.w, Device::kCuda, where);
+  const TensorView& x = a.x;
+  FOURBIT_CHECK(x.device == Device::kCuda && x.dtype == DType::kBF16 && x.shape.ndim == 2 && x.strides[1] == 1 &&
+                    x.strides[0] >= x.shape[1],
+                "{}: x must be a bf16 [B, K] matrix with unit column stride on cuda, got {}", where, x.describe());
+  const int64_t B = x.shape[0], K = x.shape[1], N = a.w.rows();
+  FOURBIT_CHECK(B >= 1 && B <= kDecodeMaxTokens, "{}: x has {} rows; the decode GEMV takes 1 to {} tokens",
+                where, B, kDecodeMaxTokens);
+  FOURBIT_CHECK(K == a.w.k(), "{}: x {} has K = {} but weight {} has K = {}", where, x.describe(), K,
+                a.w.describe(), a.w.k());
+  const TensorView& y = a.y;
+  FOURBIT_CHECK(y.device == Device::kCuda && (y.dtype == DType::kF32 || y.dtype == DType::kBF16) &&
+                    y.shape.ndim == 2 && y.shape[0] == B && y.shape[1] == N && y.strides[1] == 1 &&
+                    y.strides[0] >= N,
+                "{}: y must be an f32 or bf16 [{}, {}] matrix with unit column stride on cuda, got {}", where, B, N,
+                y.describe());
+  FOURBIT_CHECK(a.workspace != nullptr, "{}: a DecodeWorkspace is required", where);
+  const kernels::DecodeGemvPlan plan = kernels::plan_decode_gemv((int)B, N, K, sm_count());
+  a.workspace->reserve(plan.partial_floats, plan.row_blocks);
+
+  kernels::DecodeGemvParams p;
+  p.x = x.ptr<const uint16_t>();
+  p.ldx = x.strides[0];
+  p.x_amax = a.x_nvfp4_amax;
+  p.x_constant = a.x_global_constant;
+  if (a.w.nvfp4 != nullptr) {
+    const quant::QuantizedData& d = *a.w.nvfp4->rowwise;
+    p.format = kernels::DecodeWeightFormat::kNvfp4;
+    p.w_data = d.data.ptr<const uint8_t>();
+    p.w_scales = d.scales.ptr<const uint8_t>();
+    p.w_amax = d.amax.ptr<const float>();
+    p.w_constant = a.w.nvfp4->config.nvfp4_global_constant();
+  } else {
+    p.format = kernels::DecodeWeightFormat::kBf16;
+    p.w_bf16 = a.w.bf16.ptr<const uint16_t>();
+    p.ldw = a.w.bf16.strides[0];
+  }
+  p.B = (int)B;
+  p.N = N;
+  p.K = K;
+  p.alpha = a.alpha;
+  p.y = y.data;
+  p.y_bf16 = y.dtype == DType::kBF16;
+  p.ldy = y.strides[0];
+  p.partials = a.workspace->partials();
+  p.counters = a.workspace->counters();
+  kernels::launch_decode_gemv(p, plan, (cudaStream_t)a.stream);
+}
+
+void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
+  const std::string_view where = a.name;
+  std::string why;
+  FOURBIT_CHECK(decode_supports_activation_quant(a.config, &why),
+                "decode_quantize_nvfp4: activation '{}' quantizer '{}' is not supported: {}", where,
+                a.config.describe(), why);
+  const TensorView& x = a.x;
+  FOURBIT_CHECK(x.device == Device::kCuda && x.dtype == DType::kBF16 && x.shape.ndim == 2 && x.strides[1] == 1 &&
+                    x.strides[0] >= x.shape[1] && x.shape[0] >= 1 && x.shape[0] <= kDecodeMaxTokens &&
+                    x.shape[1] >= 1,
+                "decode_quantize_nvfp4: activation '{}' must be a bf16 [B, K] matrix (1 <= B <= {}) with unit "
+                "column stride on cuda, got {}", where, kDecodeMaxTokens, x.describe());
+  const TensorView& xs = a.xs;
+  FOURBIT_CHECK(xs.device == Device::kCuda && xs.dtype == DType::kBF16 && xs.shape.ndim == 2 &&
+                    xs.shape[0] == x.shape[0] && xs.shape[1] == x.shape[1] && xs.is_contiguous(),
+                "decode_quantize_nvfp4: the scaled-domain output of '{}' must be a contiguous bf16 [{}, {}] on "
+                "cuda, got {}", where, x.shape[0], x.shape[1], xs.describe());
+  FOURBIT_CHECK(a.amax != nullptr && a.workspace != nullptr && a.error_flag != nullptr,
+                "decode_quantize_nvfp4: activation '{}' needs an amax output, a workspace and an error flag", where);
+  a.workspace->reserve(0, 0);
+  kernels::DecodeQuantizeParams p;
+  p.x = x.ptr<const uint16_t>();
+  p.ldx = x.strides[0];
+  p.B = (int)x.shape[0];
+  p.K = x.shape[1];
+  p.four_over_six = a.config.nvfp4_scale_rule == quant::Nvfp4ScaleRule::kFourOverSix;
+  p.four_over_six_metric = (uint8_t)a.config.four_over_six_metric;
+  p.scale_constant = a.config.nvfp4_scale_constant();
+  p.element_constant = a.config.nvfp4_global_constant();
+  p.xs = xs.ptr<uint16_t>();
+  p.amax_out = a.amax;
+  p.partials = a.workspace->amax_partials();
+  p.error_flags = a.error_flag;
+  kernels::launch_decode_quantize_x(p, (cudaStream_t)a.stream);
+}
+
+#else  // no CUDA
+
+void DecodeWorkspace::reserve(int64_t, int64_t) {
+  throw Error("DecodeWorkspace: this build has no CUDA (configure with FOURBIT_CUDA=ON)");
+}
+void DecodeWorkspace::reserve_for(int, int64_t, int64_t) {
+  throw Error("DecodeWorkspace: this build has no CUDA (configure with FOURBIT_CUDA=ON)");
+}
+float* DecodeWorkspace::partials() const { return nullptr; }
+unsigned* DecodeWorkspace::counters() const { return nullptr; }
+float* DecodeWorkspace::amax_partials() const { return nullptr; }
+
+void decode_gemv(const DecodeGemvArgs& a) {
+  throw Error(fmt::format("{}: the decode GEMV runs on CUDA; this build has no CUDA (use "
+                          "decode_gemv_reference on the CPU)", a.name));
+}
+
+void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
+  throw Error(fmt::format("decode_quantize_nvfp4: activation '{}': this build has no CUDA", a.name));
+}
+
+#endif
+
+}  // namespace fourbit::gemm

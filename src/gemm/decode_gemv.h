@@ -1,0 +1,131 @@
+// Decode GEMV: the small-batch linear layer of generation, y[B, N] = alpha * x[B, K] . W[N, K]^T for
+// 1 <= B <= 64 tokens, reading the weight straight from BF16 or from packed NVFP4 (4.5 bits per
+// value: the row-wise storage layout of quant/quantize.h) and dequantizing it in registers.
+// Decoding is memory bound: the weight bytes are the cost, so NVFP4 weights read ~3.6x fewer bytes
+// than BF16 ones (HOPPER: no FP4 tensor cores; the math runs on BF16/FP16 tensor cores over the
+// exactly dequantized values).
+//
+// Numerics. The result equals the exact NVFP4 emulation of gemm.h (scaled-domain BF16 operands,
+// cuBLASLt BF16 GEMM with FP32 accumulation, global decode scales in the FP32 epilogue) up to the
+// order of the FP32 additions: every product x_k * w_k is exact, sums are FP32, and
+//     y = f32(alpha_eff * sum),  alpha_eff = f32(f32(alpha * d_x) * d_w),
+// with d_x = A_x / C_x when x holds NVFP4 scaled-domain values (x_nvfp4_amax set; 1 otherwise) and
+// d_w = A_w / C_w for NVFP4 weights (1 for BF16). BF16 outputs are rounded to nearest from FP32.
+// The result is deterministic (split-K partials are summed in a fixed order).
+//
+// Activations. With an NVFP4 activation quantizer (the rl_sampler recipe), decode_quantize_nvfp4
+// quantizes x [B, K] (any B: no 64-row tile) straight to the scaled domain plus a device amax,
+// bit-identical to quant::quantize_reference + dequantize_bf16_scaled_reference; pass both to
+// decode_gemv. Plain BF16 activations are passed as they are.
+//
+// Streams and memory. Everything is asynchronous on `stream`. Split-K partials and arrival
+// counters live in a DecodeWorkspace, which one stream uses at a time.
+#pragma once
+
+#include "core/tensor.h"
+#include "quant/quantize.h"
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace fourbit::gemm {
+
+inline constexpr int kDecodeMaxTokens = 64;
+
+// One linear layer's weight W [N, K] (N output features, K the reduction) as the GEMV reads it.
+struct DecodeWeights {
+  TensorView bf16;                                // BF16 [N, K], unit column stride, or
+  const quant::QuantizedTensor* nvfp4 = nullptr;  // NVFP4 with a row-wise copy [N, K]
+  std::string_view name = "weight";               // appears in every error about it
+
+  static DecodeWeights plain(const TensorView& w, std::string_view name);
+  static DecodeWeights packed(const quant::QuantizedTensor& q, std::string_view name);
+  bool is_nvfp4() const { return nvfp4 != nullptr; }
+  int64_t rows() const;  // N
+  int64_t k() const;     // K
+  Device device() const;
+  int64_t bytes() const;  // bytes one GEMV reads: BF16 2 N K; NVFP4 N ceil(K/2) + N ceil(K/16) + 4
+  std::string describe() const;
+};
+
+// Device scratch of the decode kernels: split-K partials, per-row-block arrival counters (zero
+// between launches) and the activation amax partials. Grows on demand (a reallocation synchronizes
+// the device); one stream at a time.
+class DecodeWorkspace {
+ public:
+  DecodeWorkspace() = default;
+  DecodeWorkspace(const DecodeWorkspace&) = delete;
+  DecodeWorkspace& operator=(const DecodeWorkspace&) = delete;
+
+  // Makes room for `partial_floats` split-K partials and `counters` counters.
+  void reserve(int64_t partial_floats, int64_t counters);
+  // Reserves what decode_gemv needs for B tokens and an N x K weight on this device.
+  void reserve_for(int B, int64_t N, int64_t K);
+  float* partials() const;
+  unsigned* counters() const;
+  float* amax_partials() const;
+  int64_t bytes() const { return buffer_.defined() ? buffer_.nbytes() : 0; }
+
+ private:
+  Tensor buffer_;  // u8: [counters u32][amax partials f32][split partials f32]
+  int64_t n_counters_ = 0, n_partials_ = 0;
+};
+
+struct DecodeGemvArgs {
+  TensorView x;  // bf16 [B, K] on CUDA, unit column stride (row stride >= K), 1 <= B <= 64
+  // Device float: x holds NVFP4 scaled-domain values (decode_quantize_nvfp4) with this global amax
+  // and global constant (QuantConfig::nvfp4_global_constant()); null: x is plain BF16.
+  const float* x_nvfp4_amax = nullptr;
+  float x_global_constant = quant::kNvfp4GlobalConstant;
+  DecodeWeights w;
+  TensorView y;  // f32 or bf16 [B, N] on CUDA, unit column stride (row stride >= N); overwritten
+  float alpha = 1.0f;
+  void* stream = nullptr;  // cudaStream_t
+  DecodeWorkspace* workspace = nullptr;  // required
+  std::string_view name = "decode gemv";  // appears in every error
+};
+
+// y = alpha_eff * x . W^T (see the header comment). Throws fourbit::Error naming the tensor for a
+// wrong device, dtype, shape or stride. CUDA builds only (throws otherwise).
+void decode_gemv(const DecodeGemvArgs& args);
+
+// Whether decode_quantize_nvfp4 implements this activation quantizer: NVFP4, 1x16 blocks, round to
+// nearest, amax-to-6 or Four Over Six, no 16/17 scale; `why` (if given) says what is not.
+bool decode_supports_activation_quant(const quant::QuantConfig& config, std::string* why = nullptr);
+
+struct DecodeQuantizeArgs {
+  TensorView x;               // bf16 [B, K] on CUDA, unit column stride, 1 <= B <= 64
+  quant::QuantConfig config;  // decode_supports_activation_quant(config)
+  TensorView xs;              // bf16 [B, K] contiguous, on CUDA: the scaled-domain values
+  float* amax = nullptr;      // device float: the global amax
+  DecodeWorkspace* workspace = nullptr;  // required (amax partials)
+  int* error_flag = nullptr;  // device int: NaN/Inf in x ORs quant::kDeviceErrNonFinite; required
+  void* stream = nullptr;
+  std::string_view name = "activation";
+};
+void decode_quantize_nvfp4(const DecodeQuantizeArgs& args);
+
+// ---- CPU reference -------------------------------------------------------------------------------
+// Naive loops: float64 sums of x_k * w_k over the exactly dequantized scaled-domain weights
+// (quant::dequantize_bf16_scaled_reference), times alpha_eff computed in FP32 as on the GPU.
+struct DecodeReferenceArgs {
+  TensorView x;  // f32 or bf16 [B, K] on the CPU, contiguous (NVFP4 scaled-domain values or plain)
+  std::optional<float> x_nvfp4_amax;  // host: as DecodeGemvArgs::x_nvfp4_amax
+  float x_global_constant = quant::kNvfp4GlobalConstant;
+  DecodeWeights w;  // on the CPU (an NVFP4 bundle with a host amax)
+  float alpha = 1.0f;
+};
+struct DecodeReference {
+  Tensor y;        // f64 [B, N]
+  Tensor abs_sum;  // f64 [B, N]: |alpha_eff| * sum_k |x_k w_k|, the scale of the summation error
+  float alpha_eff = 1.0f;
+};
+DecodeReference decode_gemv_reference(const DecodeReferenceArgs& args);
+
+// alpha_eff = f32(f32(alpha * d_x) * d_w) from host amaxes (nullopt: that factor is 1).
+float decode_alpha_eff(float alpha, std::optional<float> x_amax, float x_constant, std::optional<float> w_amax,
+                       float w_constant);
+
+}  // namespace fourbit::gemm

@@ -1,0 +1,533 @@
+// CUDA kernels of the decode GEMV (interface, work split and invariants: decode_gemv_kernels.h).
+//
+// Tensor-core GEMV: y[B, N] = alpha_eff * x[B, K] . W[N, K]^T with mma.sync m16n8k16 (FP32
+// accumulation): W rows are the mma's M (16 per warp), tokens its N (8 per n-tile), K its K.
+// A dot product does not depend on the order of its K terms, so each thread feeds the mma's k slots
+// {2t, 2t+1, 2t+8, 2t+9} (t = lane % 4) with whatever K elements it loaded, as long as the x
+// fragment it feeds comes from the same K elements. That lets every thread load 16 contiguous bytes
+// of a weight row (128-bit loads, 64 contiguous bytes per row per warp instruction) and use them as
+// they are:
+//   - BF16 weights: thread t owns the 8-element pieces c = t + 4p (p = 0..3) of each 128-element
+//     chunk; piece elements (0,1),(2,3) feed one k-step, (4,5),(6,7) the next.
+//   - NVFP4 weights: thread t owns the 16 bytes 16t.. of each row's 64-byte chunk (elements
+//     32t..32t+31, pieces c = 4t + p, scale blocks 2t and 2t+1). A 32-bit word holds one piece
+//     (8 nibbles); the even and the odd nibbles are rebuilt as E4M3 bytes (sign << 7 | magnitude
+//     << 2 is exactly e2m1 * 2^-6 in E4M3) and converted by the hardware (cvt e4m3x2 -> f16x2)
+//     into the pairs (n0,n2), (n4,n6), (n1,n3), (n5,n7), then multiplied by 64 * s_b (FP16, exact:
+//     e2m1 * s_b has at most 6 significant bits and lies in [2^-10, 2688]). The x pieces are
+//     staged in shared memory in the same order [x0,x2,x4,x6,x1,x3,x5,x7].
+// Precision: when x is NVFP4 scaled-domain (x_amax given) its values are exact in FP16 too, so the
+// mma runs in FP16 (no conversion of the weights); otherwise (BF16 x) the exact FP16 weight values
+// are converted to BF16 (exact) and the mma runs in BF16. Either way the products are exact and the
+// sums FP32: the result equals the exact emulation (dequantize to BF16 + cuBLASLt) up to the order
+// of the FP32 additions. alpha_eff = f32(f32(alpha * d_x) * d_w), the emulation's epilogue scalar.
+//
+// Shared memory: x of one chunk, [8 * NT tokens][16 pieces of 16 bytes], double-buffered; a piece
+// is stored at a swizzled slot so that the eight threads of each quarter-warp read eight distinct
+// 16-byte bank groups (no bank conflicts; derivation at piece_slot).
+#include "gemm/decode_gemv_kernels.h"
+
+#include "core/error.h"
+#include "formats/element.h"
+#include "formats/fp_ops.h"
+#include "quant/block_math.h"
+#include "quant/format.h"
+
+#include <algorithm>
+
+namespace fourbit::gemm::kernels {
+namespace {
+
+constexpr int kThreads = kDecodeWarps * 32;
+constexpr int kPieces = kDecodeChunk / 8;  // 16-byte x pieces per token row of a chunk
+constexpr uint32_t kF16x2Sixtyfour = 0x54005400u;  // (64, 64) in FP16
+
+__device__ __forceinline__ uint32_t cvt_e4m3x2_to_f16x2(uint32_t v16) {
+  uint32_t d;
+  const unsigned short s = (unsigned short)(v16 & 0xFFFFu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(s));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// (lo, hi) f16 pair -> (lo, hi) bf16 pair; exact for the values used here.
+__device__ __forceinline__ uint32_t f16x2_to_bf16x2(uint32_t h) {
+  float lo, hi;
+  asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(lo), "=f"(hi)
+      : "r"(h));
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// (lo, hi) bf16 pair -> (lo, hi) f16 pair (round to nearest; exact for NVFP4 scaled-domain values).
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t b) {
+  const float lo = __uint_as_float(b << 16), hi = __uint_as_float(b & 0xFFFF0000u);
+  uint32_t d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+template <bool kF16>
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (kF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// Streaming 16-byte weight load: read once, so no L1 allocation; ask L2 to fetch 256 bytes (the
+// rest of this row's next chunks, which this CTA reads next).
+__device__ __forceinline__ uint4 ldg_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t& word(uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Swizzled 16-byte slot of piece c (0..15) of `token` in a chunk's shared x tile. A quarter-warp
+// (8 lanes: g in {2q, 2q+1}, t = 0..3) reads pieces of one p:
+//   NVFP4: c = 4t + p, so c & 7 = 4 (t & 1) + p and bit 3 of c = t >> 1. The slot's bank group
+//          (slot & 7) has bit 0 = p0 ^ g0, bit 1 = p1 ^ t1, bit 2 = t0: 8 distinct groups.
+//   BF16:  c = t + 4p, so c & 7 = t + 4 (p & 1); the slot's bit 2 = p0 ^ g0: 8 distinct groups.
+template <DecodeWeightFormat F>
+__device__ __forceinline__ int piece_slot(int token, int c) {
+  if constexpr (F == DecodeWeightFormat::kNvfp4) {
+    return c ^ (((c >> 3) & 1) << 1) ^ (token & 1);
+  } else {
+    return c ^ ((token & 1) << 2);
+  }
+}
+
+// One thread's weights of one chunk: rows g and g + 8 of its warp.
+template <DecodeWeightFormat F>
+struct WeightRegs;
+template <>
+struct WeightRegs<DecodeWeightFormat::kBf16> {
+  uint4 w[2][4];  // [row][p]: piece t + 4p
+};
+template <>
+struct WeightRegs<DecodeWeightFormat::kNvfp4> {
+  uint4 w[2];       // [row]: 32 nibbles, elements 32t .. 32t + 31
+  uint32_t s[2];    // [row]: e4m3 scales of blocks 2t (low byte) and 2t + 1
+};
+
+struct GemvShape {
+  int64_t N, K;
+  bool vec_w, vec_x;
+};
+
+__device__ __forceinline__ void load_weights(const DecodeGemvParams& p, const GemvShape& sh, int64_t row0,
+                                             int t, int64_t k0, WeightRegs<DecodeWeightFormat::kBf16>& r) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t row = row0 + 8 * i;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int64_t e = k0 + 8 * t + 32 * q;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (row < sh.N) {
+        const uint16_t* src = p.w_bf16 + row * p.ldw + e;
+        if (sh.vec_w && e + 8 <= sh.K) {
+          v = ldg_stream(src);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t lo = e + 2 * j < sh.K ? src[2 * j] : 0u;
+            const uint32_t hi = e + 2 * j + 1 < sh.K ? src[2 * j + 1] : 0u;
+            word(v, j) = lo | (hi << 16);
+          }
+        }
+      }
+      r.w[i][q] = v;
+    }
+  }
+}
+
+__device__ __forceinline__ void load_weights(const DecodeGemvParams& p, const GemvShape& sh, int64_t row0,
+                                             int t, int64_t k0, WeightRegs<DecodeWeightFormat::kNvfp4>& r) {
+  const int64_t row_bytes = (sh.K + 1) / 2, n_scales = (sh.K + 15) / 16;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t row = row0 + 8 * i;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    uint32_t s = 0;
+    if (row < sh.N) {
+      const int64_t b0 = k0 / 2 + 16 * t;
+      const uint8_t* src = p.w_data + row * row_bytes + b0;
+      if (sh.vec_w && b0 + 16 <= row_bytes) {
+        v = ldg_stream(src);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const uint32_t byte = b0 + j < row_bytes ? src[j] : 0u;
+          word(v, j / 4) |= byte << (8 * (j % 4));
+        }
+      }
+      const int64_t sb = k0 / 16 + 2 * t;
+      const uint8_t* ss = p.w_scales + row * n_scales + sb;
+      s = (sb < n_scales ? (uint32_t)__ldg(ss) : 0u) | ((sb + 1 < n_scales ? (uint32_t)__ldg(ss + 1) : 0u) << 8);
+    }
+    r.w[i] = v;
+    r.s[i] = s;
+  }
+}
+
+// x of one chunk: NT pieces per thread (8 NT tokens x 16 pieces over 128 threads).
+template <int NT>
+struct XRegs {
+  uint4 v[NT];
+};
+
+template <int NT>
+__device__ __forceinline__ void load_x(const DecodeGemvParams& p, const GemvShape& sh, int64_t k0, XRegs<NT>& r) {
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    const int idx = (int)threadIdx.x + i * kThreads;
+    const int token = idx / kPieces, c = idx % kPieces;
+    const int64_t e = k0 + 8 * c;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (token < p.B) {
+      const uint16_t* src = p.x + token * p.ldx + e;
+      if (sh.vec_x && e + 8 <= sh.K) {
+        v = __ldg(reinterpret_cast<const uint4*>(src));
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t lo = e + 2 * j < sh.K ? src[2 * j] : 0u;
+          const uint32_t hi = e + 2 * j + 1 < sh.K ? src[2 * j + 1] : 0u;
+          word(v, j) = lo | (hi << 16);
+        }
+      }
+    }
+    r.v[i] = v;
+  }
+}
+
+template <DecodeWeightFormat F, bool kXF16, int NT>
+__device__ __forceinline__ void store_x(const XRegs<NT>& r, uint4* tile) {
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    const int idx = (int)threadIdx.x + i * kThreads;
+    const int token = idx / kPieces, c = idx % kPieces;
+    uint4 v = r.v[i];
+    if constexpr (F == DecodeWeightFormat::kNvfp4) {
+      // [x0..x7] -> [x0, x2, x4, x6, x1, x3, x5, x7], the order of the decoded weight pairs.
+      uint4 o;
+      o.x = __byte_perm(v.x, v.y, 0x5410);
+      o.y = __byte_perm(v.z, v.w, 0x5410);
+      o.z = __byte_perm(v.x, v.y, 0x7632);
+      o.w = __byte_perm(v.z, v.w, 0x7632);
+      if constexpr (kXF16) {
+        o.x = bf16x2_to_f16x2(o.x);
+        o.y = bf16x2_to_f16x2(o.y);
+        o.z = bf16x2_to_f16x2(o.z);
+        o.w = bf16x2_to_f16x2(o.w);
+      }
+      v = o;
+    }
+    tile[token * kPieces + piece_slot<F>(token, c)] = v;
+  }
+}
+
+template <bool kXF16, int NT>
+__device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const WeightRegs<DecodeWeightFormat::kNvfp4>& w,
+                                              const uint4* tile, int g, int t) {
+  uint32_t sc[2][2];  // [row][block]: (64 s_b, 64 s_b) in FP16
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t s2 = mul_f16x2(cvt_e4m3x2_to_f16x2(w.s[i]), kF16x2Sixtyfour);
+    sc[i][0] = __byte_perm(s2, s2, 0x1010);
+    sc[i][1] = __byte_perm(s2, s2, 0x3232);
+  }
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    uint32_t a[2][4];  // [row]: pairs (n0,n2), (n4,n6), (n1,n3), (n5,n7)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t wd = word(w.w[i], q);
+      const uint32_t even = ((wd << 4) & 0x80808080u) | ((wd << 2) & 0x1C1C1C1Cu);
+      const uint32_t odd = (wd & 0x80808080u) | ((wd >> 2) & 0x1C1C1C1Cu);
+      const uint32_t s = sc[i][q >> 1];
+      a[i][0] = mul_f16x2(cvt_e4m3x2_to_f16x2(even), s);
+      a[i][1] = mul_f16x2(cvt_e4m3x2_to_f16x2(even >> 16), s);
+      a[i][2] = mul_f16x2(cvt_e4m3x2_to_f16x2(odd), s);
+      a[i][3] = mul_f16x2(cvt_e4m3x2_to_f16x2(odd >> 16), s);
+      if constexpr (!kXF16) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[i][j] = f16x2_to_bf16x2(a[i][j]);
+      }
+    }
+    const int c = 4 * t + q;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int token = 8 * j + g;
+      const uint4 xv = tile[token * kPieces + piece_slot<DecodeWeightFormat::kNvfp4>(token, c)];
+      mma_16816<kXF16>(acc[j], a[0][0], a[1][0], a[0][1], a[1][1], xv.x, xv.y);
+      mma_16816<kXF16>(acc[j], a[0][2], a[1][2], a[0][3], a[1][3], xv.z, xv.w);
+    }
+  }
+}
+
+template <bool kXF16, int NT>
+__device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const WeightRegs<DecodeWeightFormat::kBf16>& w,
+                                              const uint4* tile, int g, int t) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int c = t + 4 * q;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int token = 8 * j + g;
+      const uint4 xv = tile[token * kPieces + piece_slot<DecodeWeightFormat::kBf16>(token, c)];
+      mma_16816<false>(acc[j], w.w[0][q].x, w.w[1][q].x, w.w[0][q].y, w.w[1][q].y, xv.x, xv.y);
+      mma_16816<false>(acc[j], w.w[0][q].z, w.w[1][q].z, w.w[0][q].w, w.w[1][q].w, xv.z, xv.w);
+    }
+  }
+}
+
+__device__ __forceinline__ void store_y(const DecodeGemvParams& p, int token, int64_t row, float v) {
+  if (p.y_bf16) {
+    static_cast<uint16_t*>(p.y)[token * p.ldy + row] = formats::encode_bf16_rn(v);
+  } else {
+    static_cast<float*>(p.y)[token * p.ldy + row] = v;
+  }
+}
+
+template <DecodeWeightFormat F, bool kXF16, int NT>
+__global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvParams p, int chunks,
+                                                               int chunks_per_split, int splits) {
+  __shared__ __align__(16) uint4 tile[2][NT * 8 * kPieces];
+  __shared__ bool is_last;
+  const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t row_base = (int64_t)blockIdx.x * kDecodeRowsPerCta;
+  const int64_t row0 = row_base + warp * 16 + g;
+  GemvShape sh;
+  sh.N = p.N;
+  sh.K = p.K;
+  sh.vec_x = p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
+  if constexpr (F == DecodeWeightFormat::kNvfp4) {
+    sh.vec_w = ((p.K + 1) / 2) % 16 == 0 && (reinterpret_cast<uintptr_t>(p.w_data) & 15) == 0;
+  } else {
+    sh.vec_w = p.ldw % 8 == 0 && (reinterpret_cast<uintptr_t>(p.w_bf16) & 15) == 0;
+  }
+  const int c_begin = (int)blockIdx.y * chunks_per_split;
+  const int c_end = min(chunks, c_begin + chunks_per_split);
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  WeightRegs<F> cur, next;
+  XRegs<NT> xr;
+  load_weights(p, sh, row0, t, (int64_t)c_begin * kDecodeChunk, cur);
+  load_x<NT>(p, sh, (int64_t)c_begin * kDecodeChunk, xr);
+  store_x<F, kXF16, NT>(xr, tile[0]);
+  __syncthreads();
+  for (int c = c_begin; c < c_end; ++c) {
+    const int buf = (c - c_begin) & 1;
+    const bool more = c + 1 < c_end;
+    if (more) {
+      load_weights(p, sh, row0, t, (int64_t)(c + 1) * kDecodeChunk, next);
+      load_x<NT>(p, sh, (int64_t)(c + 1) * kDecodeChunk, xr);
+    }
+    compute_chunk<kXF16, NT>(acc, cur, tile[buf], g, t);
+    if (more) store_x<F, kXF16, NT>(xr, tile[buf ^ 1]);
+    __syncthreads();
+    cur = next;
+  }
+
+  // Epilogue scalar of the exact emulation: f32(f32(alpha * d_x) * d_w).
+  float alpha = p.alpha;
+  if (p.x_amax != nullptr) alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.x_amax, p.x_constant));
+  if constexpr (F == DecodeWeightFormat::kNvfp4) {
+    alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.w_amax, p.w_constant));
+  }
+
+  // Accumulator element e of n-tile j: token 8j + 2t + (e & 1), row row0 + 8 (e >> 1).
+  if (splits == 1) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int token = 8 * j + 2 * t + (e & 1);
+        const int64_t row = row0 + 8 * (e >> 1);
+        if (token < p.B && row < p.N) store_y(p, token, row, formats::mul_rn(acc[j][e], alpha));
+      }
+    return;
+  }
+  float* part = p.partials + (int64_t)blockIdx.y * p.B * p.N;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int token = 8 * j + 2 * t + (e & 1);
+      const int64_t row = row0 + 8 * (e >> 1);
+      if (token < p.B && row < p.N) __stcg(part + token * p.N + row, acc[j][e]);
+    }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + blockIdx.x, 1u) == (unsigned)(splits - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int i = (int)threadIdx.x; i < p.B * kDecodeRowsPerCta; i += kThreads) {
+    const int token = i / kDecodeRowsPerCta;
+    const int64_t row = row_base + i % kDecodeRowsPerCta;
+    if (row >= p.N) continue;
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) sum = formats::add_rn(sum, __ldcg(p.partials + ((int64_t)s * p.B + token) * p.N + row));
+    store_y(p, token, row, formats::mul_rn(sum, alpha));
+  }
+  if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;
+}
+
+template <DecodeWeightFormat F, bool kXF16>
+void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
+  const dim3 grid((unsigned)plan.row_blocks, (unsigned)plan.splits);
+  switch (plan.n_tiles) {
+    case 1: decode_gemv_kernel<F, kXF16, 1><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
+    case 2: decode_gemv_kernel<F, kXF16, 2><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
+    case 4: decode_gemv_kernel<F, kXF16, 4><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
+    default: decode_gemv_kernel<F, kXF16, 8><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
+  }
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+// ---- activation quantization -------------------------------------------------------------------
+
+constexpr int kQuantThreads = 256;
+
+__global__ void __launch_bounds__(kQuantThreads) amax_partial_kernel(const DecodeQuantizeParams p) {
+  __shared__ float warp_max[kQuantThreads / 32];
+  const int64_t n = (int64_t)p.B * p.K;
+  float m = 0.0f;
+  bool bad = false;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / p.K, c = i % p.K;
+    const float a = formats::abs_f32(formats::decode_bf16(p.x[r * p.ldx + c]));
+    if (!(a <= formats::kFloatMax)) {
+      bad = true;
+    } else {
+      m = formats::fmax_ieee(m, a);
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) m = formats::fmax_ieee(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  if (bad && p.error_flags != nullptr) atomicOr(p.error_flags, quant::kDeviceErrNonFinite);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float b = 0.0f;
+    for (int w = 0; w < kQuantThreads / 32; ++w) b = formats::fmax_ieee(b, warp_max[w]);
+    p.partials[blockIdx.x] = b;
+  }
+}
+
+__global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQuantizeParams p, int n_partials) {
+  __shared__ float s_amax;
+  if (threadIdx.x == 0) {
+    float m = 0.0f;
+    for (int i = 0; i < n_partials; ++i) m = formats::fmax_ieee(m, p.partials[i]);
+    s_amax = m;
+    if (blockIdx.x == 0) *p.amax_out = m;
+  }
+  __syncthreads();
+  const float amax = s_amax;
+  const quant::Nvfp4TensorScales ts = quant::nvfp4_tensor_scales(amax, p.scale_constant, p.element_constant);
+  const quant::FourOverSixTensorScales ts46 =
+      quant::four_over_six_tensor_scales(amax, p.scale_constant, p.element_constant);
+  const auto metric = (quant::FourOverSixMetric)p.four_over_six_metric;
+  const int64_t n_blocks = (p.K + 15) / 16, total = (int64_t)p.B * n_blocks;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / n_blocks, c0 = (i % n_blocks) * 16;
+    const int n = (int)min((int64_t)16, p.K - c0);
+    float v[16];
+    float block_amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      v[e] = e < n ? formats::decode_bf16(p.x[r * p.ldx + c0 + e]) : 0.0f;
+      if (e < n) block_amax = formats::fmax_ieee(block_amax, formats::abs_f32(v[e]));
+    }
+    uint8_t s = 0;
+    float mult = 0.0f;
+    if (!p.four_over_six) {
+      s = quant::nvfp4_block_scale(block_amax, ts);
+      mult = quant::nvfp4_element_multiplier(s, ts);
+    } else {
+      const quant::FourOverSixScalePair pair = quant::four_over_six_scales(block_amax, ts46);
+      const uint8_t cand[2] = {pair.map6, pair.map4};
+      float err[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const float mk = quant::four_over_six_multiplier(cand[k], ts46);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) {
+          if (e >= n) break;
+          const uint8_t q = quant::four_over_six_encode_element(v[e], mk, false, 0u);
+          err[k] = quant::four_over_six_accumulate_error(
+              err[k], quant::four_over_six_dequantize_element(q, cand[k], ts46), v[e], metric);
+        }
+      }
+      s = err[1] < err[0] ? pair.map4 : pair.map6;
+      mult = quant::four_over_six_multiplier(s, ts46);
+    }
+    const float sf = formats::decode_e4m3(s);
+    uint16_t* dst = p.xs + r * p.K + c0;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      if (e >= n) break;
+      const uint8_t q = p.four_over_six ? quant::four_over_six_encode_element(v[e], mult, false, 0u)
+                                        : quant::nvfp4_encode_element(v[e], mult, false, 0u);
+      dst[e] = formats::encode_bf16_rn(formats::mul_rn(formats::decode_e2m1(q), sf));
+    }
+  }
+}
+
+}  // namespace
+
+void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
+  if (p.format == DecodeWeightFormat::kBf16) {
+    launch_typed<DecodeWeightFormat::kBf16, false>(p, plan, stream);
+  } else if (p.x_amax != nullptr) {
+    launch_typed<DecodeWeightFormat::kNvfp4, true>(p, plan, stream);
+  } else {
+    launch_typed<DecodeWeightFormat::kNvfp4, false>(p, plan, stream);
+  }
+}
+
+void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream) {
+  const int64_t n = (int64_t)p.B * p.K;
+  const int amax_ctas = (int)std::clamp<int64_t>((n + kQuantThreads * 8 - 1) / (kQuantThreads * 8), 1,
+                                                  kDecodeAmaxPartials);
+  amax_partial_kernel<<<amax_ctas, kQuantThreads, 0, stream>>>(p);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+  const int64_t blocks = (int64_t)p.B * ((p.K + 15) / 16);
+  const int ctas = (int)std::clamp<int64_t>((blocks + kQuantThreads - 1) / kQuantThreads, 1, 1024);
+  quantize_x_kernel<<<ctas, kQuantThreads, 0, stream>>>(p, amax_ctas);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace fourbit::gemm::kernels

@@ -1,0 +1,112 @@
+// Internal interface between the host side of the decode GEMV (decode_gemv.cpp, compiled by the
+// C++ compiler) and its CUDA kernels (decode_gemv_kernels.cu, compiled by nvcc). Plain structs,
+// the launch plan and launch functions only; validation and error messages live in decode_gemv.cpp.
+//
+// The GEMV kernel computes y[B, N] = alpha_eff * x[B, K] . W[N, K]^T for 1 <= B <= 64 on the
+// tensor cores (mma.sync m16n8k16, FP32 accumulation), reading W either as BF16 or as packed
+// NVFP4 (row-wise layout of quant/quantize.h), dequantized in registers. Work split:
+//   - one CTA of kDecodeWarps warps covers kDecodeRowsPerCta = 16 * kDecodeWarps rows of W; each
+//     warp owns 16 rows (the mma's M), the batch is the mma's N (8 tokens per n-tile, up to 8);
+//   - K is walked in chunks of kDecodeChunk = 128 elements; grid.y splits the chunks (split-K)
+//     when N alone gives too few CTAs. Split partials go to an FP32 workspace [splits, B, N]; the
+//     last CTA of a row block (a per-row-block arrival counter) sums them in split order, so the
+//     result does not depend on CTA scheduling (deterministic), and resets the counter to 0.
+// Invariants: the counters start at zero (the workspace is zeroed when allocated) and are zero
+// again after every launch; one launch at a time per workspace (one stream).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace fourbit::gemm::kernels {
+
+inline constexpr int kDecodeMaxTokens = 64;
+inline constexpr int kDecodeWarps = 4;
+inline constexpr int kDecodeRowsPerCta = 16 * kDecodeWarps;
+inline constexpr int kDecodeChunk = 128;     // K elements per CTA iteration
+inline constexpr int kDecodeAmaxPartials = 64;  // CTAs of the activation amax pass (at most)
+
+enum class DecodeWeightFormat : uint8_t { kBf16, kNvfp4 };
+
+// How a launch divides the work; a pure function of the shape and the SM count, shared by the
+// workspace sizing (host) and the launch.
+struct DecodeGemvPlan {
+  int row_blocks = 0;        // grid.x = ceil(N / kDecodeRowsPerCta)
+  int splits = 1;            // grid.y: split-K slices (1: no workspace traffic)
+  int chunks = 0;            // ceil(K / kDecodeChunk)
+  int chunks_per_split = 0;  // every split but possibly the last has this many chunks
+  int n_tiles = 1;           // 8-token mma tiles the kernel instantiates: 1, 2, 4 or 8
+  int64_t partial_floats = 0;  // workspace floats for the split partials (splits > 1)
+};
+
+inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count) {
+  DecodeGemvPlan p;
+  p.row_blocks = (int)((N + kDecodeRowsPerCta - 1) / kDecodeRowsPerCta);
+  p.chunks = (int)std::max<int64_t>(1, (K + kDecodeChunk - 1) / kDecodeChunk);
+  const int tiles = (B + 7) / 8;
+  p.n_tiles = tiles <= 1 ? 1 : tiles <= 2 ? 2 : tiles <= 4 ? 4 : 8;
+  // Aim for a few CTAs per SM (memory-level parallelism); larger batches need fewer splits (their
+  // partials cost more and each CTA does more math per weight byte).
+  const int per_sm = p.n_tiles == 1 ? 6 : p.n_tiles == 2 ? 4 : 2;
+  const int64_t target = (int64_t)std::max(1, sm_count) * per_sm;
+  int splits = (int)std::min<int64_t>(p.chunks, std::max<int64_t>(1, (target + p.row_blocks - 1) / p.row_blocks));
+  p.chunks_per_split = (p.chunks + splits - 1) / splits;
+  p.splits = (p.chunks + p.chunks_per_split - 1) / p.chunks_per_split;  // no empty split
+  p.partial_floats = p.splits > 1 ? (int64_t)p.splits * B * N : 0;
+  return p;
+}
+
+struct DecodeGemvParams {
+  DecodeWeightFormat format = DecodeWeightFormat::kBf16;
+  // x: bf16 [B, K], row stride ldx (elements). With x_amax set, x holds NVFP4 scaled-domain values
+  // (e2m1 * s_b, exact in FP16 as well as BF16) whose global decode scale comes from *x_amax.
+  const uint16_t* x = nullptr;
+  int64_t ldx = 0;
+  const float* x_amax = nullptr;
+  float x_constant = 0.0f;
+  // BF16 weights: [N, K], row stride ldw.
+  const uint16_t* w_bf16 = nullptr;
+  int64_t ldw = 0;
+  // NVFP4 weights: packed e2m1 [N, ceil(K/2) bytes], e4m3 scales [N, ceil(K/16)], global amax.
+  const uint8_t* w_data = nullptr;
+  const uint8_t* w_scales = nullptr;
+  const float* w_amax = nullptr;
+  float w_constant = 0.0f;
+  int B = 0;
+  int64_t N = 0, K = 0;
+  float alpha = 1.0f;
+  // y: [B, N] f32 or bf16, row stride ldy.
+  void* y = nullptr;
+  bool y_bf16 = false;
+  int64_t ldy = 0;
+  // Workspace (plan.splits > 1): partials f32 [splits, B, N]; counters u32 [row_blocks], zero.
+  float* partials = nullptr;
+  unsigned* counters = nullptr;
+};
+void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream);
+
+// NVFP4 1x16 row-wise quantization of a small activation x bf16 [B, K] (round to nearest), written
+// straight to the scaled domain: xs bf16 [B, K] contiguous = e2m1 * s_b, and *amax_out = the global
+// amax; the same values as quant::quantize_reference + dequantize_bf16_scaled_reference (the
+// per-block arithmetic is quant/block_math.h). Two launches: per-CTA partial maxima into
+// `partials` (kDecodeAmaxPartials floats), then the quantization (each CTA reduces the partials).
+// A NaN or Inf in x ORs quant::kDeviceErrNonFinite into *error_flags.
+struct DecodeQuantizeParams {
+  const uint16_t* x = nullptr;
+  int64_t ldx = 0;
+  int B = 0;
+  int64_t K = 0;
+  bool four_over_six = false;
+  uint8_t four_over_six_metric = 0;  // quant::FourOverSixMetric
+  float scale_constant = 0.0f;       // QuantConfig::nvfp4_scale_constant()
+  float element_constant = 0.0f;     // QuantConfig::nvfp4_global_constant()
+  uint16_t* xs = nullptr;            // bf16 [B, K] contiguous
+  float* amax_out = nullptr;         // device float
+  float* partials = nullptr;         // device float[kDecodeAmaxPartials]
+  int* error_flags = nullptr;        // device int
+};
+void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream);
+
+}  // namespace fourbit::gemm::kernels
