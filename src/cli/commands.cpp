@@ -23,6 +23,8 @@ void register_commands(CLI::App& app) {
   registry().push_back(add_tasks_command(app));
   registry().push_back(add_corpus_command(app));
   registry().push_back(add_audit_command(app));
+  registry().push_back(add_rl_command(app));
+  registry().push_back(add_sample_command(app));
 }
 
 void run_selected(CLI::App& /*app*/) {

@@ -24,5 +24,7 @@ Command add_model_dump_command(CLI::App& app);
 Command add_tasks_command(CLI::App& app);
 Command add_corpus_command(CLI::App& app);
 Command add_audit_command(CLI::App& app);
+Command add_rl_command(CLI::App& app);
+Command add_sample_command(CLI::App& app);
 
 }  // namespace fourbit::cli

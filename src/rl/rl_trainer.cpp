@@ -55,6 +55,24 @@ std::vector<double> host_f64(const TensorView& t) {
 
 }  // namespace
 
+recipe::Recipe with_sampler_precision(recipe::Recipe r, std::string_view which) {
+  using recipe::Gemm;
+  using recipe::Operand;
+  using recipe::Stage;
+  if (which == "recipe") return r;
+  FOURBIT_CHECK(which == "bf16" || which == "nvfp4",
+                "--sampler-recipe '{}': use bf16, nvfp4 or recipe (the recipe's own rl_sampler stage)", which);
+  const recipe::Recipe e2e4 = recipe::preset("e2e4");
+  for (Operand o : {Operand::kInput, Operand::kWeight}) {
+    const recipe::Precision p = which == "bf16" ? recipe::Precision{} : e2e4.policy.at(Stage::kRlSampler, Gemm::kFprop, o);
+    r.policy.at(Stage::kRlSampler, Gemm::kFprop, o) = p;
+    r.policy.at(Stage::kRlTrainer, Gemm::kFprop, o) = p;
+  }
+  r.name += fmt::format("+sampler-{}", which);
+  r.validate();
+  return r;
+}
+
 std::string_view importance_mode_name(ImportanceMode m) {
   switch (m) {
     case ImportanceMode::kTruncate: return "truncate";

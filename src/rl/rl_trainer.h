@@ -52,6 +52,11 @@
 
 namespace fourbit::rl {
 
+// `fourbit rl --sampler-recipe`: the recipe with the RL Fprop (rl_sampler and rl_trainer, the
+// quantizer contract kept) set to "bf16" (no quantization) or "nvfp4" (the e2e4 preset's NVFP4
+// sampler operands); "recipe" returns it unchanged. Other stages are untouched; validated.
+recipe::Recipe with_sampler_precision(recipe::Recipe r, std::string_view which);
+
 enum class ImportanceMode : uint8_t { kTruncate, kMask, kNone };
 std::string_view importance_mode_name(ImportanceMode m);  // "truncate", "mask", "none"
 ImportanceMode parse_importance_mode(std::string_view name);  // throws listing the names

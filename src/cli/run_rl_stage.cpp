@@ -1,0 +1,154 @@
+// The RL stage (run_rl_stage.h): policy, recipe and task set-up, the step loop with progress
+// lines and JSONL metrics, held-out reward before and after, and the final checkpoint.
+#include "cli/run_rl_stage.h"
+
+#include "core/check.h"
+#include "core/device.h"
+#include "core/log.h"
+#include "model/config.h"
+#include "rl/byte_tokens.h"
+#include "train/checkpoint.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+namespace fourbit::cli {
+
+Device parse_rl_device(std::string_view name) {
+  if (name == "cpu") return Device::kCpu;
+  if (name == "cuda") {
+    FOURBIT_CHECK(built_with_cuda(), "--device cuda: this build has no CUDA (configure with -DFOURBIT_CUDA=ON)");
+    return Device::kCuda;
+  }
+  FOURBIT_CHECK(name == "auto", "--device '{}': use cpu, cuda or auto", name);
+  return built_with_cuda() && cuda_device_count() > 0 ? Device::kCuda : Device::kCpu;
+}
+
+nlohmann::json RlStageResult::to_json() const {
+  return {{"reward_before", reward_before},
+          {"reward_after", reward_after},
+          {"train_reward_first", train_reward_first},
+          {"train_reward_last", train_reward_last},
+          {"k3_mean", k3_mean},
+          {"k3_max", k3_max},
+          {"max_abs_logp_diff", max_abs_logp_diff},
+          {"sampler_tokens_per_s", sampler_tokens_per_s},
+          {"trainer_tokens_per_s", trainer_tokens_per_s},
+          {"steps", steps},
+          {"seconds", seconds},
+          {"recipe", recipe_name}};
+}
+
+RlStageResult run_rl_stage(const RlStageOptions& o) {
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  FOURBIT_CHECK(o.steps >= 0, "rl: --steps must be >= 0, got {}", o.steps);
+  FOURBIT_CHECK(o.log_every >= 1, "rl: --log-every must be >= 1, got {}", o.log_every);
+
+  // Policy and recipe.
+  std::unique_ptr<model::Model> start;
+  model::ModelConfig config;
+  recipe::Recipe r;
+  if (!o.ckpt.empty()) {
+    FOURBIT_CHECK(std::filesystem::exists(o.ckpt), "rl: --ckpt '{}' does not exist (a checkpoint directory "
+                  "written by `fourbit pretrain` or `fourbit rl --out`)", o.ckpt);
+    FOURBIT_CHECK(o.model_sets.empty(), "rl: --set changes a fresh model's config; the checkpoint '{}' "
+                  "fixes it", o.ckpt);
+    start = train::load_model_from_checkpoint(o.ckpt, o.device);
+    config = start->config();
+    r = o.recipe.empty() ? start->recipe().recipe() : recipe::Recipe{};
+  } else {
+    config = model::preset(o.preset);
+    if (config.vocab < rl::kByteVocabSize && o.model_sets.empty()) {
+      log_info("rl: preset '{}' has vocab {} < {} (bytes + end of document); using vocab 384", o.preset,
+               config.vocab, rl::kByteVocabSize);
+      config.vocab = 384;
+    }
+    model::apply_sets(config, o.model_sets);
+  }
+  if (!o.recipe.empty() || o.ckpt.empty()) {
+    const std::string name = o.recipe.empty() ? "e2e4" : o.recipe;
+    r = std::filesystem::exists(name) ? recipe::load_recipe_file(name) : recipe::preset(name);
+  }
+  recipe::apply_sets(r, o.recipe_sets);
+  r = rl::with_sampler_precision(std::move(r), o.sampler_recipe);
+  recipe::ResolvedRecipe resolved = recipe::resolve(r, config.recipe_shape());
+  const std::unique_ptr<rl::Task> task = rl::make_task(o.task);
+
+  rl::RlModelOptions mo;
+  mo.device = o.device;
+  mo.init_seed = o.init_seed;
+  rl::RlTrainer trainer(config, resolved, mo, *task, o.rl, start.get());
+  start.reset();  // the trainer holds copies of the weights
+  RlStageResult res;
+  res.recipe_name = r.name;
+  log_info("{}: model '{}' ({}), recipe '{}' (sampler fprop = trainer fprop), task '{}', device {}, {} "
+           "prompts x {} completions per step, {} steps", o.label, config.name,
+           o.ckpt.empty() ? "fresh" : o.ckpt, r.name, task->spec(), device_name(o.device),
+           o.rl.prompts_per_step, o.rl.group_size, o.steps);
+
+  std::ofstream jsonl;
+  if (!o.out_dir.empty()) {
+    std::filesystem::create_directories(o.out_dir);
+    const std::string path = o.out_dir + "/rl_metrics.jsonl";
+    jsonl.open(path, std::ios::trunc);
+    FOURBIT_CHECK(jsonl.good(), "rl: cannot write '{}'", path);
+  }
+  if (o.eval_prompts > 0) {
+    res.reward_before = trainer.evaluate(o.eval_prompts);
+    std::printf("%s: held-out reward before RL %.4f (%d prompts, greedy)\n", o.label.c_str(), res.reward_before,
+                o.eval_prompts);
+    std::fflush(stdout);
+  }
+  std::vector<rl::StepMetrics> history;
+  for (int s = 0; s < o.steps; ++s) {
+    const rl::StepMetrics m = trainer.step();
+    history.push_back(m);
+    if (jsonl.is_open()) {
+      jsonl << rl::to_json(m).dump() << "\n";
+      jsonl.flush();
+    }
+    if (s % o.log_every == 0 || s + 1 == o.steps) {
+      std::printf("%s: %s\n", o.label.c_str(), rl::progress_line(m).c_str());
+      std::fflush(stdout);
+    }
+  }
+  if (o.eval_prompts > 0) {
+    res.reward_after = trainer.evaluate(o.eval_prompts);
+    std::printf("%s: held-out reward after RL %.4f (before %.4f)\n", o.label.c_str(), res.reward_after,
+                res.reward_before);
+  }
+  res.steps = o.steps;
+  if (!history.empty()) {
+    const int n = std::max(1, (int)history.size() / 10);
+    for (int i = 0; i < n; ++i) {
+      res.train_reward_first += history[(size_t)i].reward_mean / n;
+      res.train_reward_last += history[history.size() - 1 - (size_t)i].reward_mean / n;
+    }
+    for (const rl::StepMetrics& m : history) {
+      res.k3_mean += m.k3 / (double)history.size();
+      res.k3_max = std::max(res.k3_max, m.k3);
+      res.max_abs_logp_diff = std::max(res.max_abs_logp_diff, m.max_abs_logp_diff);
+      res.sampler_tokens_per_s += m.sampler_tokens_per_s / (double)history.size();
+      res.trainer_tokens_per_s += m.trainer_tokens_per_s / (double)history.size();
+    }
+  }
+  if (!o.out_dir.empty()) {
+    train::CheckpointState state;
+    state.step = trainer.optimizer().steps();
+    state.train = {{"rl", rl::to_json(trainer.config())}, {"task", task->spec()}, {"start", o.ckpt}};
+    state.metrics = res.to_json();
+    const std::string dir = o.out_dir + "/rl_checkpoint";
+    train::save_checkpoint(dir, trainer.model(), &trainer.optimizer(), state);
+    log_info("{}: metrics {}/rl_metrics.jsonl, checkpoint {}", o.label, o.out_dir, dir);
+  }
+  res.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return res;
+}
+
+}  // namespace fourbit::cli

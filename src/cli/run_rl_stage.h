@@ -1,0 +1,53 @@
+// One RL run as a reusable stage: `fourbit rl` runs it from the command line, and the default job
+// (`fourbit run`) runs it after pretraining, from the pretrained checkpoint. It builds the policy
+// (a checkpoint or a fresh model), the recipe (with the --sampler-recipe override), the task and
+// the trainer (rl/rl_trainer.h); measures the held-out reward before and after; prints a progress
+// line per step; writes OUT/rl_metrics.jsonl (one JSON object per step) and OUT/rl_checkpoint.
+#pragma once
+
+#include "core/tensor.h"
+#include "rl/rl_trainer.h"
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+namespace fourbit::cli {
+
+struct RlStageOptions {
+  std::string ckpt;                   // start from this checkpoint; empty: a fresh model
+  std::string preset = "tiny";        // fresh model: config preset and --set overrides
+  std::vector<std::string> model_sets;
+  std::string recipe;                 // empty: the checkpoint's recipe (fresh: e2e4)
+  std::vector<std::string> recipe_sets;
+  std::string sampler_recipe = "recipe";  // bf16 | nvfp4 | recipe (rl::with_sampler_precision)
+  std::string task = "add:digits=3";
+  int steps = 50;
+  int eval_prompts = 256;             // held-out prompts for the reward before / after (0: skip)
+  rl::RlConfig rl;
+  Device device = Device::kCpu;
+  uint64_t init_seed = 0;             // fresh model initialization
+  std::string out_dir;                // empty: write nothing
+  int log_every = 1;                  // progress lines every N steps (the JSONL gets every step)
+  std::string label = "rl";           // prefix of the printed lines
+};
+
+struct RlStageResult {
+  double reward_before = -1, reward_after = -1;  // held-out greedy reward (-1: not measured)
+  double train_reward_first = 0, train_reward_last = 0;  // mean over the first / last 10% of steps
+  double k3_mean = 0, k3_max = 0;
+  double max_abs_logp_diff = 0;
+  double sampler_tokens_per_s = 0, trainer_tokens_per_s = 0;  // means over the steps
+  int steps = 0;
+  double seconds = 0;
+  std::string recipe_name;
+  nlohmann::json to_json() const;
+};
+
+RlStageResult run_rl_stage(const RlStageOptions& options);
+
+// "cpu", "cuda", "auto" (CUDA when built with it and a GPU is present).
+Device parse_rl_device(std::string_view name);
+
+}  // namespace fourbit::cli

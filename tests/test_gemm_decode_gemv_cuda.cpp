@@ -1,0 +1,335 @@
+// decode GEMV (gpu): the CUDA kernels of gemm/decode_gemv.h against the float64 CPU reference over
+// the very same operands (weights quantized on the CPU and copied), within the FP32 accumulation
+// bound of gemm_test_util.h: BF16 and NVFP4 weights, plain and NVFP4 activations (quantized on the
+// GPU by decode_quantize_nvfp4, which must equal the CPU quantizer bit for bit), B = 1, 3, 8, 9, 17,
+// 33, 64, K not a multiple of 128 (odd K too), odd N, split-K and single-split launches, strided
+// x / y, f32 and bf16 outputs, zero tensors, zero blocks and huge scales. Outputs are poisoned
+// (NaN) before each launch, so an unwritten element fails; every launch runs twice and must give
+// the same bits (deterministic split-K, counters reset).
+#include "core/device.h"
+#include "gemm/decode_gemv.h"
+#include "gemm_test_util.h"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+namespace fourbit::gemm {
+namespace {
+
+using testing::expect_error;
+using testing::fp32_accumulation_tolerance;
+using testing::random_matrix;
+using testing::to_doubles;
+using testing::within_bound;
+
+quant::QuantConfig nvfp4(bool four_over_six = false) {
+  quant::QuantConfig c;
+  c.format = quant::Format::kNvfp4;
+  if (four_over_six) c.nvfp4_scale_rule = quant::Nvfp4ScaleRule::kFourOverSix;
+  return c;
+}
+
+quant::QuantizedTensor quantize(const Tensor& src, const quant::QuantConfig& c) {
+  quant::QuantizeOptions o;
+  o.tensor_name = "w";
+  return quant::quantize_reference(src.view(), c, quant::Orientations{}, o);
+}
+
+quant::QuantizedTensor to_device(const quant::QuantizedTensor& q) {
+  quant::QuantizedTensor d = q;
+  d.device = Device::kCuda;
+  for (Tensor* t : {&d.rowwise->data, &d.rowwise->scales, &d.rowwise->amax}) *t = t->to(Device::kCuda);
+  return d;
+}
+
+void poison(const TensorView& t) {
+  // NaN in both f32 and bf16 (0xFFFF... bytes), over the whole strided extent.
+  const int64_t extent = dtype_bytes(t.dtype, (t.shape[0] - 1) * t.strides[0] + t.shape[1]);
+  FOURBIT_CUDA_CHECK(cudaMemset(t.data, 0xFF, (size_t)extent));
+}
+
+// The [rows, cols] values of a possibly strided device matrix.
+std::vector<double> fetch(const TensorView& t) {
+  const int64_t extent = (t.shape[0] - 1) * t.strides[0] + t.shape[1];
+  std::vector<uint8_t> host((size_t)dtype_bytes(t.dtype, extent));
+  FOURBIT_CUDA_CHECK(cudaMemcpy(host.data(), t.data, host.size(), cudaMemcpyDeviceToHost));
+  std::vector<double> v((size_t)(t.shape[0] * t.shape[1]));
+  for (int64_t r = 0; r < t.shape[0]; ++r)
+    for (int64_t c = 0; c < t.shape[1]; ++c) {
+      const int64_t at = r * t.strides[0] + c;
+      v[(size_t)(r * t.shape[1] + c)] =
+          t.dtype == DType::kF32 ? (double)reinterpret_cast<const float*>(host.data())[at]
+                                 : (double)formats::decode_bf16(reinterpret_cast<const uint16_t*>(host.data())[at]);
+    }
+  return v;
+}
+
+std::vector<uint8_t> raw(const TensorView& t) {
+  const int64_t extent = (t.shape[0] - 1) * t.strides[0] + t.shape[1];
+  std::vector<uint8_t> host((size_t)dtype_bytes(t.dtype, extent));
+  FOURBIT_CUDA_CHECK(cudaMemcpy(host.data(), t.data, host.size(), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+// A [rows, cols] view with row stride `ld` into a fresh device buffer.
+struct Strided {
+  Tensor buf;
+  TensorView view;
+};
+Strided strided(int64_t rows, int64_t cols, int64_t ld, DType dtype) {
+  Strided s;
+  s.buf = Tensor::zeros({rows, ld}, dtype, Device::kCuda);
+  s.view = s.buf.view();
+  s.view.shape = Shape{rows, cols};
+  return s;
+}
+
+enum class WKind { kBf16, kNvfp4 };
+enum class XKind { kPlain, kNvfp4 };
+
+struct Case {
+  int B;
+  int64_t N, K;
+  WKind w;
+  XKind x;
+  DType y = DType::kF32;
+  int64_t x_pad = 0, y_pad = 0;  // extra row stride
+  float alpha = 1.0f;
+  double w_scale = 1.0;          // multiplies the weight source (huge / tiny global scales)
+  bool zero_blocks = false;      // zero some 16-blocks of the weight and of x, and a whole row
+  bool four_over_six = false;
+};
+
+std::string describe(const Case& c) {
+  return fmt::format("B={} N={} K={} w={} x={} y={} x_pad={} y_pad={} w_scale={} zero_blocks={} 4/6={}", c.B, c.N,
+                     c.K, c.w == WKind::kBf16 ? "bf16" : "nvfp4", c.x == XKind::kPlain ? "plain" : "nvfp4",
+                     c.y == DType::kF32 ? "f32" : "bf16", c.x_pad, c.y_pad, c.w_scale, c.zero_blocks, c.four_over_six);
+}
+
+void zero_some_blocks(Tensor& t, uint64_t seed) {  // f32 or bf16 host [R, C]
+  std::mt19937 rng((uint32_t)seed);
+  const int64_t R = t.shape()[0], C = t.shape()[1];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t b = 0; b * 16 < C; ++b) {
+      if (rng() % 4 != 0 && r != R / 2) continue;
+      for (int64_t c = b * 16; c < std::min(C, b * 16 + 16); ++c) {
+        if (t.dtype() == DType::kF32) t.ptr<float>()[r * C + c] = 0.0f;
+        else t.ptr<uint16_t>()[r * C + c] = 0;
+      }
+    }
+}
+
+void run_case(const Case& c, uint64_t seed) {
+  SCOPED_TRACE(describe(c));
+  // Host operands.
+  Tensor wsrc = random_matrix(c.N, c.K, seed);
+  for (int64_t i = 0; i < wsrc.numel(); ++i) wsrc.ptr<float>()[i] = (float)(wsrc.ptr<float>()[i] * c.w_scale);
+  if (c.zero_blocks) zero_some_blocks(wsrc, seed + 1);
+  Tensor xsrc = random_matrix(c.B, c.K, seed + 2, DType::kBF16);
+  if (c.zero_blocks) zero_some_blocks(xsrc, seed + 3);
+
+  std::optional<quant::QuantizedTensor> qw, qw_dev;
+  Tensor w_bf16_host, w_bf16_dev;
+  DecodeWeights w_host, w_dev;
+  if (c.w == WKind::kNvfp4) {
+    qw = quantize(wsrc, nvfp4(c.four_over_six));
+    qw_dev = to_device(*qw);
+    w_host = DecodeWeights::packed(*qw, "w");
+    w_dev = DecodeWeights::packed(*qw_dev, "w");
+  } else {
+    w_bf16_host = Tensor::empty({c.N, c.K}, DType::kBF16, Device::kCpu);
+    for (int64_t i = 0; i < wsrc.numel(); ++i) w_bf16_host.ptr<uint16_t>()[i] = formats::encode_bf16_rn(wsrc.ptr<float>()[i]);
+    w_bf16_dev = w_bf16_host.to(Device::kCuda);
+    w_host = DecodeWeights::plain(w_bf16_host.view(), "w");
+    w_dev = DecodeWeights::plain(w_bf16_dev.view(), "w");
+  }
+
+  // Device x (strided), quantized on the device when asked.
+  Strided xd = strided(c.B, c.K, c.K + c.x_pad, DType::kBF16);
+  FOURBIT_CUDA_CHECK(cudaMemcpy2D(xd.view.data, (size_t)(2 * (c.K + c.x_pad)), xsrc.data(), (size_t)(2 * c.K),
+                                  (size_t)(2 * c.K), (size_t)c.B, cudaMemcpyHostToDevice));
+  DecodeWorkspace ws;
+  Tensor xs_dev, amax_dev, flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+  DecodeReferenceArgs ra;
+  ra.w = w_host;
+  ra.alpha = c.alpha;
+  Tensor x_ref;
+  TensorView x_gemv = xd.view;
+  if (c.x == XKind::kNvfp4) {
+    const quant::QuantConfig xc = nvfp4(c.four_over_six);
+    xs_dev = Tensor::empty({c.B, c.K}, DType::kBF16, Device::kCuda);
+    poison(xs_dev.view());
+    amax_dev = Tensor::empty({1}, DType::kF32, Device::kCuda);
+    DecodeQuantizeArgs qa;
+    qa.x = xd.view;
+    qa.config = xc;
+    qa.xs = xs_dev.view();
+    qa.amax = amax_dev.ptr<float>();
+    qa.workspace = &ws;
+    qa.error_flag = flag.ptr<int>();
+    decode_quantize_nvfp4(qa);
+    FOURBIT_CUDA_CHECK(cudaDeviceSynchronize());
+    // Bit for bit the CPU quantizer.
+    const quant::QuantizedTensor qx = quantize(xsrc, xc);
+    x_ref = quant::dequantize_bf16_scaled_reference(qx, false);
+    const Tensor xs_host = xs_dev.to(Device::kCpu);
+    ASSERT_EQ(std::memcmp(xs_host.data(), x_ref.data(), (size_t)x_ref.nbytes()), 0) << "scaled-domain x differs";
+    float amax_host = 0;
+    FOURBIT_CUDA_CHECK(cudaMemcpy(&amax_host, amax_dev.data(), 4, cudaMemcpyDeviceToHost));
+    ASSERT_EQ(amax_host, *qx.rowwise->amax.ptr<const float>());
+    ra.x = x_ref.view();
+    ra.x_nvfp4_amax = amax_host;
+    ra.x_global_constant = xc.nvfp4_global_constant();
+    x_gemv = xs_dev.view();
+  } else {
+    ra.x = xsrc.view();
+  }
+  const DecodeReference ref = decode_gemv_reference(ra);
+
+  Strided yd = strided(c.B, c.N, c.N + c.y_pad, c.y);
+  DecodeGemvArgs a;
+  a.x = x_gemv;
+  a.x_nvfp4_amax = c.x == XKind::kNvfp4 ? amax_dev.ptr<const float>() : nullptr;
+  a.x_global_constant = ra.x_global_constant;
+  a.w = w_dev;
+  a.y = yd.view;
+  a.alpha = c.alpha;
+  a.workspace = &ws;
+  std::vector<uint8_t> first;
+  for (int rep = 0; rep < 2; ++rep) {
+    poison(yd.view);
+    decode_gemv(a);
+    FOURBIT_CUDA_CHECK(cudaDeviceSynchronize());
+    if (rep == 0) {
+      first = raw(yd.view);
+    } else {
+      // Only the [B, N] elements, not the padding (left poisoned).
+      const std::vector<uint8_t> second = raw(yd.view);
+      const int64_t eb = dtype_bytes(c.y, 1);
+      for (int64_t r = 0; r < c.B; ++r)
+        ASSERT_EQ(std::memcmp(first.data() + r * (c.N + c.y_pad) * eb, second.data() + r * (c.N + c.y_pad) * eb,
+                              (size_t)(c.N * eb)), 0)
+            << "second launch differs in row " << r;
+    }
+  }
+  const std::vector<double> got = fetch(yd.view);
+  const std::vector<double> want(ref.y.ptr<const double>(), ref.y.ptr<const double>() + ref.y.numel());
+  const std::vector<double> s(ref.abs_sum.ptr<const double>(), ref.abs_sum.ptr<const double>() + ref.abs_sum.numel());
+  EXPECT_TRUE(within_bound(got, want, s, fp32_accumulation_tolerance(c.K), c.y, c.N, describe(c)));
+  int flag_host = 0;
+  FOURBIT_CUDA_CHECK(cudaMemcpy(&flag_host, flag.data(), 4, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(flag_host, 0);
+}
+
+TEST(DecodeGemvCuda, Nvfp4WeightsPlainActivations) {
+  uint64_t seed = 100;
+  for (int B : {1, 3, 8, 9, 17, 33, 64})
+    for (auto [N, K] : {std::pair<int64_t, int64_t>{256, 2048}, {203, 1000}, {64, 8192}, {1000, 640}}) {
+      run_case({B, N, K, WKind::kNvfp4, XKind::kPlain}, seed++);
+    }
+}
+
+TEST(DecodeGemvCuda, Nvfp4WeightsNvfp4Activations) {
+  uint64_t seed = 200;
+  for (int B : {1, 3, 8, 16, 64})
+    for (auto [N, K] : {std::pair<int64_t, int64_t>{512, 2048}, {131, 5632}, {77, 35}, {96, 4096}}) {
+      Case c{B, N, K, WKind::kNvfp4, XKind::kNvfp4};
+      run_case(c, seed++);
+      c.four_over_six = true;
+      run_case(c, seed++);
+    }
+}
+
+TEST(DecodeGemvCuda, Bf16Weights) {
+  uint64_t seed = 300;
+  for (int B : {1, 3, 8, 13, 64})
+    for (auto [N, K] : {std::pair<int64_t, int64_t>{256, 2048}, {129, 1000}, {64, 8192}, {33, 7}}) {
+      run_case({B, N, K, WKind::kBf16, XKind::kPlain}, seed++);
+      run_case({B, N, K, WKind::kBf16, XKind::kNvfp4}, seed++);
+    }
+}
+
+TEST(DecodeGemvCuda, StridedOperandsBf16OutputAlpha) {
+  uint64_t seed = 400;
+  for (WKind w : {WKind::kBf16, WKind::kNvfp4})
+    for (int B : {1, 5, 64}) {
+      Case c{B, 300, 1024, w, XKind::kPlain, DType::kBF16, 3, 7, -1.5f};
+      run_case(c, seed++);
+      c.y = DType::kF32;
+      c.x_pad = 8;  // aligned stride
+      c.y_pad = 1;
+      c.K = 1030;   // not a multiple of 8: the scalar paths
+      run_case(c, seed++);
+    }
+}
+
+TEST(DecodeGemvCuda, ZeroBlocksHugeAndTinyScales) {
+  uint64_t seed = 500;
+  for (double scale : {1.0, 1e30, 1e-30})
+    for (XKind x : {XKind::kPlain, XKind::kNvfp4}) {
+      Case c{8, 160, 1536, WKind::kNvfp4, x};
+      c.w_scale = scale;
+      c.zero_blocks = true;
+      run_case(c, seed++);
+      c.B = 1;
+      run_case(c, seed++);
+    }
+  // An all-zero weight: amax 0, every scale 0, y exactly 0.
+  Case z{3, 64, 256, WKind::kNvfp4, XKind::kNvfp4};
+  z.w_scale = 0.0;
+  run_case(z, seed++);
+}
+
+TEST(DecodeGemvCuda, NonFiniteActivationIsFlagged) {
+  Tensor x = random_matrix(2, 64, 600, DType::kBF16);
+  x.ptr<uint16_t>()[70] = 0x7F80;  // +Inf
+  const Tensor xd = x.to(Device::kCuda);
+  Tensor xs = Tensor::empty({2, 64}, DType::kBF16, Device::kCuda), amax = Tensor::empty({1}, DType::kF32, Device::kCuda);
+  Tensor flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+  DecodeWorkspace ws;
+  DecodeQuantizeArgs qa;
+  qa.x = xd.view();
+  qa.config = nvfp4();
+  qa.xs = xs.view();
+  qa.amax = amax.ptr<float>();
+  qa.workspace = &ws;
+  qa.error_flag = flag.ptr<int>();
+  decode_quantize_nvfp4(qa);
+  int bits = 0;
+  FOURBIT_CUDA_CHECK(cudaMemcpy(&bits, flag.data(), 4, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(bits & quant::kDeviceErrNonFinite, quant::kDeviceErrNonFinite);
+}
+
+TEST(DecodeGemvCuda, ArgumentErrors) {
+  const Tensor x = random_matrix(65, 64, 700, DType::kBF16).to(Device::kCuda);
+  const Tensor w = random_matrix(32, 64, 701, DType::kBF16).to(Device::kCuda);
+  const Tensor y = Tensor::zeros({65, 32}, DType::kF32, Device::kCuda);
+  DecodeWorkspace ws;
+  DecodeGemvArgs a;
+  a.x = x.view();
+  a.w = DecodeWeights::plain(w.view(), "mlp.down");
+  a.y = y.view();
+  a.workspace = &ws;
+  a.name = "decode mlp.down";
+  expect_error([&] { decode_gemv(a); }, {"decode mlp.down", "65 rows", "1 to 64"});
+  TensorView x8 = x.view();
+  x8.shape = Shape{8, 64};
+  a.x = x8;
+  expect_error([&] { decode_gemv(a); }, {"decode mlp.down", "[8, 32]"});
+  const Tensor w2 = random_matrix(32, 48, 702, DType::kBF16).to(Device::kCuda);
+  a.w = DecodeWeights::plain(w2.view(), "mlp.down");
+  expect_error([&] { decode_gemv(a); }, {"mlp.down", "K = 48"});
+  a.w = DecodeWeights::plain(w.view(), "mlp.down");
+  a.workspace = nullptr;
+  TensorView y8 = y.view();
+  y8.shape = Shape{8, 32};
+  a.y = y8;
+  expect_error([&] { decode_gemv(a); }, {"DecodeWorkspace"});
+}
+
+}  // namespace
+}  // namespace fourbit::gemm
