@@ -242,6 +242,19 @@ class Model {
   TensorView forward_cached(KvCache& cache, const TensorView& tokens, std::span<const int32_t> n_new,
                             const CachedForwardOptions& options = {});
 
+  // Sampler weights (CUDA; no-ops on the CPU): a packed NVFP4 copy (4.5 bits per value) of every
+  // dense linear weight that the rl_sampler stage quantizes to NVFP4, quantized from the BF16
+  // compute copy as the emulated path does (BF16 layers read the compute copy). While they exist,
+  // forward_cached with stage rl_sampler and at most 64 tokens per step (B * Tq <= 64) runs its
+  // dense linear layers through the decode GEMV (gemm/decode_gemv.h): the same function as the
+  // emulated path up to FP32 summation order, with no 64-token tile. Refresh after the master
+  // weights change (params_changed() does not) and after set_recipe (a stale copy is an error).
+  void refresh_sampler_weights();
+  void release_sampler_weights() { sampler_.reset(); }
+  bool has_sampler_weights() const { return sampler_ != nullptr; }
+  int64_t sampler_weight_bytes() const;  // packed data + scales of the NVFP4 copies
+  struct SamplerWeights;  // model_cached.cpp
+
   // Timing hooks (profile.h); null detaches. Not owned.
   void set_profiler(Profiler* profiler) { profiler_ = profiler; }
   // Called after every linear-layer GEMM (GemmObservation); an empty function detaches.
@@ -265,6 +278,7 @@ class Model {
   std::vector<std::vector<int32_t>> counts_host_;
   Profiler* profiler_ = nullptr;
   GemmObserver gemm_observer_;
+  std::shared_ptr<SamplerWeights> sampler_;  // shared_ptr: complete only in model_cached.cpp
 };
 
 }  // namespace fourbit::model

@@ -2,14 +2,24 @@
 // and linear layers as the training forward; the attention appends each new row's key and value
 // to the cache and runs ops::attention_decode over it. Activations are not kept between blocks
 // (one set of block buffers serves every block, the residual stream ping-pongs between two).
+//
+// Fast decode (CUDA): with sampler weights built (refresh_sampler_weights: the packed NVFP4 copy
+// of every dense linear weight the rl_sampler stage quantizes, plus scratch for the scaled-domain
+// activations) and at most kDecodeMaxTokens tokens in a step, the dense linear layers run the
+// decode GEMV (gemm/decode_gemv.h) instead of linear_fprop: NVFP4 activations are quantized by
+// decode_quantize_nvfp4 (no 64-token tile; bit-identical to the quantize kernels), the weights are
+// read packed. Same function as the emulated path up to FP32 summation order. MoE blocks keep
+// their FFN on the grouped path (and its token tile).
 #include "model/model_internal.h"
 
 #include "core/check.h"
+#include "gemm/decode_gemv.h"
 #include "ops/attention.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
+#include "ops/swiglu.h"
 
 #if defined(FOURBIT_WITH_CUDA)
 #include "model/kv_cache_kernels.h"
@@ -17,7 +27,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
+#include <string>
 
 namespace fourbit::model {
 
@@ -26,6 +39,23 @@ using detail::BlockActs;
 using detail::Mode;
 using detail::Scope;
 using recipe::LinearKind;
+
+// The sampler's copy of the dense linear weights (model.h refresh_sampler_weights).
+struct Model::SamplerWeights {
+  struct Layer {
+    bool present = false;  // a dense linear layer (qkv, attn_out, mlp_up/down of dense blocks, lm_head)
+    int param = -1;        // its weight in the parameter table
+    std::optional<quant::QuantConfig> w_config;  // the rl_sampler weight quantizer it was built with
+    quant::QuantizedTensor packed;               // NVFP4 row-wise [N, K] on CUDA (w_config set)
+  };
+  std::vector<Layer> layers;  // [tensor id = block * kinds + kind]; lm_head at block n_layers
+  bool all_supported = true;  // every present layer: weights BF16 / NVFP4, activations BF16 / NVFP4 1x16 RN
+  std::string unsupported;    // the first layer that is not, and why
+  gemm::DecodeWorkspace workspace;
+  Tensor xs;    // bf16 [kDecodeMaxTokens, max K]: scaled-domain activations of the current layer
+  Tensor amax;  // f32 [1]: their global amax
+  int64_t packed_bytes = 0;
+};
 
 void KvCache::reset() {
   std::fill(lengths_.begin(), lengths_.end(), 0);
@@ -80,6 +110,31 @@ void kv_append_cpu(const TensorView& qkv, int64_t k_col, int64_t v_col, int64_t 
   }
 }
 
+constexpr int kKinds = (int)recipe::kLinearKinds.size();
+
+int layer_id(int block, LinearKind kind) { return block * kKinds + (int)kind; }
+
+std::string layer_name(int block, LinearKind kind) {
+  return kind == LinearKind::kLmHead ? std::string("lm_head")
+                                     : fmt::format("blocks.{}.{}", block, recipe::kind_name(kind));
+}
+
+// A [rows, cols] contiguous view at the start of a (larger) contiguous buffer.
+TensorView prefix(const TensorView& buf, int64_t rows, int64_t cols) {
+  TensorView v = buf;
+  v.shape = Shape{rows, cols};
+  v.strides = contiguous_strides(v.shape);
+  return v;
+}
+
+bool same_quant(const std::optional<quant::QuantConfig>& a, const std::optional<quant::QuantConfig>& b) {
+  if (a.has_value() != b.has_value()) return false;
+  if (!a) return true;
+  return a->format == b->format && a->block_2d == b->block_2d && a->rounding == b->rounding &&
+         a->nvfp4_scale_rule == b->nvfp4_scale_rule && a->four_over_six_metric == b->four_over_six_metric &&
+         a->sr_unbiased_scale == b->sr_unbiased_scale && a->rht == b->rht;
+}
+
 // Restores the mode and step of the training pass when the cached forward returns.
 class ModeGuard {
  public:
@@ -96,6 +151,88 @@ class ModeGuard {
 };
 
 }  // namespace
+
+void Model::refresh_sampler_weights() {
+  if (options_.device != Device::kCuda) return;  // the CPU keeps the reference path
+  Impl& im = *impl_;
+  const ModelConfig& c = config_;
+  const std::vector<gemm::LinearRecipe>& recipes = im.recipes[(size_t)Mode::kRlSampler];
+  std::shared_ptr<SamplerWeights> old = sampler_;
+  auto sw = std::make_shared<SamplerWeights>();
+  sw->layers.resize((size_t)(c.n_layers + 1) * kKinds);
+  struct Entry {
+    int block;
+    LinearKind kind;
+    int param;
+  };
+  std::vector<Entry> entries;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const detail::BlockParams& p = im.bp[(size_t)l];
+    entries.push_back({l, LinearKind::kQkv, p.qkv});
+    entries.push_back({l, LinearKind::kAttnOut, p.attn_out});
+    if (!c.is_moe_block(l)) {
+      entries.push_back({l, LinearKind::kMlpUp, p.mlp_up});
+      entries.push_back({l, LinearKind::kMlpDown, p.mlp_down});
+    }
+  }
+  entries.push_back({c.n_layers, LinearKind::kLmHead, im.lm_head});
+  int64_t max_k = 1;
+  for (const Entry& e : entries) {
+    const int id = layer_id(e.block, e.kind);
+    const gemm::LinearRecipe& r = recipes[(size_t)id];
+    SamplerWeights::Layer& L = sw->layers[(size_t)id];
+    L.present = true;
+    L.param = e.param;
+    const TensorView& w = im.w(e.param);  // bf16 [N, K]
+    max_k = std::max(max_k, w.shape[1]);
+    const std::string name = layer_name(e.block, e.kind);
+    std::string why;
+    if (r.fprop_x.quant && !gemm::decode_supports_activation_quant(*r.fprop_x.quant, &why)) {
+      if (sw->all_supported) sw->unsupported = fmt::format("{}: activation quantizer {}", name, why);
+      sw->all_supported = false;
+    }
+    if (!r.fprop_w.quant) continue;
+    const quant::QuantConfig& wc = *r.fprop_w.quant;
+    if (wc.format != quant::Format::kNvfp4 || wc.rounding != quant::Rounding::kNearest) {
+      if (sw->all_supported) {
+        sw->unsupported = fmt::format("{}: weight quantizer {} (the decode GEMV reads bf16 or nvfp4 round-to-nearest "
+                                      "weights)", name, wc.describe());
+      }
+      sw->all_supported = false;
+      continue;
+    }
+    L.w_config = wc;
+    // Reuse the previous copy's buffers when it was built with the same quantizer.
+    const SamplerWeights::Layer* prev = old != nullptr ? &old->layers[(size_t)id] : nullptr;
+    if (prev != nullptr && prev->present && same_quant(prev->w_config, L.w_config)) {
+      L.packed = prev->packed;
+    } else {
+      L.packed = quant::allocate_quantized(wc, w.shape[0], w.shape[1], quant::Orientations{}, Device::kCuda);
+    }
+#if defined(FOURBIT_WITH_CUDA)
+    quant::CudaQuantizeOptions qo;
+    qo.tensor_name = name;
+    qo.stream = options_.stream;
+    quant::quantize_cuda(w, L.packed, qo);
+#endif
+    sw->packed_bytes += L.packed.rowwise->data.nbytes() + L.packed.rowwise->scales.nbytes();
+  }
+  // Scratch, sized for the largest step and layer.
+  if (old != nullptr && old->xs.defined() && old->xs.shape()[1] >= max_k) {
+    sw->xs = old->xs;
+    sw->amax = old->amax;
+  } else {
+    sw->xs = Tensor::empty({gemm::kDecodeMaxTokens, max_k}, DType::kBF16, Device::kCuda);
+    sw->amax = Tensor::zeros({1}, DType::kF32, Device::kCuda);
+  }
+  for (const Entry& e : entries) {
+    const TensorView& w = im.w(e.param);
+    for (int B = 1; B <= gemm::kDecodeMaxTokens; ++B) sw->workspace.reserve_for(B, w.shape[0], w.shape[1]);
+  }
+  sampler_ = std::move(sw);
+}
+
+int64_t Model::sampler_weight_bytes() const { return sampler_ ? sampler_->packed_bytes : 0; }
 
 TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::span<const int32_t> n_new,
                                  const CachedForwardOptions& o) {
@@ -153,7 +290,65 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
                   "rl_sampler or rl_trainer");
   }
   ModeGuard guard(im, mode);
-  im.check_token_tile(N, "forward_cached");
+  // The decode GEMV path (sampler weights, see the header comment).
+  SamplerWeights* sw = nullptr;
+  if (sampler_ != nullptr && options_.device == Device::kCuda && o.stage == recipe::Stage::kRlSampler &&
+      N <= gemm::kDecodeMaxTokens) {
+    FOURBIT_CHECK(sampler_->all_supported,
+                  "forward_cached: the rl_sampler recipe '{}' has a layer the decode GEMV does not implement ({}); "
+                  "release_sampler_weights() to use the emulated path", recipe_.recipe().name, sampler_->unsupported);
+    sw = sampler_.get();
+  }
+  // Without MoE blocks the decode path has no token tile.
+  if (sw == nullptr || c.is_moe()) im.check_token_tile(N, "forward_cached");
+  void* const stream = options_.stream;
+  // One dense linear layer: y = x W^T under the rl_sampler recipe through the decode GEMV.
+  auto decode_linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y) {
+    const int block = kind == LinearKind::kLmHead ? c.n_layers : l;
+    const SamplerWeights::Layer& L = sw->layers[(size_t)layer_id(block, kind)];
+    const gemm::LinearRecipe& r = im.linear_recipe(l, kind);
+    const std::string name = layer_name(l, kind);
+    FOURBIT_CHECK(L.present && L.param == param && same_quant(L.w_config, r.fprop_w.quant),
+                  "forward_cached: the sampler weights of {} were built for another recipe (weight quantizer {}, the "
+                  "recipe now says {}): call refresh_sampler_weights() after set_recipe", name,
+                  L.w_config ? L.w_config->describe() : std::string("bf16"),
+                  r.fprop_w.quant ? r.fprop_w.quant->describe() : std::string("bf16"));
+    const TensorView& wt = im.w(param);
+    if (profiler_ != nullptr) profiler_->linear_call({sec, recipe::Gemm::kFprop, &r, x.shape[0], wt.shape[0], x.shape[1], 1});
+    Scope scope(im, sec, Work::kLinear);
+    gemm::DecodeGemvArgs g;
+    g.x = x;
+    if (r.fprop_x.quant) {
+      gemm::DecodeQuantizeArgs q;
+      q.x = x;
+      q.config = *r.fprop_x.quant;
+      q.xs = prefix(sw->xs.view(), x.shape[0], x.shape[1]);
+      q.amax = sw->amax.ptr<float>();
+      q.workspace = &sw->workspace;
+      q.error_flag = im.flag();
+      q.stream = stream;
+      q.name = name;
+      gemm::decode_quantize_nvfp4(q);
+      g.x = q.xs;
+      g.x_nvfp4_amax = sw->amax.ptr<const float>();
+      g.x_global_constant = r.fprop_x.quant->nvfp4_global_constant();
+    }
+    g.w = L.w_config ? gemm::DecodeWeights::packed(L.packed, name) : gemm::DecodeWeights::plain(wt, name);
+    g.y = y;
+    g.stream = stream;
+    g.workspace = &sw->workspace;
+    g.name = name;
+    gemm::decode_gemv(g);
+    if (gemm_observer_) im.observe(name, recipe::Gemm::kFprop, r, x, wt, y, {}, im.linear_options(l, kind, name).sr);
+  };
+  auto linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
+                    bool bf16_output) {
+    if (sw != nullptr) {
+      decode_linear(sec, l, kind, x, param, y);
+    } else {
+      im.fprop(sec, l, kind, x, im.w(param), y, bf16_output);
+    }
+  };
 
   cache.arena_->reset();
   detail::Carver carver(cache.arena_.get(), options_.device);
@@ -183,7 +378,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       ops::rmsnorm_forward(b.ln1, b.ln1_rstd, x, im.master(p.attn_norm), eps, st);
       im.bf16(b.ln1);
     }
-    im.fprop(Section::kAttention, l, LinearKind::kQkv, b.ln1, im.w(p.qkv), b.qkv);
+    linear(Section::kAttention, l, LinearKind::kQkv, b.ln1, p.qkv, b.qkv, true);
     {
       Scope s(im, Section::kAttention, Work::kOther);
       ops::rope_forward_inplace(detail::qkv_part3(b.qkv, 0, H, D), detail::qkv_part3(b.qkv, H * D, Hkv, D),
@@ -211,7 +406,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
                             cache.v_[(size_t)l], cache.lengths_device_, out4, {}, st);
       im.bf16(b.attn);
     }
-    im.fprop(Section::kAttention, l, LinearKind::kAttnOut, b.attn, im.w(p.attn_out), mid);
+    linear(Section::kAttention, l, LinearKind::kAttnOut, b.attn, p.attn_out, mid, true);
     const Section ffn = c.is_moe_block(l) ? Section::kMoe : Section::kMlp;
     {
       Scope s(im, Section::kAttention, Work::kOther);
@@ -223,7 +418,17 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       ops::rmsnorm_forward(b.ln2, b.ln2_rstd, mid, im.master(p.mlp_norm), eps, st);
       im.bf16(b.ln2);
     }
-    im.forward_ffn(l, a, b, out, o.forced_expert_ids);
+    if (sw != nullptr && !c.is_moe_block(l)) {
+      const TensorView gu = prefix(b.gate_up, N, 2 * c.d_ff), act = prefix(b.act, N, c.d_ff);
+      linear(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, p.mlp_up, gu, true);
+      {
+        Scope s(im, Section::kMlp, Work::kOther);
+        ops::swiglu_forward(act, gu, st);
+      }
+      linear(Section::kMlp, l, LinearKind::kMlpDown, act, p.mlp_down, out, true);
+    } else {
+      im.forward_ffn(l, a, b, out, o.forced_expert_ids);
+    }
     {
       Scope s(im, ffn, Work::kOther);
       ops::add_inplace(out, mid, st);
@@ -249,7 +454,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     im.bf16(a.lnf);
   }
   // FP32 logits (for sampling), not rounded.
-  im.fprop(Section::kLmHead, c.n_layers, LinearKind::kLmHead, a.lnf, im.w(im.lm_head), a.logits, false);
+  linear(Section::kLmHead, c.n_layers, LinearKind::kLmHead, a.lnf, im.lm_head, a.logits, false);
   im.check_error_flag("forward_cached");
   cache.lengths_ = new_lengths;
   return a.logits;
