@@ -35,6 +35,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -226,8 +227,23 @@ TEST_F(ModelCuda, QuantizedRecipesMatchTheCpuReference) {
       // the CPU's fp8 result than fp8 is to bf16" (0.85x) for everything downstream.
       const double share = preset == "fp8" ? 0.85 : 0.1;
       auto bound = [share](double q) { return share * q + 5e-3; };
+      // The permuted MoE buffers (*_perm) of a quantized recipe carry padding rows up to the
+      // quantize kernels' tile, which the bf16 recipe's buffers lack, so their own "quantization
+      // effect" compares different layouts (it came out NaN or > 1). Their bound uses the largest
+      // quantization effect among the same block's other activations instead.
+      std::vector<double> qs(ref.names.size());
+      for (size_t i = 0; i < ref.names.size(); ++i) qs[i] = rel(ref.activations[i], bf16.activations[i]);
+      auto is_perm = [](const std::string& n) { return n.size() > 5 && n.compare(n.size() - 5, 5, "_perm") == 0; };
+      auto block_of = [](const std::string& n) { return n.substr(0, n.find('.', n.find('.') + 1) + 1); };
       for (size_t i = 0; i < ref.names.size(); ++i) {
-        const double q = rel(ref.activations[i], bf16.activations[i]), e = rel(got.activations[i], ref.activations[i]);
+        double q = qs[i];
+        if (is_perm(ref.names[i])) {
+          q = 0;
+          for (size_t j = 0; j < ref.names.size(); ++j)
+            if (!is_perm(ref.names[j]) && block_of(ref.names[j]) == block_of(ref.names[i]) && std::isfinite(qs[j]))
+              q = std::max(q, qs[j]);
+        }
+        const double e = rel(got.activations[i], ref.activations[i]);
         std::printf("  activation %-32s gpu vs cpu %.3e, quantization effect %.3e\n", ref.names[i].c_str(), e, q);
         const double tol = ref.names[i] == "blocks.0.attn.qkv" ? 2e-3 : bound(q);
         EXPECT_LE(e, tol) << "activation " << ref.names[i] << ": gpu vs cpu " << e << ", quantization effect " << q;
