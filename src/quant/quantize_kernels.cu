@@ -631,6 +631,61 @@ for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
   }
 }
 
+// --- NVFP4 1x16 row-wise, round to nearest: the streaming kernel ------------------------------------
+
+// The row-wise-only, round-to-nearest NVFP4 case (the forward activations, and the quantize-
+// dequantize feeding the Hopper GEMM emulation) needs no tile: each thread reads one 16-element
+// micro-block straight from global memory (two 16-byte loads of BF16, four of FP32; a warp reads
+// one contiguous 1 KB / 2 KB span), and writes its 8 packed bytes, its scale byte and optionally
+// 32 bytes of scaled-domain BF16. Same arithmetic as the tile kernel's single phase (block_math.h),
+// so the bits are the same; no shared memory, few registers, many blocks in flight per SM.
+template <typename InT>
+__global__ void __launch_bounds__(kThreads) nvfp4_rowwise_rn_kernel(Params p) {
+  const int64_t n_blocks = p.rows * (p.cols / 16);
+  const int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  if (g >= n_blocks) return;
+  const InT* src = static_cast<const InT*>(p.src) + g * 16;
+  float v[16];
+  if constexpr (sizeof(InT) == 2) {
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    const uint4 a = __ldg(s4), b = __ldg(s4 + 1);
+    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      v[2 * k] = __uint_as_float(w[k] << 16);
+      v[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+    }
+  } else {
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float4 x = __ldg(s4 + k);
+      v[4 * k] = x.x;
+      v[4 * k + 1] = x.y;
+      v[4 * k + 2] = x.z;
+      v[4 * k + 3] = x.w;
+    }
+  }
+  float amax = 0.0f, probe = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    amax = fmaxf(amax, fabsf(v[i]));
+    probe = __fmaf_rn(v[i], 0.0f, probe);  // NaN exactly when some value is NaN or Inf
+  }
+  if (probe != probe) atomicOr(p.error_flags, kErrNonFinite);
+  const Nvfp4TensorScales ts = nvfp4_tensor_scales(*p.row.amax, p.nvfp4_scale_constant, p.nvfp4_element_constant);
+  const uint8_t s = nvfp4_block_scale(amax, ts);
+  const float mult = nvfp4_element_multiplier(s, ts);
+  const uint2 packed = nvfp4_encode16(v, mult, false, false, Philox4x32Result{});
+  if (p.row.data) reinterpret_cast<uint2*>(p.row.data)[g] = packed;
+  if (p.row.scales) static_cast<uint8_t*>(p.row.scales)[g] = s;
+  if (p.row.bf16) {
+    float sv[16];
+    nvfp4_scaled16(packed, s, sv);
+    store_bf16x16(p.row.bf16 + g * 16, sv);
+  }
+}
+
 // --- global amax ---------------------------------------------------------------------------------
 
 // Each thread reduces a 16-row strip of kColPair columns: the plain amax (row-wise) and, when
@@ -751,6 +806,16 @@ void launch_tile(const Params& p, cudaStream_t stream) {
 
 template <typename InT>
 void launch_format(Format format, bool block_2d, const Params& p, cudaStream_t stream) {
+  const bool row_only = p.col.data == nullptr && p.col.bf16 == nullptr;
+  if (format == Format::kNvfp4 && !block_2d && row_only && !p.stochastic && !p.four_over_six && !p.rht) {
+    const int64_t n_blocks = p.rows * (p.cols / 16);
+    const unsigned grid = (unsigned)((n_blocks + kThreads - 1) / kThreads);
+    if (grid > 0) {
+      nvfp4_rowwise_rn_kernel<InT><<<grid, kThreads, 0, stream>>>(p);
+      FOURBIT_CUDA_CHECK_LAUNCH();
+    }
+    return;
+  }
   switch (format) {
     case Format::kNvfp4:
       if (block_2d) {
