@@ -1,0 +1,61 @@
+// `fourbit pretrain`: one pretraining run (train/trainer.h) with a live progress line, metrics in
+// OUT/metrics.jsonl, a checkpoint in OUT/checkpoint (resumable with --resume), and a summary.
+#include "cli/commands.h"
+#include "cli/train_options.h"
+#include "core/log.h"
+#include "model/config.h"
+
+#include <filesystem>
+
+namespace fourbit::cli {
+
+namespace {
+
+struct PretrainArgs {
+  TrainArgs train;
+  bool resume = false;
+  std::string resume_from;
+};
+
+void run_pretrain(PretrainArgs& a) {
+  train::TrainConfig c = finish_train_config(a.train);
+  if (c.out_dir.empty()) c.out_dir = "runs/pretrain";
+  train::Trainer t(c);
+  const model::Model& m = t.model();
+  log_info("model '{}': {} parameters ({} active), vocab {}, {} layers, d_model {}; recipe {}; "
+           "device {}; {} tokens per step",
+           m.config().name, m.table().n_params(), m.table().n_active_params(), m.config().vocab,
+           m.config().n_layers, m.config().d_model, c.recipe, device_name(c.device),
+           c.data.batch_size * c.data.seq_len * c.grad_accum);
+  std::string from = a.resume_from;
+  if (a.resume && from.empty()) from = c.out_dir + "/checkpoint";
+  if (!from.empty()) {
+    if (std::filesystem::exists(from) || !a.resume_from.empty()) {
+      t.resume(from);
+    } else {
+      log_info("--resume: no checkpoint at '{}' yet, starting a new run", from);
+    }
+  }
+  const train::TrainSummary s = t.run();
+  std::printf("%s\n", s.to_json().dump(2).c_str());
+  log_info("metrics: {}/metrics.jsonl, checkpoint: {}/checkpoint", c.out_dir, c.out_dir);
+}
+
+}  // namespace
+
+Command add_pretrain_command(CLI::App& app) {
+  auto args = std::make_shared<PretrainArgs>();
+  CLI::App* sub = app.add_subcommand("pretrain", "Pretrain a model under a precision recipe");
+  args->train.config.out_dir = "runs/pretrain";
+  add_train_options(sub, args->train);
+  sub->add_option("--out,-o", args->train.config.out_dir,
+                  "run directory (metrics.jsonl, checkpoint/)")->capture_default_str()
+      ->group("Run");
+  sub->add_flag("--resume", args->resume, "continue from OUT/checkpoint if it exists")
+      ->group("Run");
+  sub->add_option("--resume-from", args->resume_from, "continue from this checkpoint directory")
+      ->group("Run");
+  return {sub, [args] { run_pretrain(*args); }};
+}
+
+}  // namespace fourbit::cli
