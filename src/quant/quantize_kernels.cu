@@ -631,19 +631,23 @@ for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
   }
 }
 
-// --- NVFP4 1x16 row-wise, round to nearest: the streaming kernel ------------------------------------
+// --- row-wise only, round to nearest: the streaming kernel -----------------------------------------
 
-// The row-wise-only, round-to-nearest NVFP4 case (the forward activations, and the quantize-
-// dequantize feeding the Hopper GEMM emulation) needs no tile: each thread reads one 16-element
-// micro-block straight from global memory (two 16-byte loads of BF16, four of FP32; a warp reads
-// one contiguous 1 KB / 2 KB span), and writes its 8 packed bytes, its scale byte and optionally
-// 32 bytes of scaled-domain BF16. Same arithmetic as the tile kernel's single phase (block_math.h),
-// so the bits are the same; no shared memory, few registers, many blocks in flight per SM.
-template <typename InT>
-__global__ void __launch_bounds__(kThreads) nvfp4_rowwise_rn_kernel(Params p) {
+// The row-wise-only round-to-nearest cases of the 1D formats (NVFP4 1x16, MXFP8 1x32, FP8 1x128:
+// the forward activations, and the quantize-dequantize feeding the Hopper GEMM emulation) need no
+// tile: each thread reads one 16-element micro-block straight from global memory (two 16-byte
+// loads of BF16, four of FP32; a warp reads one contiguous 1 KB / 2 KB span), the kGroup threads of
+// a scale block (1, 2 or 8 consecutive lanes) combine their amaxes with shuffles, and each thread
+// writes its packed codes, its share of the scales and optionally 32 bytes of scaled-domain BF16.
+// Same arithmetic as the tile kernel (block_math.h), so the bits are the same; no shared memory,
+// few registers, many loads in flight per SM. Needs rows * cols / 16 to be a multiple of 32 (whole
+// warps: the host side guarantees whole tiles).
+template <typename InT, Format F>
+__global__ void __launch_bounds__(kThreads) rowwise_rn_kernel(Params p) {
+  constexpr int kGroup = F == Format::kMxfp8 ? 2 : (F == Format::kFp8Block ? 8 : 1);
   const int64_t n_blocks = p.rows * (p.cols / 16);
   const int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-  if (g >= n_blocks) return;
+  if (g >= n_blocks) return;  // never splits a warp (n_blocks is a multiple of 32)
   const InT* src = static_cast<const InT*>(p.src) + g * 16;
   float v[16];
   if constexpr (sizeof(InT) == 2) {
@@ -673,17 +677,57 @@ __global__ void __launch_bounds__(kThreads) nvfp4_rowwise_rn_kernel(Params p) {
     probe = __fmaf_rn(v[i], 0.0f, probe);  // NaN exactly when some value is NaN or Inf
   }
   if (probe != probe) atomicOr(p.error_flags, kErrNonFinite);
-  const Nvfp4TensorScales ts = nvfp4_tensor_scales(*p.row.amax, p.nvfp4_scale_constant, p.nvfp4_element_constant);
-  const uint8_t s = nvfp4_block_scale(amax, ts);
-  const float mult = nvfp4_element_multiplier(s, ts);
-  const uint2 packed = nvfp4_encode16(v, mult, false, false, Philox4x32Result{});
-  if (p.row.data) reinterpret_cast<uint2*>(p.row.data)[g] = packed;
-  if (p.row.scales) static_cast<uint8_t*>(p.row.scales)[g] = s;
-  if (p.row.bf16) {
-    float sv[16];
-    nvfp4_scaled16(packed, s, sv);
-    store_bf16x16(p.row.bf16 + g * 16, sv);
+#pragma unroll
+  for (int off = 1; off < kGroup; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+
+  if constexpr (F == Format::kNvfp4) {
+    const Nvfp4TensorScales ts =
+        nvfp4_tensor_scales(*p.row.amax, p.nvfp4_scale_constant, p.nvfp4_element_constant);
+    const uint8_t s = nvfp4_block_scale(amax, ts);
+    const float mult = nvfp4_element_multiplier(s, ts);
+    const uint2 packed = nvfp4_encode16(v, mult, false, false, Philox4x32Result{});
+    if (p.row.data) reinterpret_cast<uint2*>(p.row.data)[g] = packed;
+    if (p.row.scales) static_cast<uint8_t*>(p.row.scales)[g] = s;
+    if (p.row.bf16) {
+      float sv[16];
+      nvfp4_scaled16(packed, s, sv);
+      store_bf16x16(p.row.bf16 + g * 16, sv);
+    }
+  } else {
+    float mult, decode;
+    uint8_t code = 0;
+    if constexpr (F == Format::kMxfp8) {
+      code = mxfp8_scale_code(amax, p.mx_rule);
+      mult = formats::e8m0_reciprocal(code);
+      decode = formats::decode_e8m0(code);
+    } else {
+      mult = fp8_encode_scale(amax, p.fp8_pow2);
+      decode = formats::div_rn(1.0f, mult);
+    }
+    const uint4 codes = e4m3_encode16(v, mult, false, Philox4x32Result{});
+    if (p.row.data) reinterpret_cast<uint4*>(p.row.data)[g] = codes;
+    if (p.row.scales && g % kGroup == 0) {
+      if constexpr (F == Format::kMxfp8) {
+        static_cast<uint8_t*>(p.row.scales)[g / kGroup] = code;
+      } else {
+        static_cast<float*>(p.row.scales)[g / kGroup] = decode;
+      }
+    }
+    if (p.row.bf16) {
+      float sv[16];
+      e4m3_scaled16(codes, decode, sv, F == Format::kMxfp8, p.error_flags);
+      store_bf16x16(p.row.bf16 + g * 16, sv);
+    }
   }
+}
+
+template <typename InT, Format F>
+void launch_rowwise_rn(const Params& p, cudaStream_t stream) {
+  const int64_t n_blocks = p.rows * (p.cols / 16);
+  const unsigned grid = (unsigned)((n_blocks + kThreads - 1) / kThreads);
+  if (grid == 0) return;
+  rowwise_rn_kernel<InT, F><<<grid, kThreads, 0, stream>>>(p);
+  FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
 // --- global amax ---------------------------------------------------------------------------------
@@ -807,14 +851,14 @@ void launch_tile(const Params& p, cudaStream_t stream) {
 template <typename InT>
 void launch_format(Format format, bool block_2d, const Params& p, cudaStream_t stream) {
   const bool row_only = p.col.data == nullptr && p.col.bf16 == nullptr;
-  if (format == Format::kNvfp4 && !block_2d && row_only && !p.stochastic && !p.four_over_six && !p.rht) {
-    const int64_t n_blocks = p.rows * (p.cols / 16);
-    const unsigned grid = (unsigned)((n_blocks + kThreads - 1) / kThreads);
-    if (grid > 0) {
-      nvfp4_rowwise_rn_kernel<InT><<<grid, kThreads, 0, stream>>>(p);
-      FOURBIT_CUDA_CHECK_LAUNCH();
+  const bool whole_warps = (p.rows * (p.cols / 16)) % 32 == 0 && p.cols % 128 == 0;
+  if (row_only && whole_warps && !block_2d && !p.stochastic && !p.four_over_six && !p.rht) {
+    switch (format) {
+      case Format::kNvfp4: launch_rowwise_rn<InT, Format::kNvfp4>(p, stream); return;
+      case Format::kMxfp8: launch_rowwise_rn<InT, Format::kMxfp8>(p, stream); return;
+      case Format::kFp8Block: launch_rowwise_rn<InT, Format::kFp8Block>(p, stream); return;
+      default: break;  // FP8 per tensor: the tile kernel
     }
-    return;
   }
   switch (format) {
     case Format::kNvfp4:
