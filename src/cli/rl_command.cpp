@@ -77,6 +77,7 @@ Command add_rl_command(CLI::App& app) {
 
   sub->add_option("--out,-o", s.out_dir, "output directory (rl_metrics.jsonl, rl_checkpoint/); '' for none")
       ->capture_default_str()->group("Run");
+  sub->add_option("--csv", s.csv_path, "also write one CSV row of metrics per step here")->group("Run");
   sub->add_option("--log-every", s.log_every, "progress line every N steps")->capture_default_str()->group("Run");
   return {sub, [a] {
             a->stage.device = parse_rl_device(a->device);

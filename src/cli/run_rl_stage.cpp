@@ -99,6 +99,13 @@ RlStageResult run_rl_stage(const RlStageOptions& o) {
     jsonl.open(path, std::ios::trunc);
     FOURBIT_CHECK(jsonl.good(), "rl: cannot write '{}'", path);
   }
+  std::ofstream csv;
+  if (!o.csv_path.empty()) {
+    csv.open(o.csv_path, std::ios::trunc);
+    FOURBIT_CHECK(csv.good(), "rl: cannot write --csv '{}'", o.csv_path);
+    csv << "recipe,step,reward_mean,reward_std,k3,max_abs_logp_diff,clipped_fraction,entropy,completion_len,"
+           "sampler_tokens_per_s,trainer_tokens_per_s\n";
+  }
   if (o.eval_prompts > 0) {
     res.reward_before = trainer.evaluate(o.eval_prompts);
     std::printf("%s: held-out reward before RL %.4f (%d prompts, greedy)\n", o.label.c_str(), res.reward_before,
@@ -112,6 +119,12 @@ RlStageResult run_rl_stage(const RlStageOptions& o) {
     if (jsonl.is_open()) {
       jsonl << rl::to_json(m).dump() << "\n";
       jsonl.flush();
+    }
+    if (csv.is_open()) {
+      csv << fmt::format("{},{},{:.6f},{:.6f},{:.6e},{:.6e},{:.6f},{:.6f},{:.3f},{:.1f},{:.1f}\n", r.name, m.step,
+                         m.reward_mean, m.reward_std, m.k3, m.max_abs_logp_diff, m.clipped_fraction, m.entropy,
+                         m.completion_len, m.sampler_tokens_per_s, m.trainer_tokens_per_s);
+      csv.flush();
     }
     if (s % o.log_every == 0 || s + 1 == o.steps) {
       std::printf("%s: %s\n", o.label.c_str(), rl::progress_line(m).c_str());

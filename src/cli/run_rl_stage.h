@@ -29,6 +29,7 @@ struct RlStageOptions {
   Device device = Device::kCpu;
   uint64_t init_seed = 0;             // fresh model initialization
   std::string out_dir;                // empty: write nothing
+  std::string csv_path;               // one CSV row per step (the gpu-test.sh benchmark format); "" none
   int log_every = 1;                  // progress lines every N steps (the JSONL gets every step)
   std::string label = "rl";           // prefix of the printed lines
 };

@@ -32,6 +32,8 @@ struct SampleArgs {
   rl::SamplingOptions sampling;
   int n = 4;
   uint64_t init_seed = 0;
+  std::string csv;
+  bool quiet = false;
 };
 
 // Printable form of a completion: bytes as text, other tokens as <id> (end of document:
@@ -105,7 +107,7 @@ void run_sample(SampleArgs& a) {
   std::printf("model '%s', recipe '%s' (rl_sampler stage), device %s, temperature %g, top_p %g, top_k %d\n",
               config.name.c_str(), recipe_name.c_str(), std::string(device_name(device)).c_str(),
               a.sampling.temperature, a.sampling.top_p, a.sampling.top_k);
-  for (size_t i = 0; i < out.size(); ++i) {
+  for (size_t i = 0; i < (a.quiet ? 0 : out.size()); ++i) {
     double lp = 0;
     for (float x : out[i].logprobs) lp += x;
     std::printf("[%zu] %s%s  (%zu tokens, logprob %.3f%s)\n", i, a.prompt.c_str(), printable(out[i].tokens).c_str(),
@@ -114,6 +116,15 @@ void run_sample(SampleArgs& a) {
   const rl::SamplerStats& st = sampler.last_stats();
   std::printf("%lld tokens in %.3f s: %.0f tokens/s (%d decode steps, batch %lld)\n", (long long)st.generated_tokens,
               st.seconds, st.tokens_per_second(), st.decode_steps, (long long)st.sequences);
+  if (!a.csv.empty()) {
+    std::FILE* f = std::fopen(a.csv.c_str(), "w");
+    FOURBIT_CHECK(f != nullptr, "sample: cannot write --csv '{}'", a.csv);
+    std::fprintf(f, "model,recipe,device,batch,prompt_tokens,generated_tokens,decode_steps,seconds,tokens_per_s\n");
+    std::fprintf(f, "%s,%s,%s,%lld,%lld,%lld,%d,%.6f,%.1f\n", config.name.c_str(), recipe_name.c_str(),
+                 std::string(device_name(device)).c_str(), (long long)st.sequences, (long long)st.prompt_tokens,
+                 (long long)st.generated_tokens, st.decode_steps, st.seconds, st.tokens_per_second());
+    std::fclose(f);
+  }
 }
 
 }  // namespace
@@ -136,6 +147,8 @@ Command add_sample_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--device", a->device, "cpu, cuda or auto")->capture_default_str();
   sub->add_option("--init-seed", a->init_seed, "fresh model seed")->capture_default_str();
+  sub->add_option("--csv", a->csv, "write the throughput as one CSV row here");
+  sub->add_flag("--quiet,-q", a->quiet, "print only the throughput line, not the completions");
   return {sub, [a] { run_sample(*a); }};
 }
 
