@@ -24,6 +24,8 @@ void register_commands(CLI::App& app) {
   registry().push_back(add_corpus_command(app));
   registry().push_back(add_pretrain_command(app));
   registry().push_back(add_audit_command(app));
+  registry().push_back(add_export_command(app));
+  registry().push_back(add_import_command(app));
   registry().push_back(add_rl_command(app));
   registry().push_back(add_sample_command(app));
 }

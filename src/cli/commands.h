@@ -25,6 +25,8 @@ Command add_tasks_command(CLI::App& app);
 Command add_corpus_command(CLI::App& app);
 Command add_pretrain_command(CLI::App& app);
 Command add_audit_command(CLI::App& app);
+Command add_export_command(CLI::App& app);
+Command add_import_command(CLI::App& app);
 Command add_rl_command(CLI::App& app);
 Command add_sample_command(CLI::App& app);
 
