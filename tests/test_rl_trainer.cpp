@@ -268,3 +268,76 @@ TEST(RlTrainer, PromptAndCompletionText) {
 
 }  // namespace
 }  // namespace fourbit::rl
+
+namespace fourbit::rl {
+namespace {
+
+// Arithmetic for real: a small model pretrained briefly (supervised, on solved "a+b=c\n"
+// examples after an end-of-document token, as the corpus writes them) knows the format but not
+// all the sums; RL on add:digits=1 must then raise the held-out greedy accuracy.
+TEST(RlTrainer, PretrainedModelImprovesAtAdditionWithRl) {
+  ModelConfig c = rl_config(false);
+  c.name = "rl-add";
+  c.d_model = 64;
+  c.d_ff = 128;
+  c.n_heads = 2;
+  c.n_kv_heads = 1;
+  c.validate();
+  const std::unique_ptr<Task> task = make_task("add:digits=1");
+  // Pretraining batches: documents of 4 solved examples, windows of T tokens.
+  const int B = 16, T = 24;
+  model::ModelOptions mo;
+  mo.seed = 11;
+  mo.max_batch = B;
+  mo.max_seq = T;
+  model::Model m(c, resolved(c, "bf16"), mo);
+  train::AdamW opt(m, train::AdamWConfig{.beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.0, .grad_clip = 1.0});
+  std::vector<int32_t> stream;
+  uint64_t index = 0;
+  auto fill = [&](size_t need) {
+    while (stream.size() < need) {
+      stream.push_back(kEndOfDocumentToken);
+      for (int e = 0; e < 4; ++e)
+        for (char ch : task->make_example(1000, index++).text()) stream.push_back((unsigned char)ch);
+    }
+  };
+  std::vector<int32_t> tokens((size_t)(B * T)), targets((size_t)(B * T));
+  size_t pos = 0;
+  const int pretrain_steps = 300;  // greedy accuracy ~0.2 (600 steps: ~0.97, nothing left to learn)
+  double loss = 0;
+  for (int s = 0; s < pretrain_steps; ++s) {
+    fill(pos + (size_t)(B * T) + 1);
+    for (int i = 0; i < B * T; ++i) {
+      tokens[(size_t)i] = stream[pos + (size_t)i];
+      targets[(size_t)i] = stream[pos + (size_t)i + 1];
+    }
+    pos += (size_t)(B * T);
+    m.zero_grads();
+    loss = m.forward(TensorView::contiguous(tokens.data(), DType::kI32, Shape{B, T}, Device::kCpu),
+                     TensorView::contiguous(targets.data(), DType::kI32, Shape{B, T}, Device::kCpu)).loss;
+    m.backward();
+    opt.step(3e-3);
+  }
+  RlConfig rl = small_rl(16, 8);
+  rl.max_new_tokens = 4;
+  rl.lr = 3e-4;  // a fine-tuning rate: 3e-3 destroys the pretrained model within 40 steps
+  RlModelOptions ro;
+  RlTrainer t(c, resolved(c, "bf16"), ro, *task, rl, &m);
+  const double before = t.evaluate(256);
+  double first = 0, last = 0;
+  const int steps = 40;
+  for (int s = 0; s < steps; ++s) {
+    const StepMetrics sm = t.step();
+    if (s < 5) first += sm.reward_mean / 5;
+    if (s >= steps - 5) last += sm.reward_mean / 5;
+    if (s % 10 == 0 || s == steps - 1) std::printf("%s\n", progress_line(sm).c_str());
+  }
+  const double after = t.evaluate(256);
+  std::printf("[ add:digits=1 ] pretraining loss %.3f after %d steps; RL reward first 5 steps %.3f, last 5 %.3f; "
+              "held-out greedy accuracy before %.3f after %.3f\n", loss, pretrain_steps, first, last, before, after);
+  // Measured: before 0.234, after 0.730 (the sampled training reward is noisier: 0.32 -> 0.35).
+  EXPECT_GT(after, before + 0.2);
+}
+
+}  // namespace
+}  // namespace fourbit::rl
