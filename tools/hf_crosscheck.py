@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+"""Cross-check of fourbit's Hugging Face export: the exported checkpoint, loaded by transformers
+(or, where transformers is missing, by an independent Llama / Mixtral forward written here), must
+give the logits fourbit computed for the same weights and tokens.
+
+One command (runs `fourbit export --reference-logits` for a dense and an MoE model, then checks both):
+
+    python3 tools/hf_crosscheck.py                       # finds build*/src/cli/fourbit
+    python3 tools/hf_crosscheck.py --fourbit PATH --device cuda --keep OUT_DIR
+
+Or check one export made by hand:
+
+    fourbit export --preset tiny --format f32 --reference-logits --out /tmp/tiny-hf
+    python3 tools/hf_crosscheck.py --dir /tmp/tiny-hf
+
+What is compared: OUT/fourbit_reference/logits.f64 (fourbit's CPU float64 forward of the exported
+weights, a plain recipe; interchange/hf.h write_reference_logits) against the logits of the
+exported checkpoint on OUT/fourbit_reference/tokens.i32, in float64. Reported: the largest
+absolute difference, the largest |logit|, and whether the argmax agrees everywhere.
+Tolerances: transformers computes the RoPE angles and the RMSNorm statistics in float32 even in a
+float64 model, so its logits differ by ~1e-6 relative; the pass bound is 1e-4 * max(1, max|logit|).
+The fallback forward is float64 throughout: bound 1e-8 * max(1, max|logit|).
+
+The fallback (used when `import transformers` fails; it says so) is written from the
+architectures' definitions, not from fourbit's code: RMSNorm (x / sqrt(mean(x^2) + eps) * w),
+rotate-half RoPE, causal grouped-query attention, SwiGLU MLP, and Mixtral's router (softmax over
+the experts, top-k, renormalized). It runs on PyTorch when it is installed, else on NumPy.
+The safetensors file is parsed here (no safetensors package needed).
+"""
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- files --------------------------------------------------------------------------------------
+
+def read_safetensors(path):
+    """name -> float64 numpy array (F32, F64, BF16, F16)."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    data = memoryview(blob)[8 + n:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = info["data_offsets"]
+        raw = data[b:e]
+        dt = info["dtype"]
+        if dt == "F32":
+            a = np.frombuffer(raw, dtype="<f4").astype(np.float64)
+        elif dt == "F64":
+            a = np.frombuffer(raw, dtype="<f8").copy()
+        elif dt == "F16":
+            a = np.frombuffer(raw, dtype="<f2").astype(np.float64)
+        elif dt == "BF16":
+            a = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        else:
+            raise SystemExit(f"{path}: tensor {name} has dtype {dt}; the cross-check reads unquantized exports "
+                             f"(fourbit export --format f32 or bf16)")
+        out[name] = a.reshape(info["shape"])
+    return out
+
+
+def load_reference(export_dir):
+    ref_dir = os.path.join(export_dir, "fourbit_reference")
+    with open(os.path.join(ref_dir, "reference.json")) as f:
+        ref = json.load(f)
+    B, T, V = ref["batch"], ref["seq"], ref["vocab"]
+    tokens = np.fromfile(os.path.join(ref_dir, ref["tokens"]), dtype="<i4").reshape(B, T)
+    logits = np.fromfile(os.path.join(ref_dir, ref["logits"]), dtype="<f8").reshape(B, T, V)
+    return ref, tokens, logits
+
+
+# ---- the independent forward --------------------------------------------------------------------
+
+class Np:
+    name = "numpy"
+
+    @staticmethod
+    def arr(a):
+        return np.asarray(a, dtype=np.float64)
+
+    @staticmethod
+    def out(a):
+        return np.asarray(a)
+
+    @staticmethod
+    def ids(tokens):
+        return np.asarray(tokens, dtype=np.int64)
+
+    exp, sqrt, cos, sin = np.exp, np.sqrt, np.cos, np.sin
+
+    @staticmethod
+    def cat(xs, axis):
+        return np.concatenate(xs, axis=axis)
+
+    @staticmethod
+    def topk(x, k):  # descending, ties to the lower index
+        idx = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+        return np.take_along_axis(x, idx, axis=-1), idx
+
+
+class Torch:
+    name = "torch"
+
+    def __init__(self, device):
+        import torch
+        self.t = torch
+        self.device = device
+        self.exp, self.sqrt, self.cos, self.sin = torch.exp, torch.sqrt, torch.cos, torch.sin
+
+    def arr(self, a):
+        return self.t.as_tensor(np.asarray(a, dtype=np.float64), device=self.device)
+
+    def out(self, a):
+        return a.detach().cpu().numpy()
+
+    def ids(self, tokens):
+        return self.t.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.device)
+
+    def cat(self, xs, axis):
+        return self.t.cat(xs, dim=axis)
+
+    def topk(self, x, k):
+        v, i = self.t.topk(x, k, dim=-1)
+        return v, i
+
+
+def softmax(xp, x):
+    m = x.max(-1, keepdims=True) if xp.name == "numpy" else x.max(-1, keepdim=True).values
+    e = xp.exp(x - m)
+    return e / e.sum(-1, keepdims=True) if xp.name == "numpy" else e / e.sum(-1, keepdim=True)
+
+
+def mean_last(xp, x):
+    return x.mean(-1, keepdims=True) if xp.name == "numpy" else x.mean(-1, keepdim=True)
+
+
+def rmsnorm(xp, x, w, eps):
+    return x / xp.sqrt(mean_last(xp, x * x) + eps) * w
+
+
+def rope(xp, x, theta):  # x [T, heads, D], rotate-half pairs (i, i + D/2)
+    T, _, D = x.shape
+    half = D // 2
+    inv = xp.arr(theta ** (-np.arange(half, dtype=np.float64) * 2.0 / D))
+    pos = xp.arr(np.arange(T, dtype=np.float64))
+    ang = pos[:, None] * inv[None, :]
+    c, s = xp.cos(ang)[:, None, :], xp.sin(ang)[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return xp.cat([a * c - b * s, b * c + a * s], -1)
+
+
+def silu(xp, x):
+    return x / (1.0 + xp.exp(-x))
+
+
+def forward(xp, cfg, W, tokens):
+    """Logits [T, V] of one sequence (float64)."""
+    C, H = cfg["hidden_size"], cfg["num_attention_heads"]
+    Hkv = cfg.get("num_key_value_heads", H)
+    D = C // H
+    eps, theta = cfg["rms_norm_eps"], cfg.get("rope_theta", 10000.0)
+    moe = cfg["model_type"] == "mixtral"
+    T = len(tokens)
+    x = W["model.embed_tokens.weight"][xp.ids(tokens)]
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+    mask = xp.arr(mask)
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        h = rmsnorm(xp, x, W[p + "input_layernorm.weight"], eps)
+        q = (h @ W[p + "self_attn.q_proj.weight"].T).reshape(T, H, D)
+        k = (h @ W[p + "self_attn.k_proj.weight"].T).reshape(T, Hkv, D)
+        v = (h @ W[p + "self_attn.v_proj.weight"].T).reshape(T, Hkv, D)
+        q, k = rope(xp, q, theta), rope(xp, k, theta)
+        heads = []
+        for hh in range(H):
+            g = hh // (H // Hkv)
+            s = (q[:, hh, :] @ k[:, g, :].T) / np.sqrt(D) + mask
+            heads.append(softmax(xp, s) @ v[:, g, :])
+        a = xp.cat(heads, -1)
+        x = x + a @ W[p + "self_attn.o_proj.weight"].T
+        h = rmsnorm(xp, x, W[p + "post_attention_layernorm.weight"], eps)
+        if not moe:
+            y = (silu(xp, h @ W[p + "mlp.gate_proj.weight"].T) * (h @ W[p + "mlp.up_proj.weight"].T)) @ \
+                W[p + "mlp.down_proj.weight"].T
+        else:
+            m = p + "block_sparse_moe."
+            probs = softmax(xp, h @ W[m + "gate.weight"].T)
+            top, idx = xp.topk(probs, cfg["num_experts_per_tok"])
+            top = top / (top.sum(-1, keepdims=True) if xp.name == "numpy" else top.sum(-1, keepdim=True))
+            idx = np.asarray(xp.out(idx))
+            rows = []
+            for t in range(T):
+                acc = 0.0
+                for j in range(idx.shape[1]):
+                    e = int(idx[t, j])
+                    ep = f"{m}experts.{e}."
+                    ht = h[t:t + 1]
+                    z = (silu(xp, ht @ W[ep + "w1.weight"].T) * (ht @ W[ep + "w3.weight"].T)) @ W[ep + "w2.weight"].T
+                    acc = acc + top[t, j] * z
+                rows.append(acc)
+            y = xp.cat(rows, 0)
+        x = x + y
+    x = rmsnorm(xp, x, W["model.norm.weight"], eps)
+    head = W["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else W["lm_head.weight"]
+    return xp.out(x @ head.T)
+
+
+def fallback_logits(export_dir, tokens, device):
+    with open(os.path.join(export_dir, "config.json")) as f:
+        cfg = json.load(f)
+    try:
+        xp = Torch(device)
+    except ImportError:
+        print("  PyTorch not installed either: the fallback forward runs on NumPy")
+        xp = Np()
+    W = {k: xp.arr(v) for k, v in read_safetensors(os.path.join(export_dir, "model.safetensors")).items()}
+    return np.stack([forward(xp, cfg, W, tokens[b]) for b in range(tokens.shape[0])]), f"fallback ({xp.name}, float64)"
+
+
+def transformers_logits(export_dir, tokens, device):
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(export_dir, torch_dtype=torch.float64,
+                                                 attn_implementation="eager").to(device)
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.as_tensor(tokens, dtype=torch.long, device=device)).logits
+    import transformers
+    return out.double().cpu().numpy(), f"transformers {transformers.__version__} ({type(model).__name__}, float64)"
+
+
+def check(export_dir, device, force_fallback):
+    ref, tokens, want = load_reference(export_dir)
+    got, how = None, None
+    if not force_fallback:
+        try:
+            got, how = transformers_logits(export_dir, tokens, device)
+        except ImportError as e:
+            print(f"  transformers (or PyTorch) is not installed ({e}); using the fallback forward written in "
+                  f"this script")
+    if got is None:
+        got, how = fallback_logits(export_dir, tokens, device)
+    tol = 1e-4 if how.startswith("transformers") else 1e-8
+    diff = float(np.max(np.abs(got - want)))
+    scale = float(np.max(np.abs(want)))
+    argmax = float(np.mean(np.argmax(got, -1) == np.argmax(want, -1)))
+    ok = diff <= tol * max(1.0, scale) and got.shape == want.shape
+    print(f"  {how}: tokens {tokens.shape[0]}x{tokens.shape[1]}, weights {ref['weights']}: max |logit diff| "
+          f"{diff:.3e} (max |logit| {scale:.3f}, bound {tol * max(1.0, scale):.1e}), argmax agreement "
+          f"{argmax * 100:.2f}% -> {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def find_fourbit():
+    for d in ("build-gpu", "build", "build-cpu", "build-audit"):
+        p = os.path.join(ROOT, d, "src", "cli", "fourbit")
+        if os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", help="check this export (made with --reference-logits) instead of making two")
+    ap.add_argument("--fourbit", help="the fourbit binary (default: build-gpu/, build/, ... under the repo)")
+    ap.add_argument("--device", default="cpu", help="torch device for transformers / the fallback")
+    ap.add_argument("--fallback", action="store_true", help="skip transformers, use the script's own forward")
+    ap.add_argument("--format", default="f32", choices=["f32", "bf16"], help="export format to check")
+    ap.add_argument("--keep", help="write the exports here (default: a temporary folder, removed)")
+    args = ap.parse_args()
+    if args.dir:
+        print(f"{args.dir}:")
+        sys.exit(0 if check(args.dir, args.device, args.fallback) else 1)
+    fourbit = args.fourbit or find_fourbit()
+    if not fourbit:
+        sys.exit("no fourbit binary found; build it (tools/test.sh) or pass --fourbit PATH")
+    work = args.keep or tempfile.mkdtemp(prefix="fourbit_hf_crosscheck_")
+    cases = [("dense", ["--preset", "tiny"]),
+             ("moe", ["--preset", "moe-tiny", "--set", "moe.layers=all"])]
+    ok = True
+    try:
+        for name, model_args in cases:
+            out = os.path.join(work, name)
+            cmd = [fourbit, "export", *model_args, "--format", args.format, "--reference-logits", "--ref-batch", "2",
+                   "--ref-seq", "64", "--out", out]
+            print(f"{name}: {' '.join(cmd)}")
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                print(r.stdout + r.stderr)
+                sys.exit(f"{name}: fourbit export failed")
+            ok = check(out, args.device, args.fallback) and ok
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print("hf_crosscheck: " + ("PASS" if ok else "FAIL"))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
