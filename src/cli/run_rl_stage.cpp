@@ -164,4 +164,47 @@ RlStageResult run_rl_stage(const RlStageOptions& o) {
   return res;
 }
 
+std::string run_default_rl_stage(const std::string& ckpt, Device device, const std::string& out, uint64_t seed) {
+  const bool gpu = device == Device::kCuda;
+  RlStageOptions o;
+  o.ckpt = ckpt;
+  o.device = device;
+  o.task = "add:digits=3";
+  o.steps = gpu ? 60 : 16;
+  o.eval_prompts = gpu ? 512 : 64;
+  o.log_every = gpu ? 10 : 4;
+  o.rl.prompts_per_step = gpu ? 32 : 8;
+  o.rl.group_size = 8;
+  o.rl.max_new_tokens = 6;  // up to 4 answer digits and the end-of-answer newline
+  o.rl.max_len = 32;
+  o.rl.lr = gpu ? 3e-5 : 1e-4;
+  o.rl.seed = seed;
+  std::vector<std::string> samplers = {"nvfp4"};
+  if (gpu) samplers.push_back("bf16");
+  std::string report = fmt::format(
+      "RL stage: from {} on {}, task {}, {} steps of {} x {} rollouts, lr {:g}; sampler fprop = trainer "
+      "fprop per row (RL.md quantizer contract), trainer backward as the e2e4 recipe says\n"
+      "{:<8} {:>14} {:>13} {:>14} {:>13} {:>10} {:>10} {:>12} {:>12} {:>8}\n",
+      ckpt, device_name(device), o.task, o.steps, o.rl.prompts_per_step, o.rl.group_size, o.rl.lr, "sampler",
+      "reward before", "reward after", "train first", "train last", "K3 mean", "K3 max", "max|dlogp|",
+      "sampler tok/s", "seconds");
+  for (const std::string& sampler : samplers) {
+    o.sampler_recipe = sampler;
+    o.out_dir = out + "/rl-" + sampler;
+    o.label = "rl[" + sampler + "]";
+    const RlStageResult r = run_rl_stage(o);
+    report += fmt::format("{:<8} {:>14.4f} {:>13.4f} {:>14.4f} {:>13.4f} {:>10.2e} {:>10.2e} {:>12.2e} {:>12.0f} {:>8.0f}\n",
+                          sampler, r.reward_before, r.reward_after, r.train_reward_first, r.train_reward_last,
+                          r.k3_mean, r.k3_max, r.max_abs_logp_diff, r.sampler_tokens_per_s, r.seconds);
+  }
+  report += "(reward: held-out greedy accuracy; train first / last: mean sampled reward of the first / last 10% of "
+            "steps; K3 = E[rho - log rho - 1], rho = pi_trainer / pi_sampler; RL.md targets K3 < 1e-3 for dense models)\n";
+  std::printf("\n%s", report.c_str());
+  std::filesystem::create_directories(out);
+  std::ofstream f(out + "/rl_report.txt", std::ios::trunc);
+  f << report;
+  FOURBIT_CHECK(f.good(), "fourbit run: cannot write '{}/rl_report.txt'", out);
+  return report;
+}
+
 }  // namespace fourbit::cli

@@ -48,6 +48,16 @@ struct RlStageResult {
 
 RlStageResult run_rl_stage(const RlStageOptions& options);
 
+// The default job's RL stage (`fourbit run`, after pretraining): from the pretrained e2e4
+// checkpoint `ckpt`, RL on a harder arithmetic task than the corpus teaches (add:digits=3: 1- to
+// 3-digit operands; the corpus has 2) with the NVFP4 sampler of the e2e4 recipe; on CUDA also the
+// same run (same seed, same steps) with a BF16 sampler for comparison. Prints and returns a report
+// (held-out greedy reward before / after, training reward first / last steps, K3 divergence, max
+// |dlogp|, throughput), also written to OUT/rl_report.txt; runs under OUT/rl-<sampler>/.
+//   CPU:  8 prompts x 8 completions, 16 steps, lr 1e-4, 64 held-out prompts;
+//   CUDA: 32 prompts x 8 completions, 60 steps, lr 3e-5, 512 held-out prompts.
+std::string run_default_rl_stage(const std::string& ckpt, Device device, const std::string& out, uint64_t seed);
+
 // "cpu", "cuda", "auto" (CUDA when built with it and a GPU is present).
 Device parse_rl_device(std::string_view name);
 
