@@ -40,6 +40,7 @@ benches=(
   "attention bench attention"
   "moe bench moe"
   "model bench model"
+  "decode bench decode"
   "sample-bf16 sample --preset gpt2-124m --device cuda --sampler-recipe bf16 --n 128 --max-new-tokens 64 --stop none --quiet --prompt 12+34="
   "sample-nvfp4 sample --preset gpt2-124m --device cuda --sampler-recipe nvfp4 --n 128 --max-new-tokens 64 --stop none --quiet --prompt 12+34="
   "rl-bf16 rl --device cuda --sampler-recipe bf16 --task add:digits=1 --steps 8 --prompts 16 --group 8 --eval-prompts 0 --out /tmp/fourbit-rl-bench"

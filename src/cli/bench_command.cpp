@@ -4,6 +4,7 @@
 #include "core/device.h"
 #include "gemm/bench.h"
 #include "model/bench.h"
+#include "model/decode_bench.h"
 #include "ops/attention_bench.h"
 #include "ops/moe_bench.h"
 #include "quant/bench.h"
@@ -24,6 +25,7 @@ Command add_bench_command(CLI::App& app) {
   auto attn_opts = std::make_shared<ops::AttentionBenchOptions>();
   auto moe_opts = std::make_shared<ops::MoeBenchOptions>();
   auto model_opts = std::make_shared<model::ModelBenchOptions>();
+  auto decode_opts = std::make_shared<model::DecodeBenchOptions>();
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks against the GPU's ceilings");
   bench->require_subcommand(1);
   CLI::App* q = bench->add_subcommand(
@@ -60,7 +62,20 @@ Command add_bench_command(CLI::App& app) {
   md->add_option("--shapes", model_opts->shape_filter, "only the shapes whose name contains this text");
   md->add_option("--recipes", model_opts->recipe_filter, "only the recipes whose name contains this text");
   md->add_option("--csv", model_opts->csv_path, "also write the table as CSV to this file");
-  return {bench, [q, g, at, mo, md, quant_opts, gemm_opts, attn_opts, moe_opts, model_opts] {
+  CLI::App* dc = bench->add_subcommand(
+      "decode", "generation with the KV cache (llama-1.1b shape): tokens/s and fraction of the copy "
+                "bandwidth per batch with BF16 and NVFP4 sampler weights, and the decode GEMV alone at "
+                "each layer shape against cuBLASLt BF16");
+  dc->add_option("--preset", decode_opts->preset, "dense model preset")->capture_default_str();
+  dc->add_option("--batches", decode_opts->batches, "batch sizes (1 to 64)")->capture_default_str();
+  dc->add_option("--cache", decode_opts->cache_len, "tokens per sequence in the KV cache (prefilled)")
+      ->capture_default_str();
+  dc->add_option("--reps", decode_opts->reps, "timed decode steps (median reported)")->capture_default_str();
+  dc->add_option("--recipes", decode_opts->recipe_filter, "only the recipes whose name contains this text (bf16, e2e4)");
+  dc->add_flag("!--no-steps", decode_opts->steps, "skip the model decode steps");
+  dc->add_flag("!--no-gemv", decode_opts->gemv, "skip the GEMV-alone table");
+  dc->add_option("--csv", decode_opts->csv_path, "also write the table as CSV to this file");
+  return {bench, [q, g, at, mo, md, dc, quant_opts, gemm_opts, attn_opts, moe_opts, model_opts, decode_opts] {
             if (q->parsed()) {
               require_gpu("quant");
 #if defined(FOURBIT_WITH_CUDA)
@@ -84,6 +99,10 @@ Command add_bench_command(CLI::App& app) {
             if (md->parsed()) {
               require_gpu("model");
               model::run_model_bench(*model_opts);
+            }
+            if (dc->parsed()) {
+              require_gpu("decode");
+              model::run_decode_bench(*decode_opts);
             }
           }};
 }

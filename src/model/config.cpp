@@ -203,7 +203,7 @@ void ModelConfig::validate() const {
 }
 
 std::vector<std::string_view> preset_names() {
-  return {"tiny", "moe-tiny", "gpt2-124m", "gpt2-124m-moe8", "350m", "1.3b"};
+  return {"tiny", "moe-tiny", "gpt2-124m", "gpt2-124m-moe8", "350m", "1.3b", "llama-1.1b"};
 }
 
 ModelConfig preset(std::string_view name) {
@@ -260,6 +260,17 @@ ModelConfig preset(std::string_view name) {
     c.n_kv_heads = 16;
     c.d_ff = 5504;
     c.max_seq = 2048;
+  } else if (name == "llama-1.1b") {
+    // TinyLlama 1.1B's shape (the decode benchmark's model, BENCHMARKS.md): grouped-query attention
+    // (32 heads of 64, 4 KV heads), SwiGLU d_ff 5632, untied LM head, Llama's 32000 vocabulary.
+    c.vocab = 32000;
+    c.d_model = 2048;
+    c.n_layers = 22;
+    c.n_heads = 32;
+    c.n_kv_heads = 4;
+    c.d_ff = 5632;
+    c.max_seq = 2048;
+    c.tied_embeddings = false;
   } else {
     throw Error(fmt::format("unknown model preset '{}'; presets: {}", name,
                             fmt::join(preset_names(), ", ")));
