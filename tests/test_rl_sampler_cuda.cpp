@@ -1,0 +1,176 @@
+// rl sampler and trainer (gpu): the CUDA sampler against the CPU sampler on the same weights (the
+// sampling is host code over the copied logits, so identical logits give identical draws; the
+// CUDA and CPU logits differ by rounding only, so almost every first token agrees), the CUDA
+// sampler's log-probabilities against the CUDA trainer's recomputation (bf16, e2e4; dense and
+// MoE; printed), quantized-recipe batch padding to the 128-row tile, and a tiny RL run on the GPU
+// with the NVFP4 (e2e4) sampler that must raise the reward of an easy task.
+//
+// Tolerances. bf16 recipe: the sampler reads f32 logits of the KV-cache forward, the trainer's
+// cross-entropy reads the bf16 logits of the training forward: a logit of magnitude |x| < 8
+// carries a rounding of up to 2^-9 |x| < 0.016, and the log-softmax moves by at most twice that,
+// so |dlogp| < 0.05 per token (plus the bf16 activations' differences between the cached and the
+// full forward, which are of the same order); the mean is far smaller.
+#include "rl/rl_trainer.h"
+
+#include "core/device.h"
+#include "rl/byte_tokens.h"
+#include "rl_test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+
+namespace fourbit::rl {
+namespace {
+
+class RlCuda : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_GT(cuda_device_count(), 0) << "the gpu tests need a CUDA GPU"; }
+};
+
+// The smallest shape the CUDA kernels take: head_dim 64, widths multiples of 128 (quantize tiles).
+model::ModelConfig cuda_config(bool moe) {
+  model::ModelConfig c;
+  c.name = moe ? "rl-cuda-moe" : "rl-cuda";
+  c.vocab = 384;
+  c.d_model = 128;
+  c.n_layers = 2;
+  c.n_heads = 2;
+  c.n_kv_heads = 1;
+  c.d_ff = 256;
+  c.max_seq = 64;
+  if (moe) {
+    c.moe.layers = {1};
+    c.moe.n_experts = 4;
+    c.moe.top_k = 2;
+    c.moe.expert_d_ff = 128;
+  }
+  c.validate();
+  return c;
+}
+
+recipe::ResolvedRecipe resolved(const model::ModelConfig& c, std::string_view preset) {
+  recipe::Recipe r = recipe::preset(preset);
+  r.high_precision.last_blocks = 0;
+  return recipe::resolve(r, c.recipe_shape());
+}
+
+std::vector<std::vector<int32_t>> prompts_for(int B) {
+  std::vector<std::vector<int32_t>> p;
+  for (int b = 0; b < B; ++b) {
+    std::vector<int32_t> q{kEndOfDocumentToken};
+    for (int t = 0; t < 2 + b % 5; ++t) q.push_back('0' + (b * 7 + t * 3) % 10);
+    q.push_back('=');
+    p.push_back(q);
+  }
+  return p;
+}
+
+// Sequence-by-sequence: the first sampled token comes from the prefill logits alone; the draws
+// u are the same on both devices, so the tokens differ only where u falls within the logits'
+// rounding difference of a CDF boundary (a probability of order 1e-3 per token).
+TEST_F(RlCuda, CudaAndCpuSamplersDrawTheSameTokens) {
+  const model::ModelConfig c = cuda_config(false);
+  model::ModelOptions mo;
+  mo.seed = 3;
+  model::Model weights(c, resolved(c, "bf16"), mo);  // CPU f32 master weights
+  SamplerOptions so;
+  so.max_batch = 64;
+  so.max_len = 32;
+  so.cpu_bf16_rounding = true;  // the CPU mirror of the CUDA model's roundings
+  Sampler cpu(c, resolved(c, "bf16"), so);
+  cpu.refresh(weights);
+  so.device = Device::kCuda;
+  so.cpu_bf16_rounding = false;
+  Sampler gpu(c, resolved(c, "bf16"), so);
+  model::ModelOptions go = mo;
+  go.device = Device::kCuda;
+  model::Model gweights(c, resolved(c, "bf16"), go);  // same seed: the same initial weights
+  gpu.refresh(gweights);
+  const auto prompts = prompts_for(64);
+  SamplingOptions o;
+  o.max_new_tokens = 8;
+  o.seed = 21;
+  const std::vector<Rollout> a = cpu.generate(prompts, o, 0), b = gpu.generate(prompts, o, 0);
+  int same_first = 0, same_all = 0;
+  double max_lp = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].tokens[0] == b[i].tokens[0]) {
+      ++same_first;
+      max_lp = std::max(max_lp, (double)std::fabs(a[i].logprobs[0] - b[i].logprobs[0]));
+    }
+    same_all += a[i].tokens == b[i].tokens;
+  }
+  std::printf("[ cuda vs cpu sampler ] first tokens equal %d / 64, whole completions %d / 64, max |dlogp| of "
+              "equal first tokens %.3e\n", same_first, same_all, max_lp);
+  EXPECT_GE(same_first, 60);
+  EXPECT_GE(same_all, 48);
+  EXPECT_LT(max_lp, 0.05);
+}
+
+// One RL step on the GPU from a fresh model: the metrics of the trainer's recomputation of the
+// sampler's tokens (K3, max / mean |dlogp|), printed per recipe; 128 sequences (a whole 128-row
+// tile, as the quantized recipes need).
+StepMetrics one_step(const model::ModelConfig& c, std::string_view preset, const Task& task) {
+  RlModelOptions mo;
+  mo.device = Device::kCuda;
+  mo.init_seed = 5;
+  RlConfig rl;
+  rl.prompts_per_step = 16;
+  rl.group_size = 8;
+  rl.max_new_tokens = 8;
+  rl.max_len = 32;
+  rl.seed = 3;
+  RlTrainer t(c, resolved(c, preset), mo, task, rl);
+  const StepMetrics m = t.step();
+  std::printf("[ %-11s %-5s ] %s | mean|dlogp| %.3e\n", c.name.c_str(), std::string(preset).c_str(),
+              progress_line(m).c_str(), m.mean_abs_logp_diff);
+  return m;
+}
+
+TEST_F(RlCuda, TrainerRecomputesTheSamplersLogprobs) {
+  const auto task = testing::make_ascii_task();
+  for (bool moe : {false, true}) {
+    const model::ModelConfig c = cuda_config(moe);
+    const StepMetrics bf16 = one_step(c, "bf16", task);
+    EXPECT_LT(bf16.max_abs_logp_diff, 0.05);
+    EXPECT_LT(bf16.mean_abs_logp_diff, 0.01);
+    EXPECT_LT(bf16.k3, 1e-3);
+    const StepMetrics e2e4 = one_step(c, "e2e4", task);
+    EXPECT_TRUE(std::isfinite(e2e4.k3) && std::isfinite(e2e4.loss) && e2e4.applied);
+    EXPECT_LT(e2e4.mean_abs_logp_diff, 0.2);
+  }
+}
+
+// RL on the GPU with the NVFP4 sampler (e2e4): 30 steps of 128 rollouts on the digit task.
+TEST_F(RlCuda, TinyRunWithTheNvfp4SamplerRaisesTheReward) {
+  const model::ModelConfig c = cuda_config(false);
+  const auto task = testing::make_digit_task();
+  RlModelOptions mo;
+  mo.device = Device::kCuda;
+  mo.init_seed = 1;
+  RlConfig rl;
+  rl.prompts_per_step = 16;
+  rl.group_size = 8;
+  rl.max_new_tokens = 3;
+  rl.max_len = 16;
+  rl.lr = 1e-2;
+  rl.seed = 7;
+  RlTrainer t(c, resolved(c, "e2e4"), mo, task, rl);
+  double first = 0, last = 0, k3 = 0;
+  const int steps = 30;
+  for (int s = 0; s < steps; ++s) {
+    const StepMetrics m = t.step();
+    if (s < 5) first += m.reward_mean / 5;
+    if (s >= steps - 5) last += m.reward_mean / 5;
+    k3 = std::max(k3, m.k3);
+    if (s % 5 == 0 || s == steps - 1) std::printf("%s\n", progress_line(m).c_str());
+  }
+  std::printf("[ cuda tiny rl e2e4 ] reward first 5 steps %.3f, last 5 %.3f, max k3 %.3e\n", first, last, k3);
+  EXPECT_LT(first, 0.3);
+  EXPECT_GT(last, 0.6);
+}
+
+}  // namespace
+}  // namespace fourbit::rl
