@@ -242,6 +242,26 @@ def transformers_logits(export_dir, tokens, device):
     return out.double().cpu().numpy(), f"transformers {transformers.__version__} ({type(model).__name__}, float64)"
 
 
+def check_tokenizer(export_dir):
+    """The exported byte-level tokenizer maps text to its bytes (and <|endoftext|> to 256)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        print("  tokenizer: the tokenizers package is not installed; not checked")
+        return True
+    tok = Tokenizer.from_file(os.path.join(export_dir, "tokenizer.json"))
+    text = "count from 7 to 9: 7 8 9\n12+34=46\n\u00e9\t~"
+    ids = tok.encode(text).ids
+    want = list(text.encode("utf-8"))
+    with open(os.path.join(export_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    ok = ids == want and tok.decode(ids) == text
+    if vocab >= 257:
+        ok = ok and tok.encode("a<|endoftext|>b").ids == [97, 256, 98]
+    print(f"  tokenizer: byte ids {'match' if ok else 'DIFFER: ' + str(ids[:20])} -> {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
 def check(export_dir, device, force_fallback):
     ref, tokens, want = load_reference(export_dir)
     got, how = None, None
@@ -261,6 +281,8 @@ def check(export_dir, device, force_fallback):
     print(f"  {how}: tokens {tokens.shape[0]}x{tokens.shape[1]}, weights {ref['weights']}: max |logit diff| "
           f"{diff:.3e} (max |logit| {scale:.3f}, bound {tol * max(1.0, scale):.1e}), argmax agreement "
           f"{argmax * 100:.2f}% -> {'PASS' if ok else 'FAIL'}")
+    if os.path.exists(os.path.join(export_dir, "tokenizer.json")):
+        ok = check_tokenizer(export_dir) and ok
     return ok
 
 

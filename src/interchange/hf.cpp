@@ -122,7 +122,7 @@ void write_tokenizer(const fs::path& dir, int vocab) {
       {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}},
       {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr}, {"continuing_subword_prefix", nullptr},
                  {"end_of_word_suffix", nullptr}, {"fuse_unk", false}, {"byte_fallback", false},
-                 {"ignore_merges", false}, {"vocab", v}, {"merges", nlohmann::json::array()}}}};
+                 {"vocab", v}, {"merges", nlohmann::json::array()}}}};
   write_json(dir / "tokenizer.json", tok);
   nlohmann::json cfg = {{"tokenizer_class", "PreTrainedTokenizerFast"},
                         {"model_max_length", 1000000000},
