@@ -84,10 +84,7 @@ TEST_F(RlCuda, CudaAndCpuSamplersDrawTheSameTokens) {
   so.device = Device::kCuda;
   so.cpu_bf16_rounding = false;
   Sampler gpu(c, resolved(c, "bf16"), so);
-  model::ModelOptions go = mo;
-  go.device = Device::kCuda;
-  model::Model gweights(c, resolved(c, "bf16"), go);  // same seed: the same initial weights
-  gpu.refresh(gweights);
+  gpu.refresh(weights);  // the same f32 master weights, copied to the GPU
   const auto prompts = prompts_for(64);
   SamplingOptions o;
   o.max_new_tokens = 8;
