@@ -23,6 +23,8 @@ void register_commands(CLI::App& app) {
   registry().push_back(add_tasks_command(app));
   registry().push_back(add_corpus_command(app));
   registry().push_back(add_pretrain_command(app));
+  registry().push_back(add_plot_command(app));
+  registry().push_back(add_compare_command(app));
   registry().push_back(add_audit_command(app));
   registry().push_back(add_export_command(app));
   registry().push_back(add_import_command(app));

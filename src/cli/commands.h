@@ -24,6 +24,8 @@ Command add_model_dump_command(CLI::App& app);
 Command add_tasks_command(CLI::App& app);
 Command add_corpus_command(CLI::App& app);
 Command add_pretrain_command(CLI::App& app);
+Command add_plot_command(CLI::App& app);
+Command add_compare_command(CLI::App& app);
 Command add_audit_command(CLI::App& app);
 Command add_export_command(CLI::App& app);
 Command add_import_command(CLI::App& app);

@@ -1,6 +1,5 @@
-// `fourbit quant-report` and `fourbit run`: quantization error and bias of every format and option
-// on synthetic distributions. `run` is the main job on its built-in default (later stages of the
-// project extend it with pretraining and RL).
+// `fourbit quant-report`: quantization error and bias of every format and option on synthetic
+// distributions. (`fourbit run`, the main job, is in run_command.cpp.)
 #include "cli/commands.h"
 #include "core/device.h"
 #include "core/log.h"
@@ -87,14 +86,6 @@ Command add_quant_report_command(CLI::App& app) {
   auto args = std::make_shared<ReportArgs>();
   CLI::App* sub = app.add_subcommand(
       "quant-report", "Relative error and bias of each format/option on synthetic tensors");
-  add_report_options(sub, *args);
-  return {sub, [args] { run_report(*args); }};
-}
-
-Command add_run_command(CLI::App& app) {
-  auto args = std::make_shared<ReportArgs>();
-  CLI::App* sub = app.add_subcommand(
-      "run", "The main job on its built-in default (today: the quantization report)");
   add_report_options(sub, *args);
   return {sub, [args] { run_report(*args); }};
 }
