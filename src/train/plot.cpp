@@ -61,13 +61,18 @@ std::vector<double> nice_ticks(double lo, double hi, int target) {
     lo -= pad;
     hi += pad;
   }
+  // The smallest 1/2/5 x 10^k step whose covering ticks number at most target + 1.
   const double raw = (hi - lo) / (target - 1);
-  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
-  double step = 10 * mag;
-  for (double m : {1.0, 2.0, 5.0}) {
-    if (m * mag >= raw) {
-      step = m * mag;
-      break;
+  double mag = std::pow(10.0, std::floor(std::log10(raw)) - 1);
+  double step = 0;
+  for (int i = 0; step == 0 && i < 8; ++i, mag *= 10) {
+    for (double m : {1.0, 2.0, 5.0}) {
+      const double cand = m * mag;
+      const double n = std::ceil(hi / cand - 1e-9) - std::floor(lo / cand + 1e-9) + 1;
+      if (n <= target + 1) {
+        step = cand;
+        break;
+      }
     }
   }
   std::vector<double> ticks;
