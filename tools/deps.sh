@@ -6,7 +6,8 @@
 #              OpenBLAS (the CPU GEMM backend; configure with -DFOURBIT_BLAS=OFF to build without it)
 #   tests:     python3 with numpy and ml_dtypes (an independent reference for the element codecs)
 #   optional:  ccache (used when present), nvcc (CUDA kernels are built when it is found; this
-#              script never installs CUDA)
+#              script never installs CUDA), clang + libclang-rt-dev (libFuzzer, for the bounded
+#              fuzz run of tools/test.sh; installed when apt-get needs no password)
 #
 # Missing Debian packages are installed with apt-get when we are root or have non-interactive
 # sudo; otherwise the exact command to run is printed and the script exits non-zero. Missing Python
@@ -140,6 +141,29 @@ if [ ${#apt_missing[@]} -gt 0 ]; then
          "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${apt_missing[@]}"; } >&2; then
     say "apt-get failed; the command was: $apt_cmd"
     exit 1
+  fi
+fi
+
+# --- optional: clang and libFuzzer for tools/fuzz.sh (tools/test.sh runs it when present) ---------
+# Installed only where apt-get needs no password (root, CI); elsewhere a note, never a failure.
+# FOURBIT_WITH_FUZZ=0 skips this.
+if [ "${FOURBIT_WITH_FUZZ:-1}" != 0 ] && command -v apt-get >/dev/null 2>&1 &&
+   ! { command -v clang++ >/dev/null 2>&1 &&
+       printf 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }\n' |
+         clang++ -fsanitize=fuzzer -x c++ -o /dev/null - >/dev/null 2>&1; }; then
+  fuzz_sudo=()
+  if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true >/dev/null 2>&1; then fuzz_sudo=(sudo -n); else fuzz_sudo=(none); fi
+  fi
+  if [ "${fuzz_sudo[0]:-}" = none ]; then
+    say "note: clang with libFuzzer is missing, so tools/test.sh skips the safetensors fuzz run" \
+        "(sudo apt-get install clang libclang-rt-dev to enable it)"
+  else
+    say "installing clang libclang-rt-dev (the safetensors fuzz run of tools/test.sh) with apt-get"
+    export DEBIAN_FRONTEND=noninteractive
+    { "${fuzz_sudo[@]}" apt-get update -qq &&
+      "${fuzz_sudo[@]}" apt-get install -y -qq --no-install-recommends clang libclang-rt-dev; } >&2 ||
+      say "note: could not install clang libclang-rt-dev; tools/test.sh skips the fuzz run"
   fi
 fi
 

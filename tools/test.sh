@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command: installs what the build lacks (tools/deps.sh), configures and builds fourbit
-# (Ninja, Release) and runs the CPU test suite (`ctest -L cpu`). The exit code is ctest's; the last
-# line is a one-line summary. This is what CI runs (.ci/run).
+# (Ninja, Release) and runs the CPU test suite (`ctest -L cpu`), then, where clang with libFuzzer is
+# installed, a bounded fuzz run of the safetensors reader (tools/fuzz.sh, FOURBIT_FUZZ_SECONDS,
+# default 30, 0 skips). The exit code is ctest's, or 1 if only the fuzz run failed; the last line is
+# a one-line summary. This is what CI runs (.ci/run).
 #
 #   tools/test.sh [extra ctest arguments, e.g. -R quant]
 #
@@ -45,11 +47,27 @@ t_test=$SECONDS
 rc=${PIPESTATUS[0]}
 test_s=$((SECONDS - t_test))
 
+# --- bounded fuzzing of the safetensors reader (tools/fuzz.sh; skipped without clang/libFuzzer) ---
+# FOURBIT_FUZZ_SECONDS (default 30; 0 skips) of libFuzzer in a separate clang ASan+UBSan build.
+fuzz_note=""
+fuzz_seconds=${FOURBIT_FUZZ_SECONDS:-30}
+if [ "$fuzz_seconds" != 0 ] && command -v clang++ >/dev/null 2>&1; then
+  t_fuzz=$SECONDS
+  if "$root/tools/fuzz.sh" "$fuzz_seconds"; then
+    fuzz_note="; fuzz ${fuzz_seconds}s: no crash ($((SECONDS - t_fuzz))s)"
+  else
+    fuzz_note="; fuzz: FAILED (tools/fuzz.sh, see above)"
+    [ "$rc" -eq 0 ] && rc=1
+  fi
+elif [ "$fuzz_seconds" != 0 ]; then
+  fuzz_note="; fuzz: skipped (no clang; apt-get install clang libclang-rt-dev)"
+fi
+
 counts=$(grep -E '^[0-9]+% tests passed' "$build/test-cpu.log" | tail -n 1)
 if [ "$rc" -eq 0 ]; then
-  summary "PASS: ${counts:-ctest passed} [cpu label, CUDA ${cuda:-?}; build ${build_s}s, tests ${test_s}s]"
+  summary "PASS: ${counts:-ctest passed} [cpu label, CUDA ${cuda:-?}; build ${build_s}s, tests ${test_s}s${fuzz_note}]"
 else
-  summary "FAIL (ctest exit $rc): ${counts:-see the output above} [cpu label, CUDA ${cuda:-?};" \
-          "build ${build_s}s, tests ${test_s}s]"
+  summary "FAIL (exit $rc): ${counts:-see the output above} [cpu label, CUDA ${cuda:-?};" \
+          "build ${build_s}s, tests ${test_s}s${fuzz_note}]"
 fi
 exit "$rc"
