@@ -13,6 +13,12 @@
 #include <limits>
 #include <numeric>
 
+#if defined(FOURBIT_WITH_CUDA)
+#include "rl/sampling_kernels.h"
+
+#include <cuda_runtime_api.h>
+#endif
+
 namespace fourbit::rl {
 
 void SamplingOptions::validate(int64_t vocab) const {
@@ -106,6 +112,54 @@ double sampler_uniform(uint64_t seed, uint64_t call, uint64_t b, uint64_t t) {
   const Philox4x32Result r = s.block((b << 32) | (t & 0xFFFFFFFFull));
   const uint64_t bits = ((uint64_t)r.v[0] << 21) ^ ((uint64_t)r.v[1] >> 11);  // 53 bits
   return (double)(bits & ((1ull << 53) - 1)) * (1.0 / 9007199254740992.0);
+}
+
+void sample_rows_cuda(const TensorView& logits, std::span<const int32_t> rows, std::span<const double> u,
+                      double temperature, std::span<int32_t> tokens, std::span<float> logprobs,
+                      std::span<float> entropies, void* stream) {
+  FOURBIT_CHECK(logits.device == Device::kCuda && logits.dtype == DType::kF32 && logits.shape.ndim == 2 &&
+                    logits.is_contiguous(),
+                "sample_rows_cuda: logits must be a contiguous CUDA f32 [R, V], got {}", logits.describe());
+  const size_t n = rows.size();
+  FOURBIT_CHECK(u.size() == n && tokens.size() == n && logprobs.size() == n && entropies.size() == n,
+                "sample_rows_cuda: rows ({}), u ({}), tokens ({}), logprobs ({}), entropies ({}) must have "
+                "one entry per draw", n, u.size(), tokens.size(), logprobs.size(), entropies.size());
+  FOURBIT_CHECK(std::isfinite(temperature) && temperature > 0,
+                "sample_rows_cuda: temperature must be > 0 (greedy runs on the host), got {}", temperature);
+  for (size_t i = 0; i < n; ++i) {
+    FOURBIT_CHECK(rows[i] >= 0 && rows[i] < logits.shape[0], "sample_rows_cuda: rows[{}] = {} outside [0, {})", i,
+                  rows[i], logits.shape[0]);
+    FOURBIT_CHECK(u[i] >= 0 && u[i] < 1, "sample_rows_cuda: u[{}] = {} outside [0, 1)", i, u[i]);
+  }
+  if (n == 0) return;
+#if defined(FOURBIT_WITH_CUDA)
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  // One device buffer: rows (i32) | u (f64) | tokens (i32) | logprobs (f32) | entropies (f32).
+  const size_t off_u = (n * 4 + 7) / 8 * 8, off_tok = off_u + n * 8, off_lp = off_tok + n * 4,
+               off_ent = off_lp + n * 4, bytes = off_ent + n * 4;
+  Tensor buf = Tensor::empty({(int64_t)bytes}, DType::kU8, Device::kCuda);
+  char* d = static_cast<char*>(buf.data());
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(d, rows.data(), n * 4, cudaMemcpyHostToDevice, st));
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(d + off_u, u.data(), n * 8, cudaMemcpyHostToDevice, st));
+  kernels::SampleRowsArgs a{};
+  a.logits = logits.ptr<const float>();
+  a.vocab = logits.shape[1];
+  a.rows = reinterpret_cast<const int32_t*>(d);
+  a.u = reinterpret_cast<const double*>(d + off_u);
+  a.n = (int)n;
+  a.inv_temperature = 1.0 / temperature;
+  a.tokens = reinterpret_cast<int32_t*>(d + off_tok);
+  a.logprobs = reinterpret_cast<float*>(d + off_lp);
+  a.entropies = reinterpret_cast<float*>(d + off_ent);
+  kernels::launch_sample_rows(a, st);
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(tokens.data(), d + off_tok, n * 4, cudaMemcpyDeviceToHost, st));
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(logprobs.data(), d + off_lp, n * 4, cudaMemcpyDeviceToHost, st));
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(entropies.data(), d + off_ent, n * 4, cudaMemcpyDeviceToHost, st));
+  FOURBIT_CUDA_CHECK(cudaStreamSynchronize(st));
+#else
+  (void)stream;
+  throw Error("sample_rows_cuda: this build has no CUDA (configure with -DFOURBIT_CUDA=ON)");
+#endif
 }
 
 namespace {
@@ -235,18 +289,47 @@ std::vector<Rollout> Sampler::generate(std::span<const std::vector<int32_t>> pro
   TokenDistribution dist;
   int64_t generated = 0;
   int steps = 0;
-  auto sample_all = [&](const TensorView& host_logits) {
+  // The rollout case samples on the GPU (see the top of sampler.h).
+  const bool on_gpu = options_.device == Device::kCuda && so.temperature > 0 && so.top_p >= 1 &&
+                      (so.top_k == 0 || so.top_k >= c.vocab);
+  std::vector<int32_t> g_rows, g_tokens;
+  std::vector<double> g_u;
+  std::vector<float> g_lp, g_ent;
+  // Appends one sampled token to sequence b and decides whether it continues.
+  auto sample_all = [&](const TensorView& logits) {
+    if (on_gpu) {
+      g_rows.clear();
+      g_u.clear();
+      for (int b = 0; b < B; ++b) {
+        if (!active[(size_t)b]) continue;
+        g_rows.push_back(b);
+        g_u.push_back(sampler_uniform(so.seed, call, (uint64_t)b, out[(size_t)b].tokens.size()));
+      }
+      g_tokens.resize(g_rows.size());
+      g_lp.resize(g_rows.size());
+      g_ent.resize(g_rows.size());
+      sample_rows_cuda(logits, g_rows, g_u, so.temperature, g_tokens, g_lp, g_ent, options_.stream);
+    }
     int n_active = 0;
+    size_t gi = 0;
     for (int b = 0; b < B; ++b) {
       if (!active[(size_t)b]) continue;
       Rollout& r = out[(size_t)b];
-      logits_row(host_logits, b, row);
-      sampling_distribution(row, so, dist);
-      const size_t i = sample_index(dist, sampler_uniform(so.seed, call, (uint64_t)b, r.tokens.size()));
-      const int32_t tok = dist.ids[i];
+      int32_t tok;
+      if (on_gpu) {
+        tok = g_tokens[gi];
+        r.logprobs.push_back(g_lp[gi]);
+        r.entropies.push_back(g_ent[gi]);
+        ++gi;
+      } else {
+        logits_row(logits, b, row);
+        sampling_distribution(row, so, dist);
+        const size_t i = sample_index(dist, sampler_uniform(so.seed, call, (uint64_t)b, r.tokens.size()));
+        tok = dist.ids[i];
+        r.logprobs.push_back((float)dist.logprobs[i]);
+        r.entropies.push_back((float)dist.entropy);
+      }
       r.tokens.push_back(tok);
-      r.logprobs.push_back((float)dist.logprobs[i]);
-      r.entropies.push_back((float)dist.entropy);
       ++generated;
       const bool stop = std::find(so.stop_tokens.begin(), so.stop_tokens.end(), tok) != so.stop_tokens.end();
       const int len = cache.lengths()[(size_t)b];  // positions fed so far
@@ -278,7 +361,7 @@ std::vector<Rollout> Sampler::generate(std::span<const std::vector<int32_t>> pro
       }
     }
     ++steps;
-    if (logits.device == Device::kCpu) return sample_all(logits);
+    if (logits.device == Device::kCpu || on_gpu) return sample_all(logits);
     Tensor host = Tensor::empty(logits.shape, logits.dtype, Device::kCpu);
     copy_tensor(host.view(), logits);
     return sample_all(host.view());

@@ -32,9 +32,10 @@
 //
 // CUDA. Quantized recipes need the token count of a pass to be a multiple of the quantizers'
 // row tile (model.h): the KV cache batch is padded with idle sequences (n_new = 0) to a multiple
-// of 128 on CUDA when the rl_sampler stage quantizes any linear layer. The logits of each step
-// are copied to the host and sampled there (vocabularies of the default job are small; a CUDA
-// sampling kernel is future work).
+// of 128 on CUDA when the rl_sampler stage quantizes any linear layer. The rollout case
+// (temperature > 0, top_p = 1, no top-k) samples on the GPU (sample_rows_cuda: the host's draws
+// u, FP64, the same inverse CDF), so only B tokens and log-probs cross PCIe per step; top-k,
+// top-p and greedy copy the [B, V] logits to the host and sample there.
 #pragma once
 
 #include "model/model.h"
@@ -87,6 +88,15 @@ void sampling_distribution(std::span<const double> logits, const SamplingOptions
 size_t sample_index(const TokenDistribution& dist, double u);
 // The uniform draw of sequence b, step t of call `call` (see the top of the file).
 double sampler_uniform(uint64_t seed, uint64_t call, uint64_t b, uint64_t t);
+
+// The CUDA kernel of the rollout case (sampling_kernels.h): draw i reads row rows[i] of the
+// device f32 logits [R, V], samples softmax(logits / temperature) over the whole vocabulary at
+// u[i], and writes tokens[i], logprobs[i], entropies[i] (host spans). temperature > 0, top_p = 1,
+// no top-k: the same tokens as sampling_distribution + sample_index on the host (up to FP64
+// summation order). Throws in a build without CUDA. Synchronizes `stream`.
+void sample_rows_cuda(const TensorView& logits, std::span<const int32_t> rows, std::span<const double> u,
+                      double temperature, std::span<int32_t> tokens, std::span<float> logprobs,
+                      std::span<float> entropies, void* stream = nullptr);
 
 struct SamplerOptions {
   Device device = Device::kCpu;
