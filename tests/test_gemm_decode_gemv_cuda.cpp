@@ -285,23 +285,26 @@ TEST(DecodeGemvCuda, ZeroBlocksHugeAndTinyScales) {
 }
 
 TEST(DecodeGemvCuda, NonFiniteActivationIsFlagged) {
-  Tensor x = random_matrix(2, 64, 600, DType::kBF16);
-  x.ptr<uint16_t>()[70] = 0x7F80;  // +Inf
-  const Tensor xd = x.to(Device::kCuda);
-  Tensor xs = Tensor::empty({2, 64}, DType::kBF16, Device::kCuda), amax = Tensor::empty({1}, DType::kF32, Device::kCuda);
-  Tensor flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
-  DecodeWorkspace ws;
-  DecodeQuantizeArgs qa;
-  qa.x = xd.view();
-  qa.config = nvfp4();
-  qa.xs = xs.view();
-  qa.amax = amax.ptr<float>();
-  qa.workspace = &ws;
-  qa.error_flag = flag.ptr<int>();
-  decode_quantize_nvfp4(qa);
-  int bits = 0;
-  FOURBIT_CUDA_CHECK(cudaMemcpy(&bits, flag.data(), 4, cudaMemcpyDeviceToHost));
-  EXPECT_EQ(bits & quant::kDeviceErrNonFinite, quant::kDeviceErrNonFinite);
+  // One-CTA path (B K <= 65536) and the two-launch path.
+  for (auto [B, K] : {std::pair<int, int64_t>{2, 64}, {64, 2048}}) {
+    Tensor x = random_matrix(B, K, 600 + K, DType::kBF16);
+    x.ptr<uint16_t>()[K + 6] = 0x7F80;  // +Inf in row 1
+    const Tensor xd = x.to(Device::kCuda);
+    Tensor xs = Tensor::empty({B, K}, DType::kBF16, Device::kCuda), amax = Tensor::empty({1}, DType::kF32, Device::kCuda);
+    Tensor flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+    DecodeWorkspace ws;
+    DecodeQuantizeArgs qa;
+    qa.x = xd.view();
+    qa.config = nvfp4();
+    qa.xs = xs.view();
+    qa.amax = amax.ptr<float>();
+    qa.workspace = &ws;
+    qa.error_flag = flag.ptr<int>();
+    decode_quantize_nvfp4(qa);
+    int bits = 0;
+    FOURBIT_CUDA_CHECK(cudaMemcpy(&bits, flag.data(), 4, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(bits & quant::kDeviceErrNonFinite, quant::kDeviceErrNonFinite) << "B " << B << " K " << K;
+  }
 }
 
 TEST(DecodeGemvCuda, ArgumentErrors) {

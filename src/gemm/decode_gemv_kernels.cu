@@ -446,22 +446,15 @@ __global__ void __launch_bounds__(kQuantThreads) amax_partial_kernel(const Decod
   }
 }
 
-__global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQuantizeParams p, int n_partials) {
-  __shared__ float s_amax;
-  if (threadIdx.x == 0) {
-    float m = 0.0f;
-    for (int i = 0; i < n_partials; ++i) m = formats::fmax_ieee(m, p.partials[i]);
-    s_amax = m;
-    if (blockIdx.x == 0) *p.amax_out = m;
-  }
-  __syncthreads();
-  const float amax = s_amax;
+// Quantizes the 16-element blocks i0, i0 + stride, ... of x given the global amax (the reference's
+// nvfp4_quantize_1d per block, round to nearest) and writes the scaled-domain values.
+__device__ void quantize_x_blocks(const DecodeQuantizeParams& p, float amax, int64_t i0, int64_t stride) {
   const quant::Nvfp4TensorScales ts = quant::nvfp4_tensor_scales(amax, p.scale_constant, p.element_constant);
   const quant::FourOverSixTensorScales ts46 =
       quant::four_over_six_tensor_scales(amax, p.scale_constant, p.element_constant);
   const auto metric = (quant::FourOverSixMetric)p.four_over_six_metric;
   const int64_t n_blocks = (p.K + 15) / 16, total = (int64_t)p.B * n_blocks;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+  for (int64_t i = i0; i < total; i += stride) {
     const int64_t r = i / n_blocks, c0 = (i % n_blocks) * 16;
     const int n = (int)min((int64_t)16, p.K - c0);
     float v[16];
@@ -506,6 +499,51 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQ
   }
 }
 
+__global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQuantizeParams p, int n_partials) {
+  __shared__ float s_amax;
+  if (threadIdx.x == 0) {
+    float m = 0.0f;
+    for (int i = 0; i < n_partials; ++i) m = formats::fmax_ieee(m, p.partials[i]);
+    s_amax = m;
+    if (blockIdx.x == 0) *p.amax_out = m;
+  }
+  __syncthreads();
+  quantize_x_blocks(p, s_amax, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+}
+
+// Small activations (B * K <= kSingleCtaElements): amax and quantization in one CTA, one launch.
+constexpr int kSingleCtaThreads = 1024;
+constexpr int64_t kSingleCtaElements = 65536;
+
+__global__ void __launch_bounds__(kSingleCtaThreads) quantize_x_single_cta_kernel(const DecodeQuantizeParams p) {
+  __shared__ float warp_max[kSingleCtaThreads / 32];
+  __shared__ float s_amax;
+  const int64_t n = (int64_t)p.B * p.K;
+  float m = 0.0f;
+  bool bad = false;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t r = i / p.K, c = i % p.K;
+    const float a = formats::abs_f32(formats::decode_bf16(p.x[r * p.ldx + c]));
+    if (!(a <= formats::kFloatMax)) {
+      bad = true;
+    } else {
+      m = formats::fmax_ieee(m, a);
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) m = formats::fmax_ieee(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  if (bad && p.error_flags != nullptr) atomicOr(p.error_flags, quant::kDeviceErrNonFinite);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float b = 0.0f;
+    for (int w = 0; w < kSingleCtaThreads / 32; ++w) b = formats::fmax_ieee(b, warp_max[w]);
+    s_amax = b;
+    *p.amax_out = b;
+  }
+  __syncthreads();
+  quantize_x_blocks(p, s_amax, threadIdx.x, blockDim.x);
+}
+
 }  // namespace
 
 void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
@@ -520,6 +558,11 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream) {
   const int64_t n = (int64_t)p.B * p.K;
+  if (n <= kSingleCtaElements) {
+    quantize_x_single_cta_kernel<<<1, kSingleCtaThreads, 0, stream>>>(p);
+    FOURBIT_CUDA_CHECK_LAUNCH();
+    return;
+  }
   const int amax_ctas = (int)std::clamp<int64_t>((n + kQuantThreads * 8 - 1) / (kQuantThreads * 8), 1,
                                                   kDecodeAmaxPartials);
   amax_partial_kernel<<<amax_ctas, kQuantThreads, 0, stream>>>(p);

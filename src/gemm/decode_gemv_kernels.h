@@ -51,7 +51,9 @@ inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count
   // partials cost more and each CTA does more math per weight byte).
   const int per_sm = p.n_tiles == 1 ? 6 : p.n_tiles == 2 ? 4 : 2;
   const int64_t target = (int64_t)std::max(1, sm_count) * per_sm;
-  int splits = (int)std::min<int64_t>(p.chunks, std::max<int64_t>(1, (target + p.row_blocks - 1) / p.row_blocks));
+  // At least two chunks per split: a CTA's fixed costs (prologue, partials, arrival) stay small.
+  const int max_splits = std::max(1, p.chunks / 2);
+  int splits = (int)std::min<int64_t>(max_splits, std::max<int64_t>(1, (target + p.row_blocks - 1) / p.row_blocks));
   p.chunks_per_split = (p.chunks + splits - 1) / splits;
   p.splits = (p.chunks + p.chunks_per_split - 1) / p.chunks_per_split;  // no empty split
   p.partial_floats = p.splits > 1 ? (int64_t)p.splits * B * N : 0;
@@ -90,8 +92,9 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 // NVFP4 1x16 row-wise quantization of a small activation x bf16 [B, K] (round to nearest), written
 // straight to the scaled domain: xs bf16 [B, K] contiguous = e2m1 * s_b, and *amax_out = the global
 // amax; the same values as quant::quantize_reference + dequantize_bf16_scaled_reference (the
-// per-block arithmetic is quant/block_math.h). Two launches: per-CTA partial maxima into
-// `partials` (kDecodeAmaxPartials floats), then the quantization (each CTA reduces the partials).
+// per-block arithmetic is quant/block_math.h). Up to 65536 elements one CTA does both passes (one
+// launch); larger inputs take two launches: per-CTA partial maxima into `partials`
+// (kDecodeAmaxPartials floats), then the quantization (each CTA reduces the partials).
 // A NaN or Inf in x ORs quant::kDeviceErrNonFinite into *error_flags.
 struct DecodeQuantizeParams {
   const uint16_t* x = nullptr;
