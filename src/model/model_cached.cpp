@@ -13,6 +13,7 @@
 #include "model/model_internal.h"
 
 #include "core/check.h"
+#include "core/log.h"
 #include "gemm/decode_gemv.h"
 #include "ops/attention.h"
 #include "ops/elementwise.h"
@@ -23,6 +24,8 @@
 
 #if defined(FOURBIT_WITH_CUDA)
 #include "model/kv_cache_kernels.h"
+
+#include <cuda_runtime_api.h>
 #endif
 
 #include <fmt/format.h>
@@ -46,6 +49,7 @@ struct Model::SamplerWeights {
     bool present = false;  // a dense linear layer (qkv, attn_out, mlp_up/down of dense blocks, lm_head)
     int param = -1;        // its weight in the parameter table
     std::optional<quant::QuantConfig> w_config;  // the rl_sampler weight quantizer it was built with
+    std::optional<quant::QuantConfig> x_config;  // and activation quantizer
     quant::QuantizedTensor packed;               // NVFP4 row-wise [N, K] on CUDA (w_config set)
   };
   std::vector<Layer> layers;  // [tensor id = block * kinds + kind]; lm_head at block n_layers
@@ -55,6 +59,27 @@ struct Model::SamplerWeights {
   Tensor xs;    // bf16 [kDecodeMaxTokens, max K]: scaled-domain activations of the current layer
   Tensor amax;  // f32 [1]: their global amax
   int64_t packed_bytes = 0;
+
+  // CUDA graphs of the step body (dense models): one per step layout. A step replays its graph when
+  // every buffer the body touches sits where it did at capture (the key) and the recipe still has
+  // the quantizers the copy was built with (checked on every step). A capture that fails (an op
+  // that synchronizes or allocates) turns graphs off for this copy; the steps then run eagerly.
+  struct GraphKey {
+    std::vector<const void*> buffers;  // step arena, caches, lengths, parameter buffers, flag
+    int B = 0, Tq = 0, max_len = 0;
+    bool all_logits = false;
+    bool operator==(const GraphKey&) const = default;
+  };
+  bool graphs_enabled = true;
+#if defined(FOURBIT_WITH_CUDA)
+  std::vector<std::pair<GraphKey, cudaGraphExec_t>> graphs;
+  cudaStream_t capture_stream = nullptr;
+  ~SamplerWeights() {
+    if (!graphs.empty()) cudaDeviceSynchronize();  // no replay in flight
+    for (auto& [key, exec] : graphs) cudaGraphExecDestroy(exec);
+    if (capture_stream != nullptr) cudaStreamDestroy(capture_stream);
+  }
+#endif
 };
 
 void KvCache::reset() {
@@ -187,6 +212,7 @@ void Model::refresh_sampler_weights() {
     max_k = std::max(max_k, w.shape[1]);
     const std::string name = layer_name(e.block, e.kind);
     std::string why;
+    L.x_config = r.fprop_x.quant;
     if (r.fprop_x.quant && !gemm::decode_supports_activation_quant(*r.fprop_x.quant, &why)) {
       if (sw->all_supported) sw->unsupported = fmt::format("{}: activation quantizer {}", name, why);
       sw->all_supported = false;
@@ -301,18 +327,28 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   }
   // Without MoE blocks the decode path has no token tile.
   if (sw == nullptr || c.is_moe()) im.check_token_tile(N, "forward_cached");
-  void* const stream = options_.stream;
-  // One dense linear layer: y = x W^T under the rl_sampler recipe through the decode GEMV.
-  auto decode_linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y) {
+  // The stream of the step body: the model's, or a capture stream while a CUDA graph is captured.
+  void* stream = options_.stream;
+  // The sampler copy of layer (l, kind) must match the recipe's quantizers of now.
+  auto check_layer = [&](int l, LinearKind kind, int param) -> const SamplerWeights::Layer& {
     const int block = kind == LinearKind::kLmHead ? c.n_layers : l;
     const SamplerWeights::Layer& L = sw->layers[(size_t)layer_id(block, kind)];
     const gemm::LinearRecipe& r = im.linear_recipe(l, kind);
+    if (!(L.present && L.param == param && same_quant(L.w_config, r.fprop_w.quant) &&
+          same_quant(L.x_config, r.fprop_x.quant))) {
+      auto desc = [](const std::optional<quant::QuantConfig>& q) { return q ? q->describe() : std::string("bf16"); };
+      throw Error(fmt::format(
+          "forward_cached: the sampler weights of {} were built for another recipe (weight {}, activation {}; the "
+          "recipe now says {}, {}): call refresh_sampler_weights() after set_recipe", layer_name(l, kind),
+          desc(L.w_config), desc(L.x_config), desc(r.fprop_w.quant), desc(r.fprop_x.quant)));
+    }
+    return L;
+  };
+  // One dense linear layer: y = x W^T under the rl_sampler recipe through the decode GEMV.
+  auto decode_linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y) {
+    const SamplerWeights::Layer& L = check_layer(l, kind, param);
+    const gemm::LinearRecipe& r = im.linear_recipe(l, kind);
     const std::string name = layer_name(l, kind);
-    FOURBIT_CHECK(L.present && L.param == param && same_quant(L.w_config, r.fprop_w.quant),
-                  "forward_cached: the sampler weights of {} were built for another recipe (weight quantizer {}, the "
-                  "recipe now says {}): call refresh_sampler_weights() after set_recipe", name,
-                  L.w_config ? L.w_config->describe() : std::string("bf16"),
-                  r.fprop_w.quant ? r.fprop_w.quant->describe() : std::string("bf16"));
     const TensorView& wt = im.w(param);
     if (profiler_ != nullptr) profiler_->linear_call({sec, recipe::Gemm::kFprop, &r, x.shape[0], wt.shape[0], x.shape[1], 1});
     Scope scope(im, sec, Work::kLinear);
@@ -360,101 +396,183 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   detail::copy_to_device(cache.lengths_device_.view(), new_lengths.data(), st);
   detail::sync_stream(options_.device, st);  // the host vectors above are locals
 
-  {
-    Scope s(im, Section::kEmbedding, Work::kOther);
-    ops::embedding_forward(a.resid[0], a.tokens, im.master(im.embedding), im.flag(), st);
-    im.bf16(a.resid[0]);
-  }
-  const int64_t D = c.head_dim(), H = c.n_heads, Hkv = c.n_kv_heads;
-  const float eps = (float)c.norm_eps, theta = (float)c.rope_theta;
-  BlockActs& b = a.blocks[0];
-  const TensorView mid = a.mid[0];
-  std::vector<int32_t> ids((size_t)(N * k));
-  for (int l = 0; l < c.n_layers; ++l) {
-    const detail::BlockParams& p = im.bp[(size_t)l];
-    const TensorView x = a.resid[(size_t)(l % 2)], out = a.resid[(size_t)((l + 1) % 2)];
+  // The step body, from the embedding to the logits, on `stream`.
+  auto body = [&]() {
+    void* const st = stream;
     {
-      Scope s(im, Section::kAttention, Work::kOther);
-      ops::rmsnorm_forward(b.ln1, b.ln1_rstd, x, im.master(p.attn_norm), eps, st);
-      im.bf16(b.ln1);
+      Scope s(im, Section::kEmbedding, Work::kOther);
+      ops::embedding_forward(a.resid[0], a.tokens, im.master(im.embedding), im.flag(), st);
+      im.bf16(a.resid[0]);
     }
-    linear(Section::kAttention, l, LinearKind::kQkv, b.ln1, p.qkv, b.qkv, true);
-    {
-      Scope s(im, Section::kAttention, Work::kOther);
-      ops::rope_forward_inplace(detail::qkv_part3(b.qkv, 0, H, D), detail::qkv_part3(b.qkv, H * D, Hkv, D),
-                                a.positions, theta, st);
-      im.bf16(b.qkv);
-      const Tensor& kc = cache.k_[(size_t)l];
-      const Tensor& vc = cache.v_[(size_t)l];
-      if (options_.device == Device::kCpu) {
-        kv_append_cpu(b.qkv, H * D, (H + Hkv) * D, Hkv * D, write_pos, Tq, kc, vc, cache.max_len());
-      } else {
-#if defined(FOURBIT_WITH_CUDA)
-        kernels::launch_kv_cache_append(b.qkv.ptr<const uint16_t>(), b.qkv.shape[1], H * D, (H + Hkv) * D,
-                                        Hkv * D, a.write_pos.ptr<const int32_t>(), N, Tq,
-                                        kc.ptr<uint16_t>(), vc.ptr<uint16_t>(), cache.max_len(),
-                                        (cudaStream_t)st);
-#endif
-      }
-    }
-    {
-      Scope s(im, Section::kAttention, Work::kAttention);
-      TensorView out4 = b.attn;
-      out4.shape = Shape{B, Tq, H, D};
-      out4.strides = contiguous_strides(out4.shape);
-      ops::attention_decode(detail::qkv_part4(b.qkv, 0, H, D, B, Tq), cache.k_[(size_t)l],
-                            cache.v_[(size_t)l], cache.lengths_device_, out4, {}, st);
-      im.bf16(b.attn);
-    }
-    linear(Section::kAttention, l, LinearKind::kAttnOut, b.attn, p.attn_out, mid, true);
-    const Section ffn = c.is_moe_block(l) ? Section::kMoe : Section::kMlp;
-    {
-      Scope s(im, Section::kAttention, Work::kOther);
-      ops::add_inplace(mid, x, st);
-      im.bf16(mid);
-    }
-    {
-      Scope s(im, ffn, Work::kOther);
-      ops::rmsnorm_forward(b.ln2, b.ln2_rstd, mid, im.master(p.mlp_norm), eps, st);
-      im.bf16(b.ln2);
-    }
-    if (sw != nullptr && !c.is_moe_block(l)) {
-      const TensorView gu = prefix(b.gate_up, N, 2 * c.d_ff), act = prefix(b.act, N, c.d_ff);
-      linear(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, p.mlp_up, gu, true);
+    const int64_t D = c.head_dim(), H = c.n_heads, Hkv = c.n_kv_heads;
+    const float eps = (float)c.norm_eps, theta = (float)c.rope_theta;
+    BlockActs& b = a.blocks[0];
+    const TensorView mid = a.mid[0];
+    std::vector<int32_t> ids((size_t)(N * k));
+    for (int l = 0; l < c.n_layers; ++l) {
+      const detail::BlockParams& p = im.bp[(size_t)l];
+      const TensorView x = a.resid[(size_t)(l % 2)], out = a.resid[(size_t)((l + 1) % 2)];
       {
-        Scope s(im, Section::kMlp, Work::kOther);
-        ops::swiglu_forward(act, gu, st);
+        Scope s(im, Section::kAttention, Work::kOther);
+        ops::rmsnorm_forward(b.ln1, b.ln1_rstd, x, im.master(p.attn_norm), eps, st);
+        im.bf16(b.ln1);
       }
-      linear(Section::kMlp, l, LinearKind::kMlpDown, act, p.mlp_down, out, true);
-    } else {
-      im.forward_ffn(l, a, b, out, o.forced_expert_ids);
+      linear(Section::kAttention, l, LinearKind::kQkv, b.ln1, p.qkv, b.qkv, true);
+      {
+        Scope s(im, Section::kAttention, Work::kOther);
+        ops::rope_forward_inplace(detail::qkv_part3(b.qkv, 0, H, D), detail::qkv_part3(b.qkv, H * D, Hkv, D),
+                                  a.positions, theta, st);
+        im.bf16(b.qkv);
+        const Tensor& kc = cache.k_[(size_t)l];
+        const Tensor& vc = cache.v_[(size_t)l];
+        if (options_.device == Device::kCpu) {
+          kv_append_cpu(b.qkv, H * D, (H + Hkv) * D, Hkv * D, write_pos, Tq, kc, vc, cache.max_len());
+        } else {
+  #if defined(FOURBIT_WITH_CUDA)
+          kernels::launch_kv_cache_append(b.qkv.ptr<const uint16_t>(), b.qkv.shape[1], H * D, (H + Hkv) * D,
+                                          Hkv * D, a.write_pos.ptr<const int32_t>(), N, Tq,
+                                          kc.ptr<uint16_t>(), vc.ptr<uint16_t>(), cache.max_len(),
+                                          (cudaStream_t)st);
+  #endif
+        }
+      }
+      {
+        Scope s(im, Section::kAttention, Work::kAttention);
+        TensorView out4 = b.attn;
+        out4.shape = Shape{B, Tq, H, D};
+        out4.strides = contiguous_strides(out4.shape);
+        ops::attention_decode(detail::qkv_part4(b.qkv, 0, H, D, B, Tq), cache.k_[(size_t)l],
+                              cache.v_[(size_t)l], cache.lengths_device_, out4, {}, st);
+        im.bf16(b.attn);
+      }
+      linear(Section::kAttention, l, LinearKind::kAttnOut, b.attn, p.attn_out, mid, true);
+      const Section ffn = c.is_moe_block(l) ? Section::kMoe : Section::kMlp;
+      {
+        Scope s(im, Section::kAttention, Work::kOther);
+        ops::add_inplace(mid, x, st);
+        im.bf16(mid);
+      }
+      {
+        Scope s(im, ffn, Work::kOther);
+        ops::rmsnorm_forward(b.ln2, b.ln2_rstd, mid, im.master(p.mlp_norm), eps, st);
+        im.bf16(b.ln2);
+      }
+      if (sw != nullptr && !c.is_moe_block(l)) {
+        const TensorView gu = prefix(b.gate_up, N, 2 * c.d_ff), act = prefix(b.act, N, c.d_ff);
+        linear(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, p.mlp_up, gu, true);
+        {
+          Scope s(im, Section::kMlp, Work::kOther);
+          ops::swiglu_forward(act, gu, st);
+        }
+        linear(Section::kMlp, l, LinearKind::kMlpDown, act, p.mlp_down, out, true);
+      } else {
+        im.forward_ffn(l, a, b, out, o.forced_expert_ids);
+      }
+      {
+        Scope s(im, ffn, Work::kOther);
+        ops::add_inplace(out, mid, st);
+        im.bf16(out);
+      }
+      if (o.expert_ids_out.data != nullptr && c.is_moe_block(l)) {
+        const int mi = c.moe_index(l);
+        detail::copy_to_host(ids.data(), b.expert_ids, st);
+        int32_t* dst = o.expert_ids_out.ptr<int32_t>();
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t j = 0; j < k; ++j) dst[(n * n_moe + mi) * k + j] = ids[(size_t)(n * k + j)];
+      }
     }
+    const TensorView final_resid = a.resid[(size_t)(c.n_layers % 2)];
     {
-      Scope s(im, ffn, Work::kOther);
-      ops::add_inplace(out, mid, st);
-      im.bf16(out);
+      Scope s(im, Section::kLmHead, Work::kOther);
+      TensorView x = final_resid;
+      if (!o.all_logits) {
+        detail::gather_rows(a.last_rows, final_resid, Tq - 1, Tq, st);
+        x = a.last_rows;
+      }
+      ops::rmsnorm_forward(a.lnf, a.lnf_rstd, x, im.master(im.final_norm), eps, st);
+      im.bf16(a.lnf);
     }
-    if (o.expert_ids_out.data != nullptr && c.is_moe_block(l)) {
-      const int mi = c.moe_index(l);
-      detail::copy_to_host(ids.data(), b.expert_ids, st);
-      int32_t* dst = o.expert_ids_out.ptr<int32_t>();
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t j = 0; j < k; ++j) dst[(n * n_moe + mi) * k + j] = ids[(size_t)(n * k + j)];
+    // FP32 logits (for sampling), not rounded.
+    linear(Section::kLmHead, c.n_layers, LinearKind::kLmHead, a.lnf, im.lm_head, a.logits, false);
+  };
+
+  // Dense models on the decode path replay a CUDA graph of the body (one launch instead of a few
+  // hundred), unless a profiler or an observer wants the individual calls.
+  const bool use_graph = sw != nullptr && sw->graphs_enabled && !c.is_moe() && profiler_ == nullptr && !gemm_observer_;
+  if (!use_graph) {
+    body();
+  } else {
+#if defined(FOURBIT_WITH_CUDA)
+    // What decode_linear checks, for every layer: a replay does not run it.
+    for (int l = 0; l < c.n_layers; ++l) {
+      const detail::BlockParams& p = im.bp[(size_t)l];
+      check_layer(l, LinearKind::kQkv, p.qkv);
+      check_layer(l, LinearKind::kAttnOut, p.attn_out);
+      check_layer(l, LinearKind::kMlpUp, p.mlp_up);
+      check_layer(l, LinearKind::kMlpDown, p.mlp_down);
     }
+    check_layer(c.n_layers, LinearKind::kLmHead, im.lm_head);
+    SamplerWeights::GraphKey key;
+    key.B = B;
+    key.Tq = Tq;
+    key.max_len = cache.max_len();
+    key.all_logits = o.all_logits;
+    key.buffers = {a.tokens.data, a.logits.data, cache.lengths_device_.data(), params_.flat().data,
+                   compute_params().flat().data, im.flag()};
+    for (int l = 0; l < c.n_layers; ++l) {
+      key.buffers.push_back(cache.k_[(size_t)l].data());
+      key.buffers.push_back(cache.v_[(size_t)l].data());
+    }
+    cudaGraphExec_t exec = nullptr;
+    for (auto& [k2, e] : sw->graphs)
+      if (k2 == key) exec = e;
+    if (exec == nullptr) {
+      if (sw->capture_stream == nullptr) {
+        FOURBIT_CUDA_CHECK(cudaStreamCreateWithFlags(&sw->capture_stream, cudaStreamNonBlocking));
+      }
+      if (sw->graphs.size() >= 16) {  // many layouts: start over
+        FOURBIT_CUDA_CHECK(cudaDeviceSynchronize());
+        for (auto& [k2, e] : sw->graphs) cudaGraphExecDestroy(e);
+        sw->graphs.clear();
+      }
+      std::string failure;
+      FOURBIT_CUDA_CHECK(cudaStreamBeginCapture(sw->capture_stream, cudaStreamCaptureModeThreadLocal));
+      stream = sw->capture_stream;
+      try {
+        body();
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      stream = options_.stream;
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(sw->capture_stream, &graph);
+      if (ended != cudaSuccess && failure.empty()) failure = cudaGetErrorString(ended);
+      if (failure.empty() && graph != nullptr) {
+        const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+        if (made != cudaSuccess) {
+          failure = cudaGetErrorString(made);
+          exec = nullptr;
+        }
+      }
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      (void)cudaGetLastError();  // a failed capture leaves its error here
+      if (exec != nullptr) {
+        sw->graphs.push_back({std::move(key), exec});
+      } else {
+        sw->graphs_enabled = false;
+        log_warn("forward_cached: capturing the decode step as a CUDA graph failed ({}); the decode steps run "
+                 "eagerly", failure);
+      }
+    }
+    if (exec != nullptr) {
+      FOURBIT_CUDA_CHECK(cudaGraphLaunch(exec, (cudaStream_t)options_.stream));
+    } else {
+      body();
+    }
+#else
+    body();
+#endif
   }
-  const TensorView final_resid = a.resid[(size_t)(c.n_layers % 2)];
-  {
-    Scope s(im, Section::kLmHead, Work::kOther);
-    TensorView x = final_resid;
-    if (!o.all_logits) {
-      detail::gather_rows(a.last_rows, final_resid, Tq - 1, Tq, st);
-      x = a.last_rows;
-    }
-    ops::rmsnorm_forward(a.lnf, a.lnf_rstd, x, im.master(im.final_norm), eps, st);
-    im.bf16(a.lnf);
-  }
-  // FP32 logits (for sampling), not rounded.
-  linear(Section::kLmHead, c.n_layers, LinearKind::kLmHead, a.lnf, im.lm_head, a.logits, false);
   im.check_error_flag("forward_cached");
   cache.lengths_ = new_lengths;
   return a.logits;
