@@ -13,8 +13,9 @@
 // bf16 rounding (and then possibly a quantized element) now and then, so the bound is the model gpu
 // test's: err(fast, emulated) <= 0.1 * q + 5e-3 with q = err(emulated quantized, emulated bf16) the
 // size of the quantization itself; bf16 recipe 1e-2. Also: no 64-token tile on the decode path
-// (B = 3), stale weights after a master-weight change until refresh, a stale copy after set_recipe
-// and an unsupported sampler format are errors that say what to do. 64 tokens per step wherever the
+// (B = 3), CUDA-graph replay bit-identical to op-by-op steps, stale weights after a master-weight
+// change until refresh, a stale copy after set_recipe and an unsupported sampler format are errors
+// that say what to do. 64 tokens per step wherever the
 // emulated path must run too (its quantize kernels take 64-row tiles).
 #include "core/device.h"
 #include "gemm/linear.h"
@@ -179,6 +180,28 @@ TEST_F(ModelDecodeCuda, LogitsMatchTheEmulatedPath) {
     EXPECT_TRUE(close_normwise(fb, sb, 0.1 * qb + 5e-3, "decode 64 x 1"));
     std::printf("%s: logits fast vs emulated %.3e / %.3e (quantization effect %.3e / %.3e)\n", recipe, rel(fa, sa),
                 rel(fb, sb), qa, qb);
+  }
+}
+
+// Dense models replay the decode step as a CUDA graph; a GEMM observer forces op-by-op launches. The
+// same kernels in the same order: bit-identical logits, for several step layouts and repeated
+// replays (a second cache of the same layout replays the first one's graph only where its buffers
+// coincide; either way the results must not change).
+TEST_F(ModelDecodeCuda, GraphReplayEqualsEagerSteps) {
+  const ModelConfig c = decode_config();
+  for (const char* recipe : {"bf16", "e2e4"}) {
+    SCOPED_TRACE(recipe);
+    auto m = make_model(c, recipe);
+    m->refresh_sampler_weights();
+    for (auto [B, Tq] : {std::pair<int, int>{64, 1}, {3, 5}, {1, 1}}) {
+      const std::vector<double> graph1 = run(*m, B, Tq, 3, 31);
+      const std::vector<double> graph2 = run(*m, B, Tq, 3, 31);
+      m->set_gemm_observer([](const GemmObservation&) {});
+      const std::vector<double> eager = run(*m, B, Tq, 3, 31);
+      m->set_gemm_observer(nullptr);
+      EXPECT_EQ(graph1, eager) << "B " << B << " Tq " << Tq;
+      EXPECT_EQ(graph2, eager) << "B " << B << " Tq " << Tq;
+    }
   }
 }
 

@@ -202,8 +202,11 @@ void bench_steps(const DecodeBenchOptions& o, const ModelConfig& config, double 
       const int max_len = o.cache_len + kWarmupSteps + o.reps + 2;
       FOURBIT_CHECK(max_len <= config.max_seq, "bench decode: cache {} + steps exceeds max_seq {}", o.cache_len,
                     config.max_seq);
-      auto run = [&](bool sampler, const char* section) {
+      // sampler: with sampler weights (the decode GEMV); eager: a no-op GEMM observer keeps the step
+      // from being replayed as a CUDA graph.
+      auto run = [&](bool sampler, bool eager, const char* section) {
         if (!sampler) m.release_sampler_weights();
+        if (eager) m.set_gemm_observer([](const GemmObservation&) {});
         KvCache cache = m.make_kv_cache(B, max_len, std::max(1, o.cache_len));
         uint64_t lcg = 12345 + (uint64_t)B;
         auto next_id = [&] {
@@ -256,11 +259,13 @@ void bench_steps(const DecodeBenchOptions& o, const ModelConfig& config, double 
         row.linear_frac = busy > 0 ? t[(size_t)Work::kLinear] / busy : 0;
         print_step(row, o.cache_len);
         rows.push_back(row);
+        if (eager) m.set_gemm_observer(nullptr);
         if (!sampler) m.refresh_sampler_weights();
       };
-      run(true, "step");
+      run(true, false, "step");
+      run(true, true, "step-eager");
       // The emulated path accepts only multiples of its 64-token tile in quantized recipes.
-      if (std::string(recipe_name) != "bf16" && B % 64 == 0) run(false, "step-emulated");
+      if (std::string(recipe_name) != "bf16" && B % 64 == 0) run(false, true, "step-emulated");
     }
   }
 }
@@ -403,8 +408,7 @@ std::vector<DecodeBenchRow> run_decode_bench(const DecodeBenchOptions& o) {
   for (const DecodeBenchRow& r : rows)
     if (r.section == "step" && r.weights == std::string("bf16")) bf16_tps[r.batch] = r.tokens_per_s;
   for (DecodeBenchRow& r : rows) {
-    if ((r.section == "step" || r.section == "step-emulated") && r.weights != std::string("bf16") &&
-        bf16_tps.count(r.batch)) {
+    if (r.section.rfind("step", 0) == 0 && r.weights != std::string("bf16") && bf16_tps.count(r.batch)) {
       r.ratio = r.tokens_per_s / bf16_tps[r.batch];
     }
   }

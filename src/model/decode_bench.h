@@ -3,14 +3,16 @@
 // NVFP4 weights and activations), and the decode GEMV alone at each of its layer shapes.
 //
 // Steps. Per recipe and batch B: prefill B sequences of `cache_len` tokens, then time `reps`
-// single-token decode steps (Model::forward_cached with sampler weights, i.e. the decode GEMV;
-// each step synchronizes, so host time brackets it); the median gives tokens/s = B / time. Bytes per
+// single-token decode steps (Model::forward_cached with sampler weights, i.e. the decode GEMV, the
+// step replayed as a CUDA graph; each step synchronizes, so host time brackets it); the median gives
+// tokens/s = B / time. "step-eager" rows time the same steps launched op by op. Bytes per
 // step = every linear weight as stored (BF16 2 bytes per value; NVFP4 packed 0.5 + scales 1/16) +
 // the KV cache read by attention (2 x B x length x Hkv x D x 2 bytes per layer); their rate over the
 // device-to-device copy bandwidth measured in the same run (bytes read + written) is the fraction
-// of the HBM ceiling. One extra profiled step (CUDA events around every op the model brackets)
-// splits the step into linear layers (activation quantization + GEMV), attention and the rest, and
-// its sum shows how much of the step the GPU is busy (the remainder is host launch overhead). The
+// of the HBM ceiling. One extra profiled step (CUDA events around every op the model brackets; it
+// runs eagerly) splits the step into linear layers (activation quantization + GEMV), attention and
+// the rest, and its sum shows how much of an eager step the GPU is busy (the remainder is host
+// launch overhead). The
 // emulated NVFP4 path (no sampler weights; dequantize to BF16 + cuBLASLt) is timed at batch 64
 // (the only batch whose 64-token tile it accepts) for comparison.
 //
@@ -39,7 +41,7 @@ struct DecodeBenchOptions {
 };
 
 struct DecodeBenchRow {
-  std::string section;  // "step", "step-emulated", "gemv", "gemv-cublas"
+  std::string section;  // "step", "step-eager", "step-emulated", "gemv", "gemv-cublas"
   std::string weights;  // bf16, nvfp4 (step rows: the recipe name)
   std::string layer;    // step rows: the preset; gemv rows: qkv, attn_out, mlp_up, mlp_down, lm_head
   int batch = 0;

@@ -247,8 +247,9 @@ class Model {
   // compute copy as the emulated path does (BF16 layers read the compute copy). While they exist,
   // forward_cached with stage rl_sampler and at most 64 tokens per step (B * Tq <= 64) runs its
   // dense linear layers through the decode GEMV (gemm/decode_gemv.h): the same function as the
-  // emulated path up to FP32 summation order, with no 64-token tile. Refresh after the master
-  // weights change (params_changed() does not) and after set_recipe (a stale copy is an error).
+  // emulated path up to FP32 summation order, with no 64-token tile; dense models replay each step
+  // layout as a CUDA graph (unless a profiler or a GEMM observer is attached). Refresh after the
+  // master weights change (params_changed() does not) and after set_recipe (a stale copy is an error).
   void refresh_sampler_weights();
   void release_sampler_weights() { sampler_.reset(); }
   bool has_sampler_weights() const { return sampler_ != nullptr; }

@@ -9,7 +9,9 @@
 // decode GEMV (gemm/decode_gemv.h) instead of linear_fprop: NVFP4 activations are quantized by
 // decode_quantize_nvfp4 (no 64-token tile; bit-identical to the quantize kernels), the weights are
 // read packed. Same function as the emulated path up to FP32 summation order. MoE blocks keep
-// their FFN on the grouped path (and its token tile).
+// their FFN on the grouped path (and its token tile). Dense models capture the step body (embedding
+// to logits; no host synchronization or allocation inside) as a CUDA graph per step layout and
+// replay it: the host then only copies the step's token ids, positions and lengths and launches once.
 #include "model/model_internal.h"
 
 #include "core/check.h"
