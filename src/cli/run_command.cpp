@@ -7,10 +7,14 @@
 //   CPU: the `tiny` preset narrowed to d_model 128 / d_ff 384 / 2 heads (a ~2-core machine trains it
 //        in a few minutes for both recipes), T = 64, B = 8, 150 steps;
 //   GPU: `gpt2-124m` with the byte vocabulary (vocab 384), T = 512, B = 16, 600 steps.
-// Later stages (RL) are appended as one function each, called from run_default_job in order; each
+// Stage 2 (RL, src/cli/run_rl_stage.cpp): from the pretrained e2e4 checkpoint, RL on add:digits=3
+// with the NVFP4 sampler (on a GPU also with a BF16 sampler, same seed): reward before / after
+// and K3 divergence, OUT/rl_report.txt.
+// Later stages are appended as one function each, called from run_default_job in order; each
 // takes the pretraining result (the checkpoints) and adds its own lines to the report.
 #include "cli/commands.h"
 #include "cli/compare_command.h"
+#include "cli/run_rl_stage.h"
 #include "cli/train_options.h"
 #include "core/log.h"
 
@@ -98,7 +102,10 @@ void run_default_job(const RunArgs& a) {
   const auto t0 = std::chrono::steady_clock::now();
   const Device device = train::parse_device(a.device);
   const std::vector<train::RecipeRun> pretrained = run_pretrain_stage(a, device);
-  (void)pretrained;  // later stages (RL) start from pretrained[i].out_dir + "/checkpoint"
+  // ---- stage 2: RL (src/cli/run_rl_stage.cpp) from the pretrained e2e4 checkpoint -----------------
+  for (const train::RecipeRun& r : pretrained)
+    if (train::recipe_label(r.recipe) == "e2e4") run_default_rl_stage(r.out_dir + "/checkpoint", device, a.out, a.seed);
+  // ---- end of stage 2 ------------------------------------------------------------------------------
   log_info("fourbit run: done in {:.0f} s", std::chrono::duration<double>(
                                                  std::chrono::steady_clock::now() - t0).count());
 }
