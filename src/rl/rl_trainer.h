@@ -32,6 +32,10 @@
 // max |logp_trainer - logp_sampler|, the fraction of tokens truncated (w capped at C) or masked,
 // mean entropy of the sampling distribution, mean completion length, sampler and trainer tokens/s.
 //
+// MoE: the model's auxiliary load-balancing and z losses stay in the objective with their config
+// coefficients (Model::backward adds their gradients); with routing replay the trainer's router
+// still gets gradients through the gate weights (RL.md).
+//
 // Precision (RL.md): the sampler's model runs the recipe's rl_sampler stage, the trainer's
 // forward the rl_trainer Fprop (the same quantizer contract; the recipe validation enforces it
 // unless allow_sampler_mismatch), its backward the rl_trainer Dgrad/Wgrad. The MoE router and
