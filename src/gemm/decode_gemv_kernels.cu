@@ -22,6 +22,15 @@
 // sums FP32: the result equals the exact emulation (dequantize to BF16 + cuBLASLt) up to the order
 // of the FP32 additions. alpha_eff = f32(f32(alpha * d_x) * d_w), the emulation's epilogue scalar.
 //
+// Performance model (not yet measured; `fourbit bench decode` prints the figures). Bytes: the
+// weight dominates (BF16 2 bytes per value, NVFP4 0.5625), x and y are small for B <= 64. At
+// ~4.2 TB/s over 132 SMs an SM must consume ~17 weight bytes per clock: BF16 ~8.5 values, NVFP4
+// ~30 values per clock, against 128 thread-instructions per clock. The NVFP4 decode costs ~2.5
+// instructions per value (4 shifts/logic ops and 1 cvt per 4 values, 1 FP16 multiply per 2), so
+// NVFP4 at batch 1 is near the issue limit as well as the memory limit; the mma work grows with
+// the batch only past 8 tokens per n-tile. Knobs: kDecodeWarps, kDecodeChunk, plan_decode_gemv's
+// CTAs per SM and minimum chunks per split, and the L2::256B prefetch of the weight loads.
+//
 // Shared memory: x of one chunk, [8 * NT tokens][16 pieces of 16 bytes], double-buffered; a piece
 // is stored at a swizzled slot so that the eight threads of each quarter-warp read eight distinct
 // 16-byte bank groups (no bank conflicts; derivation at piece_slot).
