@@ -6,6 +6,9 @@
 // field; gradient accumulation equals one big batch; metrics.jsonl lines are well-formed.
 #include "train/trainer.h"
 
+#include "io/token_shards.h"
+#include "rl/synthetic_corpus.h"
+
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -201,6 +204,52 @@ TEST(Trainer, GradientAccumulationMatchesOneBatch) {
   const StepMetrics ma = ta.step(), mb = tb.step();
   EXPECT_NEAR(ma.loss, mb.loss, 1e-5);
   EXPECT_NEAR(ma.grad_norm, mb.grad_norm, 1e-4 * mb.grad_norm);
+}
+
+TEST(Trainer, TokenShardsWithHoldoutResumeBitExact) {
+  // Two llm.c shards of corpus tokens; 10% of each held out for validation.
+  const std::string dir = temp_dir("shards");
+  fs::create_directories(dir + "/data");
+  rl::SyntheticCorpus corpus;
+  rl::CorpusReader reader(corpus, rl::CorpusSplit::kTrain);
+  for (int s = 0; s < 2; ++s) {
+    std::vector<int32_t> tokens(6000);
+    reader.fill_tokens(std::span<int32_t>(tokens));
+    io::write_token_shard(fmt::format("{}/data/train_{}.bin", dir, s), tokens, io::TokenWidth::kU16);
+  }
+  TrainConfig c = small_config();
+  c.data.data = dir + "/data/*.bin";
+  c.data.val_fraction = 0.1;
+  c.sets.push_back("vocab=384");
+  c.steps = 6;
+  Trainer straight(c, nullptr);
+  straight.run();
+  EXPECT_LT(straight.summary().final_val_loss, std::log(384.0));
+
+  TrainConfig c1 = c;
+  c1.out_dir = dir + "/run";
+  Trainer(c1, nullptr).run(2);
+  Trainer second(c1, nullptr);
+  second.resume(dir + "/run/checkpoint");
+  second.run();
+  EXPECT_EQ(std::memcmp(second.train_losses().data(), straight.train_losses().data(),
+                        6 * sizeof(double)), 0);
+  EXPECT_EQ(bytes_of(second.model().params().flat()), bytes_of(straight.model().params().flat()));
+  // Data of another shard set is refused on resume.
+  TrainConfig other = c1;
+  other.data.data = dir + "/data/train_0.bin";
+  Trainer t(other, nullptr);
+  try {
+    t.resume(dir + "/run/checkpoint");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("data.data"), std::string::npos) << e.what();
+  }
+  // A vocabulary smaller than the shards' tokens is refused when opening them.
+  TrainConfig small_vocab = c;
+  small_vocab.sets.back() = "vocab=128";
+  EXPECT_THROW(Trainer(small_vocab, nullptr), Error);
+  fs::remove_all(dir);
 }
 
 }  // namespace
