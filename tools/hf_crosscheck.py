@@ -3,10 +3,15 @@
 (or, where transformers is missing, by an independent Llama / Mixtral forward written here), must
 give the logits fourbit computed for the same weights and tokens.
 
-One command (runs `fourbit export --reference-logits` for a dense and an MoE model, then checks both):
+One command (runs `fourbit export --reference-logits` for a dense and an MoE model, in F32 and in
+NVIDIA ModelOpt's NVFP4 layout, then checks all four):
 
     python3 tools/hf_crosscheck.py                       # finds build*/src/cli/fourbit
     python3 tools/hf_crosscheck.py --fourbit PATH --device cuda --keep OUT_DIR
+
+An NVFP4 export (ModelOpt layout) is checked by dequantizing it here (own E2M1 / E4M3 decoders,
+low nibble first, e2m1 * weight_scale * weight_scale_2) and running the fallback forward, against
+fourbit's logits of the same dequantized weights (--format nvfp4).
 
 Or check one export made by hand:
 
@@ -65,10 +70,51 @@ def read_safetensors(path):
             a = np.frombuffer(raw, dtype="<f2").astype(np.float64)
         elif dt == "BF16":
             a = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        elif dt in ("U8", "F8_E4M3"):  # NVFP4 packed weights and block scales: raw codes
+            a = np.frombuffer(raw, dtype=np.uint8).copy()
         else:
-            raise SystemExit(f"{path}: tensor {name} has dtype {dt}; the cross-check reads unquantized exports "
-                             f"(fourbit export --format f32 or bf16)")
+            raise SystemExit(f"{path}: tensor {name} has dtype {dt}, which this cross-check does not read")
         out[name] = a.reshape(info["shape"])
+    return out
+
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+
+
+def decode_e2m1(codes):
+    v = E2M1[codes & 7]
+    return np.where(codes & 8, -v, v).astype(np.float32)
+
+
+def decode_e4m3(codes):
+    """OCP FP8 E4M3 ("fn"): bias 7, subnormals, S.1111.111 = NaN."""
+    c = codes.astype(np.int32)
+    sign = np.where(c & 0x80, -1.0, 1.0)
+    e, m = (c >> 3) & 0xF, c & 7
+    v = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1.0 + m / 8.0) * np.exp2(e - 7.0))
+    v = np.where((c & 0x7F) == 0x7F, np.nan, v)
+    return (sign * v).astype(np.float32)
+
+
+def dequantize_modelopt_nvfp4(W):
+    """ModelOpt NVFP4 modules (weight U8 packed E2M1 low nibble first, weight_scale E4M3 per 16,
+    weight_scale_2 F32) -> float64 weights: e2m1 * weight_scale * weight_scale_2, the products
+    rounded to float32 as a float32 dequantization does."""
+    out = {}
+    for name, a in W.items():
+        if name.endswith(".weight_scale") or name.endswith(".weight_scale_2") or name.endswith(".input_scale"):
+            continue
+        module = name[:-len(".weight")] if name.endswith(".weight") else None
+        if module and module + ".weight_scale" in W:
+            rows, half = a.shape
+            codes = np.empty((rows, 2 * half), dtype=np.uint8)
+            codes[:, 0::2] = a & 0xF
+            codes[:, 1::2] = a >> 4
+            scale = np.repeat(decode_e4m3(W[module + ".weight_scale"]), 16, axis=1)
+            scale2 = np.float32(W[module + ".weight_scale_2"])
+            out[name] = ((decode_e2m1(codes) * scale) * scale2).astype(np.float64)
+        else:
+            out[name] = a
     return out
 
 
@@ -226,7 +272,8 @@ def fallback_logits(export_dir, tokens, device):
     except ImportError:
         print("  PyTorch not installed either: the fallback forward runs on NumPy")
         xp = Np()
-    W = {k: xp.arr(v) for k, v in read_safetensors(os.path.join(export_dir, "model.safetensors")).items()}
+    raw = dequantize_modelopt_nvfp4(read_safetensors(os.path.join(export_dir, "model.safetensors")))
+    W = {k: xp.arr(v) for k, v in raw.items()}
     return np.stack([forward(xp, cfg, W, tokens[b]) for b in range(tokens.shape[0])]), f"fallback ({xp.name}, float64)"
 
 
@@ -265,6 +312,9 @@ def check_tokenizer(export_dir):
 def check(export_dir, device, force_fallback):
     ref, tokens, want = load_reference(export_dir)
     got, how = None, None
+    if os.path.exists(os.path.join(export_dir, "hf_quant_config.json")) and not force_fallback:
+        print("  an NVFP4 (ModelOpt) export: transformers does not run it; the fallback forward dequantizes it")
+        force_fallback = True
     if not force_fallback:
         try:
             got, how = transformers_logits(export_dir, tokens, device)
@@ -300,7 +350,11 @@ def main():
     ap.add_argument("--fourbit", help="the fourbit binary (default: build-gpu/, build/, ... under the repo)")
     ap.add_argument("--device", default="cpu", help="torch device for transformers / the fallback")
     ap.add_argument("--fallback", action="store_true", help="skip transformers, use the script's own forward")
-    ap.add_argument("--format", default="f32", choices=["f32", "bf16"], help="export format to check")
+    ap.add_argument("--format", default="f32", choices=["f32", "bf16", "nvfp4"], help="export format to check "
+                    "(nvfp4: the ModelOpt layout, dequantized by this script, fallback forward only)")
+    ap.add_argument("--ref-batch", type=int, default=2, help="sequences of the reference batch")
+    ap.add_argument("--ref-seq", type=int, default=64, help="tokens per sequence of the reference batch")
+    ap.add_argument("--no-nvfp4", action="store_true", help="skip the two NVFP4 exports of the default run")
     ap.add_argument("--keep", help="write the exports here (default: a temporary folder, removed)")
     args = ap.parse_args()
     if args.dir:
@@ -310,14 +364,19 @@ def main():
     if not fourbit:
         sys.exit("no fourbit binary found; build it (tools/test.sh) or pass --fourbit PATH")
     work = args.keep or tempfile.mkdtemp(prefix="fourbit_hf_crosscheck_")
-    cases = [("dense", ["--preset", "tiny"]),
-             ("moe", ["--preset", "moe-tiny", "--set", "moe.layers=all"])]
+    dense, moe = ["--preset", "tiny"], ["--preset", "moe-tiny", "--set", "moe.layers=all"]
+    cases = [("dense", dense, args.format), ("moe", moe, args.format)]
+    if args.format != "nvfp4" and not args.no_nvfp4:
+        cases += [("dense-nvfp4", dense + ["--recipe", "nvfp4"], "nvfp4"),
+                  ("moe-nvfp4", moe + ["--recipe", "nvfp4"], "nvfp4")]
     ok = True
     try:
-        for name, model_args in cases:
+        for name, model_args, fmt in cases:
             out = os.path.join(work, name)
-            cmd = [fourbit, "export", *model_args, "--format", args.format, "--reference-logits", "--ref-batch", "2",
-                   "--ref-seq", "64", "--out", out]
+            cmd = [fourbit, "export", *model_args, "--format", fmt, "--reference-logits", "--ref-batch",
+                   str(args.ref_batch), "--ref-seq", str(args.ref_seq), "--out", out]
+            if fmt == "nvfp4":  # input-scale calibration on a batch of the reference's size
+                cmd += ["--calib-batch", str(args.ref_batch), "--calib-seq", str(args.ref_seq)]
             print(f"{name}: {' '.join(cmd)}")
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:

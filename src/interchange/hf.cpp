@@ -503,6 +503,25 @@ ExportSummary export_hf(model::Model& m, const std::string& dir, const ExportOpt
     w.add(t.module + ".input_scale", io::StDType::kF32, {}, bytes_of(&scalars.back(), 4));
     ++summary.nvfp4_modules;
   }
+  if (o.reference_logits) {
+    // The weights as exported: BF16 everywhere, the NVFP4 modules' dequantized values on top.
+    std::map<std::string, std::vector<float>> exported;
+    const bool bf16 = o.format != ExportFormat::kF32;
+    for (const auto& [name, values] : host) {
+      std::vector<float>& v = exported[name] = values;
+      if (bf16) {
+        for (float& x : v) x = formats::round_to_bf16(x);
+      }
+    }
+    for (const HfTensorMap& t : map) {
+      const auto it = units.find(fmt::format("{}@{}", t.param, t.unit_offset));
+      if (it == units.end() || t.row0 != 0) continue;  // once per unit
+      const Tensor dq = quant::dequantize_reference(it->second, false);
+      std::memcpy(exported.at(t.param).data() + t.unit_offset, dq.data(), (size_t)dq.nbytes());
+    }
+    write_reference_logits(m, (fs::path(dir) / "fourbit_reference").string(), o.ref_batch, o.ref_seq, false, 0,
+                           &exported, nvfp4 ? "nvfp4 (dequantized) + bf16" : (bf16 ? "bf16" : "f32"));
+  }
   summary.tensors = (int)map.size();
   summary.excluded_modules.assign(excluded.begin(), excluded.end());
 
@@ -663,7 +682,8 @@ std::unique_ptr<model::Model> import_hf(const std::string& dir, const recipe::Re
 // ---- reference logits ---------------------------------------------------------------------------
 
 void write_reference_logits(const model::Model& m, const std::string& dir, int B, int T, bool bf16_weights,
-                            uint64_t first_document) {
+                            uint64_t first_document, const std::map<std::string, std::vector<float>>* overrides,
+                            const std::string& weights_label) {
   const model::ModelConfig& c = m.config();
   model::ModelOptions mo;
   mo.device = Device::kCpu;
@@ -678,7 +698,10 @@ void write_reference_logits(const model::Model& m, const std::string& dir, int B
       for (int64_t k = 0; k < dst.numel(); ++k) dst.ptr<double>()[k] = 0.0;  // not exported
       continue;
     }
-    const std::vector<float> src = host_f32(m.params().view(i));
+    const auto ov = overrides != nullptr ? overrides->find(table.row(i).name) : std::map<std::string, std::vector<float>>::const_iterator{};
+    const std::vector<float> src = overrides != nullptr && ov != overrides->end() ? ov->second : host_f32(m.params().view(i));
+    FOURBIT_CHECK((int64_t)src.size() == dst.numel(), "reference logits: '{}' has {} values, expected {}",
+                  table.row(i).name, src.size(), dst.numel());
     for (size_t k = 0; k < src.size(); ++k)
       dst.ptr<double>()[k] = bf16_weights ? formats::round_to_bf16(src[k]) : src[k];
   }
@@ -693,7 +716,7 @@ void write_reference_logits(const model::Model& m, const std::string& dir, int B
                             std::string_view((const char*)logits.data, (size_t)logits.nbytes()));
   write_json(root / "reference.json", {{"batch", B}, {"seq", T}, {"vocab", c.vocab}, {"logits", "logits.f64"},
                                        {"logits_shape", {(int64_t)B * T, c.vocab}}, {"tokens", "tokens.i32"},
-                                       {"weights", bf16_weights ? "bf16" : "f32"}, {"loss", info.ce},
+                                       {"weights", weights_label.empty() ? (bf16_weights ? "bf16" : "f32") : weights_label}, {"loss", info.ce},
                                        {"what", "fourbit CPU float64 forward, plain recipe, the exported weights"}});
 }
 

@@ -74,6 +74,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -118,6 +119,11 @@ struct ExportOptions {
   int calib_seq = 128;            //   corpus (training split) from document calib_document
   uint64_t calib_document = 0;
   bool tokenizer = true;          // write the byte-level tokenizer files
+  // Also write fourbit's reference logits of the EXPORTED weights (write_reference_logits) to
+  // DIR/fourbit_reference: ref_batch x ref_seq corpus tokens. For NVFP4 the reference model holds
+  // the dequantized NVFP4 weights of the quantized modules and the BF16 values of the rest.
+  bool reference_logits = false;
+  int ref_batch = 2, ref_seq = 64;
 };
 
 struct ExportSummary {
@@ -151,9 +157,12 @@ struct TokenBatch {
 TokenBatch corpus_batch(int vocab, int B, int T, uint64_t first_document = 0);
 
 // For tools/hf_crosscheck.py: fourbit's float64 CPU logits of the model's weights (a plain recipe,
-// the weights as exported: BF16-rounded for a bf16 export, F32 otherwise) on a corpus batch,
-// written to DIR/tokens.i32 [B, T], DIR/logits.f64 [B*T, V] and DIR/reference.json.
+// the weights as exported: BF16-rounded for a bf16 export, F32 otherwise; `overrides`: parameter
+// name -> its full f32 values, replacing the model's, e.g. dequantized NVFP4 weights) on a corpus
+// batch, written to DIR/tokens.i32 [B, T], DIR/logits.f64 [B*T, V] and DIR/reference.json.
 void write_reference_logits(const model::Model& model, const std::string& dir, int B, int T,
-                            bool bf16_weights, uint64_t first_document = 0);
+                            bool bf16_weights, uint64_t first_document = 0,
+                            const std::map<std::string, std::vector<float>>* overrides = nullptr,
+                            const std::string& weights_label = "");
 
 }  // namespace fourbit::interchange
