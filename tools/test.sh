@@ -51,7 +51,12 @@ test_s=$((SECONDS - t_test))
 # FOURBIT_FUZZ_SECONDS (default 30; 0 skips) of libFuzzer in a separate clang ASan+UBSan build.
 fuzz_note=""
 fuzz_seconds=${FOURBIT_FUZZ_SECONDS:-30}
-if [ "$fuzz_seconds" != 0 ] && command -v clang++ >/dev/null 2>&1; then
+have_libfuzzer() {
+  command -v clang++ >/dev/null 2>&1 &&
+    printf 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }\n' |
+      clang++ -fsanitize=fuzzer -x c++ -o /dev/null - >/dev/null 2>&1
+}
+if [ "$fuzz_seconds" != 0 ] && have_libfuzzer; then
   t_fuzz=$SECONDS
   if "$root/tools/fuzz.sh" "$fuzz_seconds"; then
     fuzz_note="; fuzz ${fuzz_seconds}s: no crash ($((SECONDS - t_fuzz))s)"
@@ -60,7 +65,7 @@ if [ "$fuzz_seconds" != 0 ] && command -v clang++ >/dev/null 2>&1; then
     [ "$rc" -eq 0 ] && rc=1
   fi
 elif [ "$fuzz_seconds" != 0 ]; then
-  fuzz_note="; fuzz: skipped (no clang; apt-get install clang libclang-rt-dev)"
+  fuzz_note="; fuzz: skipped (no clang with libFuzzer; apt-get install clang libclang-rt-dev)"
 fi
 
 counts=$(grep -E '^[0-9]+% tests passed' "$build/test-cpu.log" | tail -n 1)
