@@ -36,6 +36,11 @@ void run_pretrain(PretrainArgs& a) {
       log_info("--resume: no checkpoint at '{}' yet, starting a new run", from);
     }
   }
+  if (t.current_step() == 0 && std::filesystem::exists(c.out_dir + "/checkpoint")) {
+    log_warn("'{}/checkpoint' exists and this is a new run: its first save replaces it (use "
+             "--resume to continue that run instead)",
+             c.out_dir);
+  }
   const train::TrainSummary s = t.run();
   std::printf("%s\n", s.to_json().dump(2).c_str());
   log_info("metrics: {}/metrics.jsonl, checkpoint: {}/checkpoint", c.out_dir, c.out_dir);

@@ -334,9 +334,9 @@ StepMetrics Trainer::step() {
           "the model and optimizer state are those after step {}{}. Rerun with --nan-policy skip "
           "to skip such steps, or lower --lr.",
           m.step, m.bad_report, m.step - 1,
-          config_.out_dir.empty() ? ""
-                                  : fmt::format("; the last checkpoint in '{}/checkpoint' is intact",
-                                                config_.out_dir)));
+          !config_.out_dir.empty() && fs::exists(config_.out_dir + "/checkpoint")
+              ? fmt::format("; the last checkpoint in '{}/checkpoint' is intact", config_.out_dir)
+              : ""));
     }
     log_warn("step {}: skipped (non-finite values: {}); {} bad step(s) so far, at most {}", m.step,
              m.bad_report, bad_steps_, config_.max_bad_steps);

@@ -145,7 +145,9 @@ class Trainer {
   const TrainConfig& config() const { return config_; }
   model::Model& model() { return *model_; }
   AdamW& optimizer() { return *optimizer_; }
-  const std::vector<double>& train_losses() const { return losses_; }  // per step (NaN if bad)
+  // The loss of every step of this process (NaN for a bad step); after resume() it starts with
+  // the checkpoint's summary: its first loss (when not among the recent ones) and its last <= 10.
+  const std::vector<double>& train_losses() const { return losses_; }
   double flops_per_token() const;
   TrainSummary summary() const;
 
