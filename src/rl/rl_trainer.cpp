@@ -193,7 +193,9 @@ RlTrainer::RlTrainer(model::ModelConfig config, recipe::ResolvedRecipe recipe, c
   options.cpu_dtype = mo.cpu_dtype;
   options.seed = mo.init_seed;
   options.max_batch = B;
-  options.max_seq = config.max_seq;
+  // The activation arena holds B x max_seq tokens: the longest sequence (max_len - 1 inputs) plus
+  // the padding that makes B x T a whole number of row tiles.
+  options.max_seq = std::min(config.max_seq, max_len_ + (row_tile_ > 1 ? row_tile_ : 0));
   options.stream = mo.stream;
   model_ = std::make_unique<model::Model>(config, recipe, options);
   if (start != nullptr) copy_weights(*model_, *start, "start");
@@ -303,9 +305,9 @@ StepMetrics RlTrainer::step() {
     for (float e : r.entropies) entropy += e;
   }
   while (((int64_t)B * T) % row_tile_ != 0) ++T;  // quantized CUDA passes: whole row tiles
-  FOURBIT_CHECK(T <= c.max_seq, "rl: the trainer's batch needs {} positions per sequence (padded so that "
-                "batch x positions is a multiple of {}), beyond max_seq {}; use prompts_per_step x "
-                "group_size a multiple of {}", T, row_tile_, c.max_seq, row_tile_);
+  FOURBIT_CHECK(T <= model_->max_seq(), "rl: the trainer's batch needs {} positions per sequence (padded so "
+                "that batch x positions is a multiple of {}), beyond its {}; use prompts_per_step x "
+                "group_size a multiple of {}", T, row_tile_, model_->max_seq(), row_tile_);
   m.sampled_tokens = n_tok;
   m.entropy = n_tok > 0 ? entropy / (double)n_tok : 0;
   m.completion_len = (double)n_tok / B;

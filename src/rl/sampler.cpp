@@ -295,7 +295,7 @@ std::vector<Rollout> Sampler::generate(std::span<const std::vector<int32_t>> pro
   std::vector<int32_t> g_rows, g_tokens;
   std::vector<double> g_u;
   std::vector<float> g_lp, g_ent;
-  // Appends one sampled token to sequence b and decides whether it continues.
+  // Samples one token for every active sequence and decides which continue; returns how many do.
   auto sample_all = [&](const TensorView& logits) {
     if (on_gpu) {
       g_rows.clear();
