@@ -1,7 +1,8 @@
 # `fourbit export`, `fourbit import` and `fourbit audit` through the command line (ctest
 # cli_export_import_audit): a fresh tiny model exported as an F32 HF checkpoint with reference
 # logits, imported back as a fourbit checkpoint, audited from that checkpoint with a JSON report;
-# then the refusals that name what is wrong (an MoE model with dense blocks, a missing tensor).
+# moe-tiny (dense and MoE blocks) exported as Qwen2-MoE; the refusals that name what is wrong (a
+# Qwen2-MoE import, a folder without weights).
 # Run with -DFOURBIT=<the fourbit executable> -DWORK=<a scratch folder>.
 file(REMOVE_RECURSE "${WORK}")
 file(MAKE_DIRECTORY "${WORK}")
@@ -43,10 +44,14 @@ if(NOT n_sampler EQUAL 17)
   message(FATAL_ERROR "audit.json: ${n_sampler} rl_sampler GEMMs, expected 17 (4 blocks x 4 + lm_head)")
 endif()
 
-execute_process(COMMAND "${FOURBIT}" export --preset moe-tiny --out "${WORK}/moe"
+run_ok("export moe-tiny" export --preset moe-tiny --out "${WORK}/moe")
+if(NOT last_out MATCHES "Qwen2MoeForCausalLM")
+  message(FATAL_ERROR "moe-tiny (dense blocks among MoE blocks) should export as Qwen2-MoE:\n${last_out}")
+endif()
+execute_process(COMMAND "${FOURBIT}" import --hf "${WORK}/moe" --out "${WORK}/ckpt-moe"
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-if(rc EQUAL 0 OR NOT err MATCHES "moe.layers")
-  message(FATAL_ERROR "exporting moe-tiny (dense blocks among MoE blocks) should be refused naming moe.layers:\n${out}${err}")
+if(rc EQUAL 0 OR NOT err MATCHES "qwen2_moe")
+  message(FATAL_ERROR "importing a Qwen2-MoE checkpoint should be refused naming its model_type:\n${out}${err}")
 endif()
 
 file(REMOVE "${WORK}/hf/model.safetensors")

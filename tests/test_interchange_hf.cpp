@@ -104,12 +104,33 @@ TEST(InterchangeNames, LlamaAndMixtralLayouts) {
   EXPECT_TRUE(names.count("model.layers.1.block_sparse_moe.experts.3.w3.weight"));
   EXPECT_FALSE(names.count("model.layers.1.mlp.gate_proj.weight"));
 
+  // Dense blocks among the MoE blocks, or a shared expert: Qwen2-MoE, with zero q/k/v biases, a
+  // zero shared-expert gate and the shared down projection exported times 2.
   ModelConfig mixed = x;
   mixed.moe.layers = {1};
-  EXPECT_NE(error_of([&] { hf_tensor_map(mixed); }).find("moe.layers"), std::string::npos);
-  ModelConfig shared = x;
-  shared.moe.n_shared_experts = 1;
-  EXPECT_NE(error_of([&] { hf_architecture(shared); }).find("n_shared_experts"), std::string::npos);
+  mixed.moe.n_shared_experts = 1;
+  mixed.validate();
+  EXPECT_EQ(hf_architecture(mixed), "Qwen2MoeForCausalLM");
+  std::map<std::string, HfTensorMap> q;
+  for (const HfTensorMap& t : hf_tensor_map(mixed)) q[t.hf_name] = t;
+  EXPECT_TRUE(q.at("model.layers.0.mlp.gate_proj.weight").param == "blocks.0.mlp.up.weight");
+  EXPECT_EQ(q.at("model.layers.1.mlp.gate.weight").param, "blocks.1.moe.router.weight");
+  EXPECT_EQ(q.at("model.layers.1.mlp.experts.2.up_proj.weight").elem_offset, (2 * 2 * 32 + 32) * 32);
+  EXPECT_TRUE(q.at("model.layers.1.self_attn.k_proj.bias").zeros);
+  EXPECT_TRUE(q.at("model.layers.1.mlp.shared_expert_gate.weight").zeros);
+  EXPECT_EQ(q.at("model.layers.1.mlp.shared_expert.down_proj.weight").scale, 2.0f);
+  EXPECT_EQ(q.at("model.layers.1.mlp.shared_expert.up_proj.weight").scale, 1.0f);
+  const nlohmann::json qc = hf_config_json(mixed, true);
+  EXPECT_EQ(qc["model_type"], "qwen2_moe");
+  EXPECT_EQ(qc["mlp_only_layers"], nlohmann::json({0}));
+  EXPECT_EQ(qc["norm_topk_prob"], true);
+  ModelConfig no_shared = mixed;
+  no_shared.moe.n_shared_experts = 0;
+  for (const HfTensorMap& t : hf_tensor_map(no_shared)) {
+    if (t.hf_name.find("shared_expert") != std::string::npos) {
+      EXPECT_TRUE(t.zeros) << t.hf_name;
+    }
+  }
 }
 
 TEST(InterchangeConfig, RoundTripAndRejections) {
@@ -289,6 +310,43 @@ TEST(InterchangeNvfp4, DequantizesToFourbitsQuantizerBitForBit) {
     }
     const nlohmann::json cfg = nlohmann::json::parse(std::ifstream(dir / "config.json"));
     EXPECT_EQ(cfg["quantization_config"]["quant_method"], "modelopt");
+    fs::remove_all(dir);
+  }
+}
+
+TEST(InterchangeQwen2Moe, ExportWritesTheEquivalentTensors) {
+  ModelConfig c = mixtral();
+  c.moe.layers = {1};
+  c.moe.n_shared_experts = 1;
+  c.validate();
+  const auto m = make(c, "nvfp4", 6);
+  for (ExportFormat fmt : {ExportFormat::kF32, ExportFormat::kNvfp4}) {
+    const fs::path dir = scratch("qwen");
+    ExportOptions o;
+    o.format = fmt;
+    o.calib_batch = 1;
+    o.calib_seq = 32;
+    const ExportSummary s = export_hf(*m, dir.string(), o);
+    EXPECT_EQ(s.architecture, "Qwen2MoeForCausalLM");
+    const io::SafetensorsFile f = io::SafetensorsFile::open((dir / "model.safetensors").string());
+    const io::StTensor& bias = f.get("model.layers.1.self_attn.q_proj.bias");
+    EXPECT_EQ(bias.dtype, fmt == ExportFormat::kF32 ? io::StDType::kF32 : io::StDType::kBF16);
+    for (uint8_t byte : bias.bytes) ASSERT_EQ(byte, 0);
+    if (fmt == ExportFormat::kF32) {
+      const Tensor down = f.to_tensor("model.layers.1.mlp.shared_expert.down_proj.weight");
+      const std::vector<float> p = host(m->param("blocks.1.moe.shared.down.weight"));
+      for (int64_t i = 0; i < down.numel(); ++i) ASSERT_EQ(down.ptr<float>()[i], 2.0f * p[(size_t)i]);
+      EXPECT_THROW(import_hf(dir.string(), recipe::preset("bf16")), Error);  // Llama family only
+    } else {
+      // Doubling the weight doubles the NVFP4 decode scale exactly and keeps every code.
+      const TensorView sd = m->param("blocks.1.moe.shared.down.weight");
+      Tensor bf = Tensor::empty(sd.shape, DType::kBF16, Device::kCpu);
+      for (int64_t i = 0; i < sd.numel(); ++i) bf.ptr<uint16_t>()[i] = formats::encode_bf16_rn(sd.ptr<float>()[i]);
+      const quant::QuantConfig qc = *m->recipe().linear(recipe::Stage::kRlSampler, 1, recipe::LinearKind::kMlpDown).fprop_w.quant;
+      const Tensor ours = quant::dequantize_reference(quant::quantize_reference(bf, qc, {true, false}, {}), false);
+      const std::vector<float> got = modelopt_dequant(f, "model.layers.1.mlp.shared_expert.down_proj");
+      for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], 2.0f * ours.ptr<float>()[i]) << i;
+    }
     fs::remove_all(dir);
   }
 }

@@ -3,8 +3,9 @@
 (or, where transformers is missing, by an independent Llama / Mixtral forward written here), must
 give the logits fourbit computed for the same weights and tokens.
 
-One command (runs `fourbit export --reference-logits` for a dense and an MoE model, in F32 and in
-NVIDIA ModelOpt's NVFP4 layout, then checks all four):
+One command (runs `fourbit export --reference-logits` for a dense model (Llama), an all-MoE model
+(Mixtral) and an MoE model with dense blocks and a shared expert (Qwen2-MoE), in F32 and in NVIDIA
+ModelOpt's NVFP4 layout, then checks all six):
 
     python3 tools/hf_crosscheck.py                       # finds build*/src/cli/fourbit
     python3 tools/hf_crosscheck.py --fourbit PATH --device cuda --keep OUT_DIR
@@ -28,8 +29,9 @@ The fallback forward is float64 throughout: bound 1e-8 * max(1, max|logit|).
 
 The fallback (used when `import transformers` fails; it says so) is written from the
 architectures' definitions, not from fourbit's code: RMSNorm (x / sqrt(mean(x^2) + eps) * w),
-rotate-half RoPE, causal grouped-query attention, SwiGLU MLP, and Mixtral's router (softmax over
-the experts, top-k, renormalized). It runs on PyTorch when it is installed, else on NumPy.
+rotate-half RoPE, causal grouped-query attention (+ q/k/v biases where the file has them), SwiGLU
+MLP, Mixtral's router (softmax over the experts, top-k, renormalized) and Qwen2-MoE's (the same
+with norm_topk_prob, mlp_only_layers, and the shared expert scaled by sigmoid(shared_expert_gate x)). It runs on PyTorch when it is installed, else on NumPy.
 The safetensors file is parsed here (no safetensors package needed).
 """
 import argparse
@@ -218,7 +220,7 @@ def forward(xp, cfg, W, tokens):
     Hkv = cfg.get("num_key_value_heads", H)
     D = C // H
     eps, theta = cfg["rms_norm_eps"], cfg.get("rope_theta", 10000.0)
-    moe = cfg["model_type"] == "mixtral"
+    kind = cfg["model_type"]  # llama, mixtral, qwen2_moe
     T = len(tokens)
     x = W["model.embed_tokens.weight"][xp.ids(tokens)]
     mask = np.triu(np.full((T, T), -np.inf), 1)
@@ -226,9 +228,12 @@ def forward(xp, cfg, W, tokens):
     for l in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{l}."
         h = rmsnorm(xp, x, W[p + "input_layernorm.weight"], eps)
-        q = (h @ W[p + "self_attn.q_proj.weight"].T).reshape(T, H, D)
-        k = (h @ W[p + "self_attn.k_proj.weight"].T).reshape(T, Hkv, D)
-        v = (h @ W[p + "self_attn.v_proj.weight"].T).reshape(T, Hkv, D)
+        def proj(n):  # Qwen2's q/k/v projections have biases
+            y = h @ W[p + f"self_attn.{n}_proj.weight"].T
+            return y + W[p + f"self_attn.{n}_proj.bias"] if p + f"self_attn.{n}_proj.bias" in W else y
+        q = proj("q").reshape(T, H, D)
+        k = proj("k").reshape(T, Hkv, D)
+        v = proj("v").reshape(T, Hkv, D)
         q, k = rope(xp, q, theta), rope(xp, k, theta)
         heads = []
         for hh in range(H):
@@ -238,26 +243,43 @@ def forward(xp, cfg, W, tokens):
         a = xp.cat(heads, -1)
         x = x + a @ W[p + "self_attn.o_proj.weight"].T
         h = rmsnorm(xp, x, W[p + "post_attention_layernorm.weight"], eps)
-        if not moe:
-            y = (silu(xp, h @ W[p + "mlp.gate_proj.weight"].T) * (h @ W[p + "mlp.up_proj.weight"].T)) @ \
-                W[p + "mlp.down_proj.weight"].T
-        else:
-            m = p + "block_sparse_moe."
-            probs = softmax(xp, h @ W[m + "gate.weight"].T)
+        def mlp(prefix, hh, gate="gate_proj", up="up_proj", down="down_proj"):
+            return (silu(xp, hh @ W[prefix + gate + ".weight"].T) * (hh @ W[prefix + up + ".weight"].T)) @ \
+                W[prefix + down + ".weight"].T
+
+        def sparse(router, expert_prefix, names, renormalize):
+            """softmax over the experts, top-k, optionally renormalized; sum of gate * expert(x)."""
+            probs = softmax(xp, h @ W[router].T)
             top, idx = xp.topk(probs, cfg["num_experts_per_tok"])
-            top = top / (top.sum(-1, keepdims=True) if xp.name == "numpy" else top.sum(-1, keepdim=True))
+            if renormalize:
+                top = top / (top.sum(-1, keepdims=True) if xp.name == "numpy" else top.sum(-1, keepdim=True))
             idx = np.asarray(xp.out(idx))
             rows = []
             for t in range(T):
                 acc = 0.0
                 for j in range(idx.shape[1]):
-                    e = int(idx[t, j])
-                    ep = f"{m}experts.{e}."
-                    ht = h[t:t + 1]
-                    z = (silu(xp, ht @ W[ep + "w1.weight"].T) * (ht @ W[ep + "w3.weight"].T)) @ W[ep + "w2.weight"].T
-                    acc = acc + top[t, j] * z
+                    acc = acc + top[t, j] * mlp(f"{expert_prefix}{int(idx[t, j])}.", h[t:t + 1], *names)
                 rows.append(acc)
-            y = xp.cat(rows, 0)
+            return xp.cat(rows, 0)
+
+        if kind == "llama":
+            y = mlp(p + "mlp.", h)
+        elif kind == "mixtral":
+            m = p + "block_sparse_moe."
+            y = sparse(m + "gate.weight", m + "experts.", ("w1", "w3", "w2"), True)
+        elif kind == "qwen2_moe":
+            dense = l in cfg.get("mlp_only_layers", []) or cfg.get("num_experts", 0) == 0 or \
+                (l + 1) % cfg.get("decoder_sparse_step", 1) != 0
+            if dense:
+                y = mlp(p + "mlp.", h)
+            else:
+                m = p + "mlp."
+                y = sparse(m + "gate.weight", m + "experts.", ("gate_proj", "up_proj", "down_proj"),
+                           cfg.get("norm_topk_prob", False))
+                g = h @ W[m + "shared_expert_gate.weight"].T  # [T, 1]
+                y = y + (1.0 / (1.0 + xp.exp(-g))) * mlp(m + "shared_expert.", h)
+        else:
+            raise SystemExit(f"config.json: model_type {kind} is not one the cross-check knows")
         x = x + y
     x = rmsnorm(xp, x, W["model.norm.weight"], eps)
     head = W["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else W["lm_head.weight"]
@@ -365,10 +387,13 @@ def main():
         sys.exit("no fourbit binary found; build it (tools/test.sh) or pass --fourbit PATH")
     work = args.keep or tempfile.mkdtemp(prefix="fourbit_hf_crosscheck_")
     dense, moe = ["--preset", "tiny"], ["--preset", "moe-tiny", "--set", "moe.layers=all"]
-    cases = [("dense", dense, args.format), ("moe", moe, args.format)]
+    # moe-tiny as it is (MoE blocks 1 and 3 only) with a shared expert: the Qwen2-MoE export
+    qwen = ["--preset", "moe-tiny", "--set", "moe.n_shared_experts=1"]
+    cases = [("dense", dense, args.format), ("moe", moe, args.format), ("moe-qwen2", qwen, args.format)]
     if args.format != "nvfp4" and not args.no_nvfp4:
         cases += [("dense-nvfp4", dense + ["--recipe", "nvfp4"], "nvfp4"),
-                  ("moe-nvfp4", moe + ["--recipe", "nvfp4"], "nvfp4")]
+                  ("moe-nvfp4", moe + ["--recipe", "nvfp4"], "nvfp4"),
+                  ("moe-qwen2-nvfp4", qwen + ["--recipe", "nvfp4"], "nvfp4")]
     ok = True
     try:
         for name, model_args, fmt in cases:

@@ -144,19 +144,11 @@ void write_tokenizer(const fs::path& dir, int vocab) {
 
 std::string hf_architecture(const model::ModelConfig& c) {
   if (!c.is_moe()) return "LlamaForCausalLM";
-  FOURBIT_CHECK(c.n_moe_layers() == c.n_layers,
-                "HF export: model '{}': moe.layers = {} has dense blocks among the MoE blocks; the "
-                "exported architecture (Mixtral) has MoE in every layer. Export a model with "
-                "moe.layers = all, or a dense one", c.name, nlohmann::json(c.moe.layers).dump());
-  FOURBIT_CHECK(c.moe.n_shared_experts == 0,
-                "HF export: model '{}': moe.n_shared_experts = 1: Mixtral has no shared expert (and "
-                "Qwen2-MoE's is gated by a sigmoid, Qwen3-MoE has none); such a model has no exact HF "
-                "counterpart", c.name);
-  return "MixtralForCausalLM";
+  if (c.n_moe_layers() == c.n_layers && c.moe.n_shared_experts == 0) return "MixtralForCausalLM";
+  return "Qwen2MoeForCausalLM";
 }
 
 std::vector<HfTensorMap> hf_tensor_map(const model::ModelConfig& c) {
-  hf_architecture(c);
   std::vector<HfTensorMap> m;
   const int64_t C = c.d_model, D = c.head_dim(), HD = (int64_t)c.n_heads * D, KD = (int64_t)c.n_kv_heads * D;
   auto plain = [&](std::string hf, std::string param, std::vector<int64_t> shape) {
@@ -185,6 +177,18 @@ std::vector<HfTensorMap> hf_tensor_map(const model::ModelConfig& c) {
     t.expert = expert;
     m.push_back(std::move(t));
   };
+  // Tensors with no fourbit counterpart that the HF architecture needs: zeros (`module` set: the
+  // weight of a linear module, which NVFP4 exports list as excluded).
+  auto zeros = [&](std::string hf, std::string module, std::vector<int64_t> shape) {
+    HfTensorMap t;
+    t.hf_name = std::move(hf);
+    t.module = std::move(module);
+    t.linear = !t.module.empty();
+    t.zeros = true;
+    t.shape = std::move(shape);
+    m.push_back(std::move(t));
+  };
+  const bool qwen = hf_architecture(c) == "Qwen2MoeForCausalLM";
   plain("model.embed_tokens.weight", "embedding.weight", {c.vocab, C});
   for (int b = 0; b < c.n_layers; ++b) {
     const std::string hp = fmt::format("model.layers.{}.", b), fp = fmt::format("blocks.{}.", b);
@@ -193,9 +197,40 @@ std::vector<HfTensorMap> hf_tensor_map(const model::ModelConfig& c) {
     linear(hp + "self_attn.q_proj", qkv, b, LinearKind::kQkv, 0, HD + 2 * KD, C, 0, HD);
     linear(hp + "self_attn.k_proj", qkv, b, LinearKind::kQkv, 0, HD + 2 * KD, C, HD, KD);
     linear(hp + "self_attn.v_proj", qkv, b, LinearKind::kQkv, 0, HD + 2 * KD, C, HD + KD, KD);
+    if (qwen) {  // Qwen2's q/k/v projections have biases: zero
+      zeros(hp + "self_attn.q_proj.bias", "", {HD});
+      zeros(hp + "self_attn.k_proj.bias", "", {KD});
+      zeros(hp + "self_attn.v_proj.bias", "", {KD});
+    }
     linear(hp + "self_attn.o_proj", fp + "attn.out.weight", b, LinearKind::kAttnOut, 0, C, HD, 0, C);
     plain(hp + "post_attention_layernorm.weight", fp + "mlp_norm.weight", {C});
-    if (c.is_moe_block(b)) {
+    if (qwen && c.is_moe_block(b)) {
+      const int64_t E = c.moe.n_experts, Fe = c.moe.expert_d_ff;
+      const std::string mp = hp + "mlp.";
+      linear(mp + "gate", fp + "moe.router.weight", b, LinearKind::kRouter, 0, E, C, 0, E);
+      const std::string up = fp + "moe.experts.up.weight", down = fp + "moe.experts.down.weight";
+      for (int e = 0; e < E; ++e) {
+        const std::string ep = fmt::format("{}experts.{}.", mp, e);
+        linear(ep + "gate_proj", up, b, LinearKind::kExpertUp, e * 2 * Fe * C, 2 * Fe, C, 0, Fe, e);
+        linear(ep + "up_proj", up, b, LinearKind::kExpertUp, e * 2 * Fe * C, 2 * Fe, C, Fe, Fe, e);
+        linear(ep + "down_proj", down, b, LinearKind::kExpertDown, e * C * Fe, C, Fe, 0, C, e);
+      }
+      // Qwen2-MoE adds sigmoid(shared_expert_gate x) * shared_expert(x): a zero gate gives exactly
+      // 0.5, so the down projection is exported times 2 (exact); no shared expert: zero weights.
+      if (c.moe.n_shared_experts == 1) {
+        const std::string su = fp + "moe.shared.up.weight";
+        linear(mp + "shared_expert.gate_proj", su, b, LinearKind::kMlpUp, 0, 2 * Fe, C, 0, Fe);
+        linear(mp + "shared_expert.up_proj", su, b, LinearKind::kMlpUp, 0, 2 * Fe, C, Fe, Fe);
+        linear(mp + "shared_expert.down_proj", fp + "moe.shared.down.weight", b, LinearKind::kMlpDown, 0, C, Fe, 0, C);
+        m.back().scale = 2.0f;
+      } else {
+        for (const char* n : {"gate_proj", "up_proj"}) {
+          zeros(mp + "shared_expert." + n + ".weight", mp + "shared_expert." + n, {Fe, C});
+        }
+        zeros(mp + "shared_expert.down_proj.weight", mp + "shared_expert.down_proj", {C, Fe});
+      }
+      zeros(mp + "shared_expert_gate.weight", mp + "shared_expert_gate", {1, C});
+    } else if (c.is_moe_block(b)) {
       const int64_t E = c.moe.n_experts, Fe = c.moe.expert_d_ff;
       const std::string mp = hp + "block_sparse_moe.";
       linear(mp + "gate", fp + "moe.router.weight", b, LinearKind::kRouter, 0, E, C, 0, E);
@@ -221,10 +256,11 @@ std::vector<HfTensorMap> hf_tensor_map(const model::ModelConfig& c) {
 
 nlohmann::json hf_config_json(const model::ModelConfig& c, bool f32) {
   const std::string arch = hf_architecture(c);
-  const bool moe = c.is_moe();
+  const bool qwen = arch == "Qwen2MoeForCausalLM";
+  const bool moe = c.is_moe() && !qwen;  // Mixtral
   nlohmann::json j = {
       {"architectures", {arch}},
-      {"model_type", moe ? "mixtral" : "llama"},
+      {"model_type", qwen ? "qwen2_moe" : moe ? "mixtral" : "llama"},
       {"vocab_size", c.vocab},
       {"hidden_size", c.d_model},
       {"intermediate_size", moe ? c.moe.expert_d_ff : c.d_ff},
@@ -255,6 +291,24 @@ nlohmann::json hf_config_json(const model::ModelConfig& c, bool f32) {
     j["output_router_logits"] = false;
     j["router_jitter_noise"] = 0.0;
     j["sliding_window"] = nullptr;
+  } else if (qwen) {
+    std::vector<int> dense_blocks;
+    for (int b = 0; b < c.n_layers; ++b) {
+      if (!c.is_moe_block(b)) dense_blocks.push_back(b);
+    }
+    j["num_experts"] = c.moe.n_experts;
+    j["num_experts_per_tok"] = c.moe.top_k;
+    j["moe_intermediate_size"] = c.moe.expert_d_ff;
+    j["shared_expert_intermediate_size"] = c.moe.expert_d_ff;
+    j["norm_topk_prob"] = true;
+    j["decoder_sparse_step"] = 1;
+    j["mlp_only_layers"] = dense_blocks;
+    j["qkv_bias"] = true;
+    j["use_sliding_window"] = false;
+    j["sliding_window"] = nullptr;
+    j["max_window_layers"] = c.n_layers;
+    j["router_aux_loss_coef"] = c.moe.aux_loss_coef;
+    j["output_router_logits"] = false;
   } else {
     j["mlp_bias"] = false;
     j["pretraining_tp"] = 1;
@@ -410,18 +464,25 @@ ExportSummary export_hf(model::Model& m, const std::string& dir, const ExportOpt
   // Host f32 copies of the parameters the map reads.
   std::map<std::string, std::vector<float>> host;
   for (const HfTensorMap& t : map) {
-    if (!host.count(t.param)) host[t.param] = host_f32(m.param(t.param));
+    if (!t.zeros && !host.count(t.param)) host[t.param] = host_f32(m.param(t.param));
   }
-  // The selection bias has no Mixtral counterpart.
+  // What is written: the parameters, times the scale of the entries that have one (exact: 2).
+  std::map<std::string, std::vector<float>> values = host;
+  for (const HfTensorMap& t : map) {
+    if (t.scale == 1.0f) continue;
+    std::vector<float>& v = values.at(t.param);
+    for (int64_t i = 0; i < prod(t.shape); ++i) v[(size_t)(t.elem_offset + i)] *= t.scale;
+  }
+  // The selection bias has no Mixtral / Qwen2-MoE counterpart.
   for (int i = 0; i < table.size(); ++i) {
     if (table.row(i).kind != model::ParamKind::kRouterBias) continue;
     const std::vector<float> bias = host_f32(m.params().view(i));
     bool nonzero = false;
     for (float v : bias) nonzero = nonzero || v != 0.0f;
     FOURBIT_CHECK(!nonzero || o.drop_router_bias,
-                  "HF export: '{}' is non-zero (load_balancing = bias): Mixtral selects experts by the "
+                  "HF export: '{}' is non-zero (load_balancing = bias): {} selects experts by the "
                   "router logits alone, so the exported model would route differently. Pass "
-                  "--drop-router-bias to export without it", table.row(i).name);
+                  "--drop-router-bias to export without it", table.row(i).name, summary.architecture);
     if (nonzero) log_warn("HF export: dropping the router selection bias '{}'", table.row(i).name);
   }
 
@@ -452,8 +513,15 @@ ExportSummary export_hf(model::Model& m, const std::string& dir, const ExportOpt
       w.add(name, io::StDType::kBF16, std::move(shape), b);
     }
   };
+  std::vector<float> zero_values;
   for (const HfTensorMap& t : map) {
-    const float* src = host.at(t.param).data() + t.elem_offset;
+    if (t.zeros) {
+      zero_values.assign((size_t)prod(t.shape), 0.0f);
+      add_values(t.hf_name, zero_values.data(), t.shape, o.format == ExportFormat::kF32);
+      if (nvfp4 && t.linear) excluded.insert(t.module);
+      continue;
+    }
+    const float* src = values.at(t.param).data() + t.elem_offset;
     std::optional<quant::QuantConfig> qc;
     if (nvfp4 && t.linear && t.kind != LinearKind::kRouter && t.kind != LinearKind::kLmHead) {
       if (o.nvfp4_all) {
@@ -474,7 +542,7 @@ ExportSummary export_hf(model::Model& m, const std::string& dir, const ExportOpt
     if (!units.count(unit_key)) {
       // The unit's BF16 copy (what the CUDA model quantizes), then the reference quantizer.
       Tensor bf = Tensor::empty({t.unit_rows, t.unit_cols}, DType::kBF16, Device::kCpu);
-      const float* u = host.at(t.param).data() + t.unit_offset;
+      const float* u = values.at(t.param).data() + t.unit_offset;
       for (int64_t i = 0; i < t.unit_rows * t.unit_cols; ++i) bf.ptr<uint16_t>()[i] = formats::encode_bf16_rn(u[i]);
       units[unit_key] = quant::quantize_reference(bf, *qc, {true, false}, {t.param, {}});
     }
@@ -517,7 +585,9 @@ ExportSummary export_hf(model::Model& m, const std::string& dir, const ExportOpt
       const auto it = units.find(fmt::format("{}@{}", t.param, t.unit_offset));
       if (it == units.end() || t.row0 != 0) continue;  // once per unit
       const Tensor dq = quant::dequantize_reference(it->second, false);
-      std::memcpy(exported.at(t.param).data() + t.unit_offset, dq.data(), (size_t)dq.nbytes());
+      float* dst = exported.at(t.param).data() + t.unit_offset;
+      // fourbit's own weights: undo the export scale (a power of two: exact).
+      for (int64_t i = 0; i < dq.numel(); ++i) dst[i] = dq.ptr<float>()[i] / t.scale;
     }
     write_reference_logits(m, (fs::path(dir) / "fourbit_reference").string(), o.ref_batch, o.ref_seq, false, 0,
                            &exported, nvfp4 ? "nvfp4 (dequantized) + bf16" : (bf16 ? "bf16" : "f32"));
@@ -647,7 +717,10 @@ std::unique_ptr<model::Model> import_hf(const std::string& dir, const recipe::Re
     }
     used.insert(name);
   };
-  for (const HfTensorMap& t : hf_tensor_map(c)) read(t.hf_name, t.shape, host.at(t.param).data() + t.elem_offset);
+  for (const HfTensorMap& t : hf_tensor_map(c)) {
+    FOURBIT_CHECK(!t.zeros && t.scale == 1.0f, "HF import: {} checkpoints are not imported", hf_architecture(c));
+    read(t.hf_name, t.shape, host.at(t.param).data() + t.elem_offset);
+  }
   if (c.tied_embeddings && where.count("lm_head.weight")) {
     std::vector<float> head((size_t)c.vocab * c.d_model);
     read("lm_head.weight", {c.vocab, c.d_model}, head.data());

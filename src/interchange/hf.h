@@ -9,13 +9,18 @@
 // scaling. An MoE model whose blocks are ALL MoE, without a shared expert, is a Mixtral
 // (MixtralForCausalLM): Mixtral's router takes softmax over all experts, keeps the top-k and
 // renormalizes them, which is fourbit's router (ops/moe.h: gates = probs[top-k] / their sum).
-// Where fourbit has no HF counterpart the export refuses, naming the field:
-//   - MoE blocks mixed with dense blocks (moe.layers not every block): Mixtral has MoE in every
-//     layer (Qwen2-MoE's mlp_only_layers could express it; not implemented);
-//   - a shared expert (moe.n_shared_experts = 1): Mixtral has none (Qwen2-MoE's shared expert is
-//     gated by sigmoid(w x), Qwen3-MoE has none and normalizes q/k per head: neither is fourbit's);
-//   - a non-zero router selection bias (load_balancing = bias): Mixtral selects by the logits
-//     alone; ExportOptions::drop_router_bias exports without it (the routing then differs).
+// Any other MoE model (dense blocks among the MoE blocks, or a shared expert) is a Qwen2-MoE
+// (Qwen2MoeForCausalLM) with norm_topk_prob = true (the same router), decoder_sparse_step = 1 and
+// mlp_only_layers = the dense blocks, and these exact equivalences for what Qwen2-MoE has and
+// fourbit has not: the q/k/v biases are written as zeros; the shared expert's output is scaled
+// by sigmoid(shared_expert_gate x), so the gate is written as zeros (sigmoid(0) = 0.5 exactly) and
+// the shared expert's down_proj as 2 x fourbit's (a power of two: exact, also in NVFP4, whose
+// global scale doubles exactly); a model without a shared expert gets zero shared-expert weights
+// (its output is exactly 0). Qwen3-MoE is not used: it normalizes q and k per head (q_norm,
+// k_norm), which fourbit does not. Qwen2-MoE exports are not imported back (import: Llama family).
+// What fourbit has and no exported architecture has: a non-zero router selection bias
+// (load_balancing = bias) is refused, naming the tensor; ExportOptions::drop_router_bias exports
+// without it (the routing then differs).
 // The auxiliary and z losses are training-only and not part of the exported function.
 //
 // Tensor names (N = block, e = expert; fourbit's fused tensors are split by rows):
@@ -30,11 +35,15 @@
 //   blocks.N.moe.experts.up.weight[e]   -> model.layers.N.block_sparse_moe.experts.e.{w1,w3}.weight
 //                                          (w1 = gate rows 0..Fe-1, w3 = up rows Fe..2Fe-1)
 //   blocks.N.moe.experts.down.weight[e] -> model.layers.N.block_sparse_moe.experts.e.w2.weight
+//   (Qwen2-MoE: model.layers.N.mlp.gate.weight, mlp.experts.e.{gate,up,down}_proj.weight,
+//    mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight [1, C] = 0,
+//    self_attn.{q,k,v}_proj.bias = 0)
 //   final_norm.weight            -> model.norm.weight
 //   lm_head.weight               -> lm_head.weight (untied; tied models set tie_word_embeddings
 //                                   and write no lm_head.weight)
-// Every HF tensor is a contiguous element range of one fourbit parameter, so export and import are
-// exact copies (F32 round trip: bit-exact).
+// Every HF tensor is a contiguous element range of one fourbit parameter (or, Qwen2-MoE only, a
+// zero tensor or a parameter times 2), so export and import are exact copies (F32 round trip:
+// bit-exact).
 //
 // NVFP4 (ModelOpt "unified HF checkpoint", quant_algo NVFP4, group_size 16). For every linear
 // layer whose rl_sampler Fprop weight the recipe quantizes to NVFP4 (the weights the sampler
@@ -97,10 +106,11 @@ struct HfTensorMap {
   int64_t unit_rows = 0, unit_cols = 0;
   int64_t row0 = 0;            // first row of this tensor within the unit
   int expert = -1;             // routed expert index, -1 otherwise
+  bool zeros = false;          // no fourbit counterpart: written as zeros (param empty)
+  float scale = 1.0f;          // exported as scale * the parameter (a power of two: exact)
 };
 
-// "LlamaForCausalLM" or "MixtralForCausalLM" for this config; throws naming the field when the
-// model has no exact HF counterpart (see above).
+// "LlamaForCausalLM", "MixtralForCausalLM" or "Qwen2MoeForCausalLM" for this config (see above).
 std::string hf_architecture(const model::ModelConfig& config);
 std::vector<HfTensorMap> hf_tensor_map(const model::ModelConfig& config);
 // config.json; torch_dtype "float32" or "bfloat16".
