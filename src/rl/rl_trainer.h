@@ -57,8 +57,10 @@
 namespace fourbit::rl {
 
 // `fourbit rl --sampler-recipe`: the recipe with the RL Fprop (rl_sampler and rl_trainer, the
-// quantizer contract kept) set to "bf16" (no quantization) or "nvfp4" (the e2e4 preset's NVFP4
-// sampler operands); "recipe" returns it unchanged. Other stages are untouched; validated.
+// quantizer contract kept) set to "bf16" (no quantization), "nvfp4" (the e2e4 preset's NVFP4
+// sampler operands) or "nvfp4-weights" (NVFP4 weights, BF16 activations: decode still reads 4-bit
+// weights, and without NVFP4's per-pass activation scale the decode steps quantize exactly as the
+// training forward); "recipe" returns it unchanged. Other stages are untouched; validated.
 recipe::Recipe with_sampler_precision(recipe::Recipe r, std::string_view which);
 
 enum class ImportanceMode : uint8_t { kTruncate, kMask, kNone };
