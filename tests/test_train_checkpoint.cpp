@@ -9,8 +9,10 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 
@@ -176,6 +178,50 @@ TEST(Checkpoint, JsonDifferenceNamesPath) {
   b = a;
   b["w"] = true;
   EXPECT_EQ(*first_json_difference(a, b), "w: (absent) vs true");
+}
+
+TEST(Checkpoint, ProcessKilledMidSaveKeepsPreviousCheckpoint) {
+  // A real crash: a child process dies (_exit, no unwinding, no clean-up) at each stage of a save
+  // over an existing checkpoint; the parent then loads the previous checkpoint intact, and its own
+  // next save succeeds despite the child's stale temporary directory.
+  const std::string root = temp_dir("killed");
+  const model::ModelConfig c = small_dense();
+  model::Model m(c, resolved(c), model::ModelOptions{.max_batch = 2});
+  AdamW opt(m, {});
+  train_step(m, opt, 1);
+  const std::string dir = root + "/ckpt";
+  save_checkpoint(dir, m, &opt, some_state(1));
+  const std::vector<uint8_t> saved = bytes_of(m.params().flat());
+  train_step(m, opt, 2);
+  for (const char* stage : {"model.safetensors", "optimizer.safetensors", "state.json", "swap"}) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      SaveOptions die;
+      die.hook = [&](std::string_view s) {
+        if (s == stage) ::_exit(0);
+      };
+      save_checkpoint(dir, m, &opt, some_state(2), die);
+      ::_exit(3);  // not reached when the hook fires
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << stage;
+    EXPECT_TRUE(fs::exists(fmt::format("{}.tmp-{}", dir, pid))) << "the crash left its temp dir";
+    model::Model r(c, resolved(c), model::ModelOptions{.max_batch = 2});
+    AdamW ropt(r, {});
+    EXPECT_EQ(load_checkpoint(dir, r, &ropt).state.step, 1) << stage;
+    EXPECT_EQ(bytes_of(r.params().flat()), saved) << stage;
+  }
+  fs::create_directories(dir + ".tmp-1");  // pid 1 (init) is alive: not ours to remove
+  save_checkpoint(dir, m, &opt, some_state(2));
+  EXPECT_EQ(read_checkpoint_info(dir).state.step, 2);
+  // The dead children's temporary directories are gone; the live process' one stays.
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(root)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"ckpt", "ckpt.tmp-1"}));
+  fs::remove_all(root);
 }
 
 }  // namespace

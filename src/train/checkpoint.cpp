@@ -7,6 +7,7 @@
 #include "model/config.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -120,6 +121,27 @@ std::string missing_hint(const std::string& dir) {
   return "";
 }
 
+// Removes DIR.tmp-<pid> and DIR.old-<pid> directories left by saves of processes that no longer
+// exist (crashed mid-save); those of live processes (another trainer saving now) are left alone.
+void remove_stale_siblings(const std::string& dir) {
+  const fs::path p = fs::absolute(fs::path(dir)).lexically_normal();
+  const std::string name = p.filename().string();
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (const auto& e : fs::directory_iterator(p.parent_path(), ec)) {
+    const std::string n = e.path().filename().string();
+    for (const char* tag : {".tmp-", ".old-"}) {
+      const std::string prefix = name + tag;
+      if (n.size() <= prefix.size() || n.compare(0, prefix.size(), prefix) != 0) continue;
+      const std::string digits = n.substr(prefix.size());
+      if (digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 9) continue;
+      const pid_t pid = (pid_t)std::stol(digits);
+      if (pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) stale.push_back(e.path());
+    }
+  }
+  for (const fs::path& s : stale) fs::remove_all(s, ec);
+}
+
 }  // namespace
 
 std::optional<std::string> first_json_difference(const nlohmann::json& a, const nlohmann::json& b,
@@ -208,6 +230,7 @@ void save_checkpoint(const std::string& dir_in, const model::Model& model, const
     if (options.hook) options.hook("state.json");
     fsync_path(tmp, true);
     swap_into_place(tmp, dir, options);
+    remove_stale_siblings(dir);
   } catch (...) {
     // The previous checkpoint at `dir` is untouched; drop the partial new one.
     fs::remove_all(tmp, ec);

@@ -15,8 +15,9 @@
 // system lacks it: rename DIR to DIR.old-<pid>, rename the new one to DIR) and removes the old
 // one. A crash at any point leaves DIR either the previous checkpoint or the new one, complete;
 // in the fallback's one window between its two renames DIR is missing and load_checkpoint names
-// the DIR.old-<pid> directory that holds the previous checkpoint. Stale DIR.tmp-* directories of
-// crashed saves are ignored (and replaced by the next save of the same pid).
+// the DIR.old-<pid> directory that holds the previous checkpoint. Stale DIR.tmp-<pid> / DIR.old-<pid>
+// directories of crashed saves are ignored by loading and removed by the next successful save
+// (only those whose process no longer exists).
 //
 // Compatibility. Loading into an existing model (resume) refuses a checkpoint whose model config
 // or resolved recipe differs, naming the first differing field; the trainer compares its own
