@@ -75,20 +75,16 @@ recipe::Recipe with_sampler_precision(recipe::Recipe r, std::string_view which) 
   return r;
 }
 
-std::string_view importance_mode_name(ImportanceMode m) {
-  switch (m) {
-    case ImportanceMode::kTruncate: return "truncate";
-    case ImportanceMode::kMask: return "mask";
-    case ImportanceMode::kNone: return "none";
-  }
-  return "?";
-}
-
-ImportanceMode parse_importance_mode(std::string_view name) {
-  if (name == "truncate") return ImportanceMode::kTruncate;
-  if (name == "mask") return ImportanceMode::kMask;
-  if (name == "none") return ImportanceMode::kNone;
-  throw Error(fmt::format("unknown importance mode '{}'; use truncate, mask or none", name));
+LossOptions RlConfig::loss_options() const {
+  LossOptions o;
+  o.importance = importance;
+  o.is_cap = is_cap;
+  o.mask_low = mask_low;
+  o.ppo = ppo_epochs > 1;
+  o.clip_low = clip_low;
+  o.clip_high = clip_high;
+  o.kl_coef = kl_coef;
+  return o;
 }
 
 void RlConfig::validate() const {
@@ -366,9 +362,10 @@ StepMetrics RlTrainer::step() {
 
   // ---- 4-5. epochs: forward, weights, backward, update ---------------------------------------------
   const size_t n = seq_of_row.size();
-  std::vector<double> lp_old(n), is_w(n);
+  const LossOptions lo = cfg_.loss_options();
+  std::vector<double> lp_old;
+  ImportanceWeights iw;
   std::vector<float> weights((size_t)N, 0.0f);
-  double denom = (double)n;
   m.lr = cfg_.warmup_steps > 0 && step_ < cfg_.warmup_steps ? cfg_.lr * (double)(step_ + 1) / cfg_.warmup_steps
                                                              : cfg_.lr;
   for (int e = 0; e < cfg_.ppo_epochs; ++e) {
@@ -378,71 +375,20 @@ StepMetrics RlTrainer::step() {
     const std::vector<double> l = host_f64(model_->token_losses());
     std::vector<double> lp(n);
     for (size_t j = 0; j < n; ++j) lp[j] = -l[(size_t)seq_of_row[j]];
-    if (e == 0) {
-      // Mismatch metrics and the (constant) importance weights, from the first forward.
+    if (e == 0) {  // the mismatch metrics and the (constant) importance weights
       lp_old = lp;
-      double k3 = 0, mx = 0, mean_abs = 0;
-      int64_t clipped = 0, kept = 0;
-      for (size_t j = 0; j < n; ++j) {
-        const double d = lp[j] - lp_s[j], rho = std::exp(d);
-        k3 += rho - d - 1;
-        mx = std::max(mx, std::fabs(d));
-        mean_abs += std::fabs(d);
-        switch (cfg_.importance) {
-          case ImportanceMode::kTruncate:
-            is_w[j] = std::min(rho, cfg_.is_cap);
-            clipped += rho > cfg_.is_cap;
-            ++kept;
-            break;
-          case ImportanceMode::kMask: {
-            const bool in = rho >= cfg_.mask_low && rho <= cfg_.is_cap;
-            is_w[j] = in ? 1.0 : 0.0;
-            clipped += !in;
-            kept += in;
-            break;
-          }
-          case ImportanceMode::kNone:
-            is_w[j] = 1.0;
-            ++kept;
-            break;
-        }
-      }
-      m.k3 = n > 0 ? k3 / (double)n : 0;
-      m.max_abs_logp_diff = mx;
-      m.mean_abs_logp_diff = n > 0 ? mean_abs / (double)n : 0;
-      m.clipped_fraction = n > 0 ? (double)clipped / (double)n : 0;
-      denom = (double)std::max<int64_t>(kept, 1);
-      if (reference_) {
-        double kl = 0;
-        for (size_t j = 0; j < n; ++j) kl += std::exp(lp_ref[j] - lp[j]) - (lp_ref[j] - lp[j]) - 1;
-        m.kl_ref = n > 0 ? kl / (double)n : 0;
-      }
+      iw = importance_weights(lp_old, lp_s, lo);
+      m.k3 = iw.k3;
+      m.max_abs_logp_diff = iw.max_abs_diff;
+      m.mean_abs_logp_diff = iw.mean_abs_diff;
+      m.clipped_fraction = n > 0 ? (double)iw.clipped / (double)n : 0;
     }
+    const TokenWeights tw = token_weights(lp, lp_old, a_tok, lp_ref, iw, lo);
+    if (e == 0) m.kl_ref = tw.kl_ref;
+    m.loss = tw.loss;
+    m.ppo_clipped_fraction = n > 0 ? (double)tw.ppo_clipped / (double)n : 0;
     std::fill(weights.begin(), weights.end(), 0.0f);
-    double loss = 0;
-    int64_t ppo_clipped = 0;
-    for (size_t j = 0; j < n; ++j) {
-      if (is_w[j] == 0) continue;
-      const double A = a_tok[j];
-      double w = is_w[j] * A;  // d loss / d(-logp) of the on-policy surrogate
-      loss += -is_w[j] * A * lp[j];
-      if (cfg_.ppo_epochs > 1) {
-        const double r = std::exp(lp[j] - lp_old[j]);
-        const bool clip = (A > 0 && r > 1 + cfg_.clip_high) || (A < 0 && r < 1 - cfg_.clip_low);
-        ppo_clipped += clip;
-        w = clip ? 0.0 : is_w[j] * A * r;
-        const double rc = std::clamp(r, 1 - cfg_.clip_low, 1 + cfg_.clip_high);
-        loss += is_w[j] * A * lp[j] - is_w[j] * std::min(r * A, rc * A);  // replace the on-policy term
-      }
-      if (reference_) {
-        const double dref = lp_ref[j] - lp[j];
-        w += -cfg_.kl_coef * (1 - std::exp(dref));
-        loss += cfg_.kl_coef * (std::exp(dref) - dref - 1);
-      }
-      weights[(size_t)seq_of_row[j]] = (float)(w / denom);
-    }
-    m.loss = loss / denom;
-    m.ppo_clipped_fraction = n > 0 ? (double)ppo_clipped / (double)n : 0;
+    for (size_t j = 0; j < n; ++j) weights[(size_t)seq_of_row[j]] = (float)tw.weight[j];
     model::BackwardOptions bo;
     bo.token_weights = TensorView::contiguous(weights.data(), DType::kF32, Shape{N}, Device::kCpu);
     model_->backward(bo);

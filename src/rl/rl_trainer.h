@@ -15,7 +15,8 @@
 //      cross-entropy: d loss / d(-logp_t) = weight_t), then one AdamW update (train/optimizer.h).
 //   5. The sampler copies the new weights (Sampler::refresh).
 //
-// Loss (default, on-policy, one update per batch):
+// Loss (rl_loss.h has the formulas as tested pure functions; default: on-policy, one update per
+// batch):
 //   w_t   = min(exp(logp_trainer_t - logp_sampler_t), C)       (constant; C = is_cap = 2)
 //   loss  = - sum_t w_t * A_i * logp_trainer_t / N            (N = completion tokens of the batch)
 // importance = mask: w_t = 1 inside [mask_low, is_cap], else the token is dropped from the sum and
@@ -43,6 +44,7 @@
 #pragma once
 
 #include "model/model.h"
+#include "rl/rl_loss.h"
 #include "rl/sampler.h"
 #include "rl/task.h"
 #include "train/optimizer.h"
@@ -63,10 +65,6 @@ namespace fourbit::rl {
 // training forward); "recipe" returns it unchanged. Other stages are untouched; validated.
 recipe::Recipe with_sampler_precision(recipe::Recipe r, std::string_view which);
 
-enum class ImportanceMode : uint8_t { kTruncate, kMask, kNone };
-std::string_view importance_mode_name(ImportanceMode m);  // "truncate", "mask", "none"
-ImportanceMode parse_importance_mode(std::string_view name);  // throws listing the names
-
 struct RlConfig {
   int prompts_per_step = 16;  // P
   int group_size = 8;         // G (completions per prompt)
@@ -86,6 +84,7 @@ struct RlConfig {
   bool routing_replay = true;  // MoE only
   uint64_t seed = 0;           // prompts and sampling draws
   void validate() const;       // throws naming the field
+  LossOptions loss_options() const;  // the loss fields as rl_loss.h takes them
 };
 nlohmann::json to_json(const RlConfig& c);
 
