@@ -137,7 +137,9 @@ void sample_rows_cuda(const TensorView& logits, std::span<const int32_t> rows, s
   // One device buffer: rows (i32) | u (f64) | tokens (i32) | logprobs (f32) | entropies (f32).
   const size_t off_u = (n * 4 + 7) / 8 * 8, off_tok = off_u + n * 8, off_lp = off_tok + n * 4,
                off_ent = off_lp + n * 4, bytes = off_ent + n * 4;
-  Tensor buf = Tensor::empty({(int64_t)bytes}, DType::kU8, Device::kCuda);
+  // Kept between calls (one per host thread; a decode step must not pay a cudaMalloc/cudaFree).
+  static thread_local Tensor buf;
+  if (!buf.defined() || buf.nbytes() < (int64_t)bytes) buf = Tensor::empty({(int64_t)bytes}, DType::kU8, Device::kCuda);
   char* d = static_cast<char*>(buf.data());
   FOURBIT_CUDA_CHECK(cudaMemcpyAsync(d, rows.data(), n * 4, cudaMemcpyHostToDevice, st));
   FOURBIT_CUDA_CHECK(cudaMemcpyAsync(d + off_u, u.data(), n * 8, cudaMemcpyHostToDevice, st));
