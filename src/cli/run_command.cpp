@@ -106,6 +106,7 @@ void run_default_job(const RunArgs& a) {
   for (const train::RecipeRun& r : pretrained)
     if (train::recipe_label(r.recipe) == "e2e4") run_default_rl_stage(r.out_dir + "/checkpoint", device, a.out, a.seed);
   // ---- end of stage 2 ------------------------------------------------------------------------------
+  std::fflush(stdout);  // the stages' tables (stdout) before this line (stderr)
   log_info("fourbit run: done in {:.0f} s", std::chrono::duration<double>(
                                                  std::chrono::steady_clock::now() - t0).count());
 }
