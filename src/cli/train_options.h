@@ -11,6 +11,10 @@
 namespace fourbit::cli {
 
 struct TrainArgs {
+  TrainArgs() {
+    config.schedule.lr = 6e-4;
+    config.schedule.warmup_steps = 20;
+  }
   train::TrainConfig config;
   std::string device = "auto";
   std::string schedule = "cosine";
