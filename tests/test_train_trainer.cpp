@@ -252,5 +252,33 @@ TEST(Trainer, TokenShardsWithHoldoutResumeBitExact) {
   fs::remove_all(dir);
 }
 
+TEST(Trainer, StopFlagSavesAndResumeFinishesBitExact) {
+  TrainConfig c = small_config();
+  c.steps = 6;
+  Trainer straight(c, nullptr);
+  straight.run();
+  const std::string dir = temp_dir("stop");
+  TrainConfig c1 = c;
+  c1.out_dir = dir;
+  std::atomic<bool> stop{false};
+  {
+    Trainer t(c1, nullptr);
+    t.set_stop_flag(&stop);
+    t.step();
+    t.step();
+    stop.store(true);  // as the SIGINT handler of `fourbit pretrain` does
+    const TrainSummary s = t.run();
+    EXPECT_TRUE(s.interrupted);
+    EXPECT_EQ(s.steps, 2);
+  }
+  EXPECT_EQ(read_checkpoint_info(dir + "/checkpoint").state.step, 2);
+  Trainer r(c1, nullptr);
+  r.resume(dir + "/checkpoint");
+  const TrainSummary s = r.run();
+  EXPECT_FALSE(s.interrupted);
+  EXPECT_EQ(bytes_of(r.model().params().flat()), bytes_of(straight.model().params().flat()));
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace fourbit::train

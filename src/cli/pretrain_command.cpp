@@ -5,11 +5,20 @@
 #include "core/log.h"
 #include "model/config.h"
 
+#include <atomic>
+#include <csignal>
 #include <filesystem>
 
 namespace fourbit::cli {
 
 namespace {
+
+// Ctrl-C / SIGTERM: finish the current step, save the checkpoint, exit; a second one kills.
+std::atomic<bool> g_stop{false};
+extern "C" void on_stop_signal(int sig) {
+  g_stop.store(true);
+  std::signal(sig, SIG_DFL);
+}
 
 struct PretrainArgs {
   TrainArgs train;
@@ -41,7 +50,13 @@ void run_pretrain(PretrainArgs& a) {
              "--resume to continue that run instead)",
              c.out_dir);
   }
+  g_stop.store(false);
+  t.set_stop_flag(&g_stop);
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
   const train::TrainSummary s = t.run();
+  std::signal(SIGINT, SIG_DFL);
+  std::signal(SIGTERM, SIG_DFL);
   std::printf("%s\n", s.to_json().dump(2).c_str());
   log_info("metrics: {}/metrics.jsonl, checkpoint: {}/checkpoint", c.out_dir, c.out_dir);
 }

@@ -172,7 +172,8 @@ nlohmann::json TrainSummary::to_json() const {
           {"seconds", seconds},
           {"tokens_per_second", tokens_per_second},
           {"mfu", mfu},
-          {"peak_device_bytes", peak_device_bytes}};
+          {"peak_device_bytes", peak_device_bytes},
+          {"interrupted", interrupted}};
 }
 
 // ---- Trainer -----------------------------------------------------------------------------------
@@ -509,14 +510,22 @@ TrainSummary Trainer::run(std::optional<int64_t> until) {
   FOURBIT_CHECK(target <= config_.steps, "Trainer::run: until {} exceeds --steps {}", target,
                 config_.steps);
   const std::string ckpt = config_.out_dir.empty() ? "" : config_.out_dir + "/checkpoint";
+  bool interrupted = false;
   while (step_ < target) {
+    if (stop_flag_ != nullptr && stop_flag_->load()) {
+      interrupted = true;
+      log_warn("stopping at step {} on request{}", step_,
+               ckpt.empty() ? "" : fmt::format("; checkpoint in '{}' (continue with --resume)", ckpt));
+      break;
+    }
     step();
     if (config_.eval_every > 0 && step_ % config_.eval_every == 0) evaluate();
     if (!ckpt.empty() && config_.save_every > 0 && step_ % config_.save_every == 0) save(ckpt);
   }
-  if (!last_eval_ || last_eval_->step != step_) evaluate();
+  if (!interrupted && (!last_eval_ || last_eval_->step != step_)) evaluate();
   if (!ckpt.empty()) save(ckpt);
-  const TrainSummary s = summary();
+  TrainSummary s = summary();
+  s.interrupted = interrupted;
   if (!config_.out_dir.empty()) write_metrics({{"type", "summary"}, {"step", step_}, {"summary", s.to_json()}});
   return s;
 }

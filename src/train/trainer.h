@@ -32,6 +32,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -116,6 +117,7 @@ struct TrainSummary {
   double tokens_per_second = 0;
   double mfu = 0;               // CUDA only, else 0
   int64_t peak_device_bytes = 0;
+  bool interrupted = false;     // run() stopped early on the stop flag (set_stop_flag)
   nlohmann::json to_json() const;
 };
 
@@ -138,7 +140,11 @@ class Trainer {
   EvalMetrics evaluate();
   // Steps until `until` (default: config.steps), evaluating every eval_every steps and at the end,
   // saving every save_every and at the end (when out_dir is set). Returns the summary.
+  // When the stop flag is set (checked before every step), it stops there: a checkpoint is saved
+  // (out_dir set) and the summary says interrupted; `--resume` continues bit for bit.
   TrainSummary run(std::optional<int64_t> until = std::nullopt);
+  // A flag (e.g. set by a SIGINT handler) that makes run() stop between steps; null: none.
+  void set_stop_flag(const std::atomic<bool>* flag) { stop_flag_ = flag; }
 
   int64_t current_step() const { return step_; }
   int64_t tokens_seen() const { return tokens_seen_; }
@@ -166,6 +172,7 @@ class Trainer {
   std::vector<double> losses_;
   std::optional<EvalMetrics> last_eval_;
   std::FILE* metrics_ = nullptr;
+  const std::atomic<bool>* stop_flag_ = nullptr;
   std::chrono::steady_clock::time_point start_;
   double train_seconds_ = 0;      // time in step() of this process
   int64_t tokens_this_process_ = 0;
