@@ -48,6 +48,13 @@ TEST(AuditCuda, MatchesTheCpuMirror) {
       EXPECT_EQ(x.format, y.format);
       if (x.operand == recipe::Operand::kWeight) {
         EXPECT_NEAR(y.stats.rel_error(), x.stats.rel_error(), 1e-6 * x.stats.rel_error() + 1e-12);
+      } else if (x.operand == recipe::Operand::kGradient) {
+        // Gradients are stochastically rounded: the draws are the same on both devices, but the
+        // gradients themselves differ in their last BF16 bits (attention and norm backward run in
+        // another order), which moves the per-tensor amax and so which draws round which values;
+        // the measured error is then another sample of the same distribution (H200: 4.6% apart on
+        // a tensor of the tiny model), not the same number.
+        EXPECT_NEAR(y.stats.rel_error(), x.stats.rel_error(), 0.1 * x.stats.rel_error() + 1e-9);
       } else {
         EXPECT_NEAR(y.stats.rel_error(), x.stats.rel_error(), 0.03 * x.stats.rel_error() + 1e-9);
       }

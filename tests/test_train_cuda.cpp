@@ -17,6 +17,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -84,9 +85,12 @@ TEST(TrainCuda, AdamWMatchesCpu) {
   }
   const std::vector<float> pc = host_f32(cpu.params().flat()), pg = host_f32(gpu.params().flat());
   const std::vector<float> mcpu = host_f32(oc.exp_avg().flat()), mgpu = host_f32(og.exp_avg().flat());
+  // nvcc contracts p - lr * (u + wd * p) into FMAs, so the GPU's update differs from the CPU's by
+  // a few ulps of the update (lr = 1e-2: ~1e-9), which is large relative to the parameters that
+  // three steps brought close to zero: the bound is relative to max(|p|, lr).
   double worst = 0;
   for (size_t i = 0; i < pc.size(); ++i) {
-    worst = std::max(worst, (double)std::fabs(pc[i] - pg[i]) / (std::fabs(pc[i]) + 1e-6));
+    worst = std::max(worst, (double)std::fabs(pc[i] - pg[i]) / std::max(std::fabs(pc[i]), 1e-2f));
     ASSERT_NEAR(mcpu[i], mgpu[i], 1e-6 * std::fabs(mcpu[i]) + 1e-12) << i;
   }
   EXPECT_LT(worst, 1e-5);
@@ -118,8 +122,10 @@ TEST(TrainCuda, TrainerLearnsResumesAndCheckpointsLoadOnCpu) {
     EXPECT_EQ(host_f32(second.model().params().flat()), host_f32(straight.model().params().flat()));
     const std::vector<double>& a = straight.train_losses();
     const std::vector<double>& b = second.train_losses();
-    ASSERT_EQ(b.size(), 10u + 25u);  // the 10 recent restored + 25 run
-    for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(a[a.size() - b.size() + i], b[i]) << i;
+    // After resume: the checkpoint's first loss, its 10 most recent, then the 25 run here.
+    ASSERT_EQ(b.size(), 1u + 10u + 25u);
+    EXPECT_EQ(a[0], b[0]);
+    for (size_t i = 1; i < b.size(); ++i) EXPECT_EQ(a[a.size() - (b.size() - 1) + (i - 1)], b[i]) << i;
 
     std::unique_ptr<model::Model> on_cpu = load_model_from_checkpoint(dir + "/checkpoint", Device::kCpu);
     // The checkpoint holds the model after the final step of `second`.
