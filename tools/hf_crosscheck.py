@@ -302,13 +302,29 @@ def fallback_logits(export_dir, tokens, device):
 def transformers_logits(export_dir, tokens, device):
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(export_dir, torch_dtype=torch.float64,
-                                                 attn_implementation="eager").to(device)
-    model.eval()
-    with torch.no_grad():
-        out = model(torch.as_tensor(tokens, dtype=torch.long, device=device)).logits
     import transformers
-    return out.double().cpu().numpy(), f"transformers {transformers.__version__} ({type(model).__name__}, float64)"
+    ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
+    # float64 first. transformers 5.x runs MoE experts through torch's grouped_mm, which refuses
+    # float64 (seen with 5.17 on the device machine): then the eager experts, then float32 (the
+    # pass bound, 1e-4 * max|logit|, already allows float32 arithmetic).
+    attempts = [(torch.float64, {"experts_implementation": "eager"}), (torch.float64, {}), (torch.float32, {})]
+    errors = []
+    for dtype, extra in attempts:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=dtype, attn_implementation="eager",
+                                                         **extra).to(device)
+            model.eval()
+            with torch.no_grad():
+                out = model(ids).logits
+        except (RuntimeError, TypeError, ValueError) as e:
+            errors.append(f"{dtype} {extra}: {str(e).splitlines()[0][:120]}")
+            continue
+        how = f"transformers {transformers.__version__} ({type(model).__name__}, {str(dtype).replace('torch.', '')}"
+        how += (", eager experts)" if extra else ")")
+        if errors:
+            print("  (transformers refused: " + "; ".join(errors) + ")")
+        return out.double().cpu().numpy(), how
+    raise RuntimeError("transformers could not run the export: " + "; ".join(errors))
 
 
 def check_tokenizer(export_dir):
