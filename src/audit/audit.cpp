@@ -110,11 +110,8 @@ TensorView expert_slice(const Tensor& w, int64_t g) {
   return TensorView::contiguous(w.ptr<float>() + g * N * K, DType::kF32, {N, K}, Device::kCpu);
 }
 
-RandomStream operand_stream(RandomStream sr, uint64_t i) { return {sr.seed, sr.stream + i}; }
-// model/expert_linear.h: expert g's weight copy XORs (g + 1) << 44 into its operand stream.
-RandomStream expert_stream(RandomStream sr, uint64_t i, int64_t g) {
-  return {sr.seed, (sr.stream + i) ^ ((uint64_t)(g + 1) << 44)};
-}
+using gemm::operand_stream;
+using model::expert_operand_stream;
 
 // Adds the error of `recipe`'s quantization of `src` (host f32 [M, K]) to `out`.
 void measure_operand(OperandAudit& out, const gemm::OperandRecipe& recipe, const TensorView& src,
@@ -250,7 +247,7 @@ GemmAudit measure_gemm(const model::GemmObservation& obs, int64_t max_rows) {
       ga.m = a.shape()[0], ga.n = N, ga.k = K;
       measure_operand(ga.a, r.fprop_x, a, false, operand_stream(obs.sr, 0), "x");
       for (int64_t g = 0; g < E; ++g)
-        measure_operand(ga.b, r.fprop_w, expert_slice(b, g), false, expert_stream(obs.sr, 1, g), "w");
+        measure_operand(ga.b, r.fprop_w, expert_slice(b, g), false, expert_operand_stream(obs.sr, 1, g), "w");
       q = Tensor::empty({ga.m, N}, DType::kF32, Device::kCpu);
       ref = Tensor::empty({ga.m, N}, DType::kF32, Device::kCpu);
       model::expert_fprop(r, a, b, obs.group_sizes, q, lo);
@@ -261,7 +258,7 @@ GemmAudit measure_gemm(const model::GemmObservation& obs, int64_t max_rows) {
       ga.m = a.shape()[0], ga.n = K, ga.k = N;
       measure_operand(ga.a, r.dgrad_dy, a, false, operand_stream(obs.sr, 2), "dy");
       for (int64_t g = 0; g < E; ++g)
-        measure_operand(ga.b, r.dgrad_w, expert_slice(b, g), true, expert_stream(obs.sr, 3, g), "w");
+        measure_operand(ga.b, r.dgrad_w, expert_slice(b, g), true, expert_operand_stream(obs.sr, 3, g), "w");
       q = Tensor::empty({ga.m, K}, DType::kF32, Device::kCpu);
       ref = Tensor::empty({ga.m, K}, DType::kF32, Device::kCpu);
       model::expert_dgrad(r, a, b, obs.group_sizes, q, lo);

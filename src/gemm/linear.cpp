@@ -55,18 +55,8 @@ std::string LinearRecipe::describe() const {
                      d(fprop_w), d(dgrad_dy), d(dgrad_w), d(wgrad_dy), d(wgrad_x));
 }
 
-namespace {
-
-// One GEMM operand made from a source tensor [rows_src, cols_src] in orientation `copy`. Owns the
-// quantized bundle and the scaled-domain copy that the Operand points into.
-struct PreparedOperand {
-  std::unique_ptr<quant::QuantizedTensor> quantized;
-  Tensor scaled_bf16;
-  Operand operand;
-};
-
-PreparedOperand prepare(const OperandRecipe& recipe, const TensorView& src, Copy copy,
-                        RandomStream sr, std::string_view name, const LinearOptions& options) {
+PreparedOperand prepare_operand(const OperandRecipe& recipe, const TensorView& src, Copy copy,
+                                RandomStream sr, std::string_view name, const LinearOptions& options) {
   PreparedOperand p;
   if (!recipe.quant) {
     // The column-wise orientation of a plain source is its transposed view.
@@ -108,7 +98,7 @@ PreparedOperand prepare(const OperandRecipe& recipe, const TensorView& src, Copy
   return p;
 }
 
-RandomStream operand_stream(const LinearOptions& o, uint64_t i) { return {o.sr.seed, o.sr.stream + i}; }
+namespace {
 
 void run(const PreparedOperand& a, const PreparedOperand& b, const TensorView& c, float beta,
          const LinearOptions& o, std::string_view gemm_name) {
@@ -130,24 +120,24 @@ void run(const PreparedOperand& a, const PreparedOperand& b, const TensorView& c
 void linear_fprop(const LinearRecipe& recipe, const TensorView& x, const TensorView& w,
                   const TensorView& y, const LinearOptions& o) {
   const std::string name = fmt::format("{} fprop", o.name);
-  const PreparedOperand a = prepare(recipe.fprop_x, x, Copy::kRowwise, operand_stream(o, 0), "x", o);
-  const PreparedOperand b = prepare(recipe.fprop_w, w, Copy::kRowwise, operand_stream(o, 1), "w", o);
+  const PreparedOperand a = prepare_operand(recipe.fprop_x, x, Copy::kRowwise, operand_stream(o, 0), "x", o);
+  const PreparedOperand b = prepare_operand(recipe.fprop_w, w, Copy::kRowwise, operand_stream(o, 1), "w", o);
   run(a, b, y, 0.0f, o, name);
 }
 
 void linear_dgrad(const LinearRecipe& recipe, const TensorView& dy, const TensorView& w,
                   const TensorView& dx, const LinearOptions& o) {
   const std::string name = fmt::format("{} dgrad", o.name);
-  const PreparedOperand a = prepare(recipe.dgrad_dy, dy, Copy::kRowwise, operand_stream(o, 2), "dy", o);
-  const PreparedOperand b = prepare(recipe.dgrad_w, w, Copy::kColwise, operand_stream(o, 3), "w", o);
+  const PreparedOperand a = prepare_operand(recipe.dgrad_dy, dy, Copy::kRowwise, operand_stream(o, 2), "dy", o);
+  const PreparedOperand b = prepare_operand(recipe.dgrad_w, w, Copy::kColwise, operand_stream(o, 3), "w", o);
   run(a, b, dx, 0.0f, o, name);
 }
 
 void linear_wgrad(const LinearRecipe& recipe, const TensorView& dy, const TensorView& x,
                   const TensorView& dw, float beta, const LinearOptions& o) {
   const std::string name = fmt::format("{} wgrad", o.name);
-  const PreparedOperand a = prepare(recipe.wgrad_dy, dy, Copy::kColwise, operand_stream(o, 4), "dy", o);
-  const PreparedOperand b = prepare(recipe.wgrad_x, x, Copy::kColwise, operand_stream(o, 5), "x", o);
+  const PreparedOperand a = prepare_operand(recipe.wgrad_dy, dy, Copy::kColwise, operand_stream(o, 4), "dy", o);
+  const PreparedOperand b = prepare_operand(recipe.wgrad_x, x, Copy::kColwise, operand_stream(o, 5), "x", o);
   run(a, b, dw, beta, o, name);
 }
 

@@ -18,6 +18,7 @@
 #include "core/rng.h"
 #include "gemm/gemm.h"
 
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -53,6 +54,21 @@ struct LinearOptions {
   // each CUDA quantization synchronizes and throws on NaN / Inf.
   int* error_flag = nullptr;
 };
+
+// One GEMM operand made from a source [rows, cols] in orientation `copy`: quantized per the
+// operand recipe (on CUDA, for NVFP4/MXFP8 only the scaled-domain BF16 copy the Hopper emulation
+// reads), or the plain source (its transposed view for kColwise). Owns what `operand` points into.
+struct PreparedOperand {
+  std::unique_ptr<quant::QuantizedTensor> quantized;
+  Tensor scaled_bf16;
+  Operand operand;
+};
+PreparedOperand prepare_operand(const OperandRecipe& recipe, const TensorView& src, Copy copy,
+                                RandomStream sr, std::string_view name, const LinearOptions& options);
+// The stochastic-rounding stream of operand i of a call whose stream is `call` (LinearOptions::sr):
+// fprop x 0, w 1; dgrad dy 2, w 3; wgrad dy 4, x 5.
+inline RandomStream operand_stream(RandomStream call, uint64_t i) { return {call.seed, call.stream + i}; }
+inline RandomStream operand_stream(const LinearOptions& o, uint64_t i) { return operand_stream(o.sr, i); }
 
 // x [M, K], w [N, K] -> y [M, N] (f32 or bf16). All tensors on one device, contiguous.
 void linear_fprop(const LinearRecipe& recipe, const TensorView& x, const TensorView& w,

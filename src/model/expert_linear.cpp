@@ -1,5 +1,5 @@
-// Implementation of expert_linear.h: quantize the operands (mirroring gemm/linear.cpp's per-operand
-// preparation), then one gemm::grouped_gemm per GEMM.
+// Implementation of expert_linear.h: quantize the operands (gemm::prepare_operand, per expert for
+// the stacked weights), then one gemm::grouped_gemm per GEMM.
 #include "model/expert_linear.h"
 
 #include "core/check.h"
@@ -19,59 +19,9 @@ using gemm::LinearOptions;
 using gemm::Operand;
 using gemm::OperandRecipe;
 
-// One GEMM operand made from a source [rows, cols] in orientation `copy`; owns what Operand points
-// into.
-struct Prepared {
-  std::unique_ptr<quant::QuantizedTensor> quantized;
-  Tensor scaled_bf16;
-  Operand operand;
-};
+using Prepared = gemm::PreparedOperand;
+using gemm::operand_stream;
 
-Prepared prepare(const OperandRecipe& recipe, const TensorView& src, Copy copy, RandomStream sr,
-                 std::string_view name, const LinearOptions& o) {
-  Prepared p;
-  const bool colwise = copy == Copy::kColwise;
-  if (!recipe.quant) {
-    p.operand = Operand::dense(src, name, colwise);
-    return p;
-  }
-  const quant::QuantConfig& cfg = *recipe.quant;
-  const quant::Orientations orientations{!colwise, colwise};
-  p.quantized = std::make_unique<quant::QuantizedTensor>();
-  if (src.device == Device::kCpu) {
-    *p.quantized = quant::quantize_reference(src, cfg, orientations, {name, sr});
-    p.operand = Operand::quant(*p.quantized, copy, name);
-    return p;
-  }
-#if defined(FOURBIT_WITH_CUDA)
-  *p.quantized = quant::allocate_quantized(cfg, src.rows(), src.cols(), orientations, Device::kCuda);
-  quant::CudaQuantizeOptions qo;
-  qo.tensor_name = name;
-  qo.sr = sr;
-  qo.nonfinite_flag = o.error_flag;
-  qo.stream = o.stream;
-  const bool emulated = cfg.format == quant::Format::kNvfp4 || cfg.format == quant::Format::kMxfp8;
-  TensorView bf16_view;
-  if (emulated) {
-    p.scaled_bf16 = colwise ? Tensor::empty({src.cols(), src.rows()}, DType::kBF16, Device::kCuda)
-                            : Tensor::empty({src.rows(), src.cols()}, DType::kBF16, Device::kCuda);
-    bf16_view = p.scaled_bf16.view();
-    qo.write_packed = false;
-    qo.write_bf16_scaled = true;
-  }
-  quant::quantize_cuda(src, *p.quantized, qo, colwise ? nullptr : &bf16_view,
-                       colwise ? &bf16_view : nullptr);
-  p.operand = Operand::quant(*p.quantized, copy, name, bf16_view);
-#else
-  FOURBIT_CHECK(false, "{}: operand '{}' is on cuda but this build has no CUDA", o.name, name);
-#endif
-  return p;
-}
-
-RandomStream operand_stream(const LinearOptions& o, uint64_t i) { return {o.sr.seed, o.sr.stream + i}; }
-RandomStream expert_stream(const LinearOptions& o, uint64_t i, int64_t g) {
-  return {o.sr.seed, (o.sr.stream + i) ^ ((uint64_t)(g + 1) << 44)};
-}
 
 // Expert g's slice [N, K] of the stacked weight [E, N, K].
 TensorView expert_slice(const TensorView& w, int64_t g) {
@@ -95,8 +45,8 @@ std::vector<Prepared> prepare_weights(const OperandRecipe& recipe, const TensorV
   std::vector<Prepared> out;
   out.reserve((size_t)w.shape[0]);
   for (int64_t g = 0; g < w.shape[0]; ++g) {
-    out.push_back(prepare(recipe, expert_slice(w, g), copy, expert_stream(o, operand_index, g),
-                          "w", o));
+    out.push_back(gemm::prepare_operand(recipe, expert_slice(w, g), copy,
+                                        expert_operand_stream(o.sr, operand_index, g), "w", o));
   }
   return out;
 }
@@ -106,6 +56,25 @@ std::vector<Operand> operands_of(const std::vector<Prepared>& p) {
   ops.reserve(p.size());
   for (const Prepared& x : p) ops.push_back(x.operand);
   return ops;
+}
+
+// One grouped GEMM of an expert linear: a [*, K] . b (per group, or one) -> c (one, or per group).
+void run_grouped(gemm::GroupSplit split, std::span<const int64_t> group_sizes, const Operand& a,
+                 std::span<const Operand> b, std::span<const TensorView> c, float beta,
+                 const LinearOptions& o, std::string_view name) {
+  gemm::GroupedGemmArgs args;
+  args.split = split;
+  args.group_sizes = group_sizes;
+  args.a = a;
+  args.b = b;
+  args.c = c;
+  args.beta = beta;
+  args.backend = o.backend;
+  args.stream = o.stream;
+  args.name = name;
+  args.workspace = o.workspace;
+  args.error_flag = o.error_flag;
+  gemm::grouped_gemm(args);
 }
 
 }  // namespace
@@ -135,44 +104,22 @@ void expert_fprop(const gemm::LinearRecipe& r, const TensorView& x, const Tensor
                   std::span<const int64_t> group_sizes, const TensorView& y, const LinearOptions& o) {
   const std::string name = fmt::format("{} fprop", o.name);
   check_stacked(w, group_sizes, name);
-  const Prepared a = prepare(r.fprop_x, x, Copy::kRowwise, operand_stream(o, 0), "x", o);
+  const Prepared a = gemm::prepare_operand(r.fprop_x, x, Copy::kRowwise, operand_stream(o, 0), "x", o);
   const std::vector<Prepared> b = prepare_weights(r.fprop_w, w, Copy::kRowwise, 1, o);
   const std::vector<Operand> bs = operands_of(b);
   const TensorView c[1] = {y};
-  gemm::GroupedGemmArgs args;
-  args.split = gemm::GroupSplit::kRows;
-  args.group_sizes = group_sizes;
-  args.a = a.operand;
-  args.b = bs;
-  args.c = c;
-  args.backend = o.backend;
-  args.stream = o.stream;
-  args.name = name;
-  args.workspace = o.workspace;
-  args.error_flag = o.error_flag;
-  gemm::grouped_gemm(args);
+  run_grouped(gemm::GroupSplit::kRows, group_sizes, a.operand, bs, c, 0.0f, o, name);
 }
 
 void expert_dgrad(const gemm::LinearRecipe& r, const TensorView& dy, const TensorView& w,
                   std::span<const int64_t> group_sizes, const TensorView& dx, const LinearOptions& o) {
   const std::string name = fmt::format("{} dgrad", o.name);
   check_stacked(w, group_sizes, name);
-  const Prepared a = prepare(r.dgrad_dy, dy, Copy::kRowwise, operand_stream(o, 2), "dy", o);
+  const Prepared a = gemm::prepare_operand(r.dgrad_dy, dy, Copy::kRowwise, operand_stream(o, 2), "dy", o);
   const std::vector<Prepared> b = prepare_weights(r.dgrad_w, w, Copy::kColwise, 3, o);
   const std::vector<Operand> bs = operands_of(b);
   const TensorView c[1] = {dx};
-  gemm::GroupedGemmArgs args;
-  args.split = gemm::GroupSplit::kRows;
-  args.group_sizes = group_sizes;
-  args.a = a.operand;
-  args.b = bs;
-  args.c = c;
-  args.backend = o.backend;
-  args.stream = o.stream;
-  args.name = name;
-  args.workspace = o.workspace;
-  args.error_flag = o.error_flag;
-  gemm::grouped_gemm(args);
+  run_grouped(gemm::GroupSplit::kRows, group_sizes, a.operand, bs, c, 0.0f, o, name);
 }
 
 void expert_wgrad(const gemm::LinearRecipe& r, const TensorView& dy, const TensorView& x,
@@ -180,24 +127,12 @@ void expert_wgrad(const gemm::LinearRecipe& r, const TensorView& dy, const Tenso
                   const LinearOptions& o) {
   const std::string name = fmt::format("{} wgrad", o.name);
   check_stacked(dw, group_sizes, name);
-  const Prepared a = prepare(r.wgrad_dy, dy, Copy::kColwise, operand_stream(o, 4), "dy", o);
-  const Prepared b = prepare(r.wgrad_x, x, Copy::kColwise, operand_stream(o, 5), "x", o);
+  const Prepared a = gemm::prepare_operand(r.wgrad_dy, dy, Copy::kColwise, operand_stream(o, 4), "dy", o);
+  const Prepared b = gemm::prepare_operand(r.wgrad_x, x, Copy::kColwise, operand_stream(o, 5), "x", o);
   std::vector<TensorView> c;
   for (int64_t g = 0; g < dw.shape[0]; ++g) c.push_back(expert_slice(dw, g));
   const Operand bs[1] = {b.operand};
-  gemm::GroupedGemmArgs args;
-  args.split = gemm::GroupSplit::kReduction;
-  args.group_sizes = group_sizes;
-  args.a = a.operand;
-  args.b = bs;
-  args.c = c;
-  args.beta = beta;
-  args.backend = o.backend;
-  args.stream = o.stream;
-  args.name = name;
-  args.workspace = o.workspace;
-  args.error_flag = o.error_flag;
-  gemm::grouped_gemm(args);
+  run_grouped(gemm::GroupSplit::kReduction, group_sizes, a.operand, bs, c, beta, o, name);
 }
 
 }  // namespace fourbit::model

@@ -20,8 +20,8 @@
 // options.sr.stream + i (fprop x 0, w 1; dgrad dy 2, w 3; wgrad dy 4, x 5); expert g's weight copy
 // additionally XORs (g + 1) << 44 into the stream.
 //
-// Temporaries (quantized copies) are allocated per call (cudaMalloc/cudaFree on CUDA), as in
-// gemm/linear.h.
+// Temporaries (quantized copies) are allocated per call (from the device's stream-ordered pool
+// on CUDA), as in gemm/linear.h.
 #pragma once
 
 #include "gemm/linear.h"
@@ -30,6 +30,12 @@
 #include <span>
 
 namespace fourbit::model {
+
+// The stochastic-rounding stream of expert g's copy of operand i of a call (see above); the
+// precision audit replays it.
+inline RandomStream expert_operand_stream(RandomStream call, uint64_t i, int64_t g) {
+  return {call.seed, (call.stream + i) ^ ((uint64_t)(g + 1) << 44)};
+}
 
 // The row alignment of expert groups that `recipe`'s expert GEMMs need (>= 8; the same on the CPU
 // and CUDA so that both quantize the same blocks).
