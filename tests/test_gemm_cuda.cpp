@@ -191,7 +191,7 @@ std::vector<GemmCase> epilogue_variants(Backend expected, double tol) {
 class GemmCuda : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU visible";
+    ASSERT_GT(cuda_device_count(), 0) << "the gpu tests need a CUDA GPU (run them with tools/gpu-test.sh)";
   }
 };
 

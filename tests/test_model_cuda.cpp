@@ -57,7 +57,7 @@ constexpr int kQuantBatch = 128;  // sequences of one token for the quantized co
 class ModelCuda : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    ASSERT_GT(cuda_device_count(), 0) << "the gpu tests need a CUDA GPU (run them with tools/gpu-test.sh)";
   }
 };
 

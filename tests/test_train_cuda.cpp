@@ -64,7 +64,7 @@ TrainConfig gpu_config() {
 }
 
 TEST(TrainCuda, AdamWMatchesCpu) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  ASSERT_TRUE(have_gpu()) << "the gpu tests need a CUDA GPU (run them with tools/gpu-test.sh)";
   const model::ModelConfig mc = gpu_config().model_config_resolved();
   const recipe::ResolvedRecipe rr = recipe::resolve(recipe::preset("bf16"), mc.recipe_shape());
   model::Model cpu(mc, rr, {}), gpu(mc, rr, model::ModelOptions{.device = Device::kCuda});
@@ -100,7 +100,7 @@ TEST(TrainCuda, AdamWMatchesCpu) {
 }
 
 TEST(TrainCuda, TrainerLearnsResumesAndCheckpointsLoadOnCpu) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  ASSERT_TRUE(have_gpu()) << "the gpu tests need a CUDA GPU (run them with tools/gpu-test.sh)";
   for (const char* recipe : {"bf16", "e2e4"}) {
     SCOPED_TRACE(recipe);
     TrainConfig c = gpu_config();
@@ -135,7 +135,7 @@ TEST(TrainCuda, TrainerLearnsResumesAndCheckpointsLoadOnCpu) {
 }
 
 TEST(TrainCuda, InjectedNanStopsWithStateIntact) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  ASSERT_TRUE(have_gpu()) << "the gpu tests need a CUDA GPU (run them with tools/gpu-test.sh)";
   TrainConfig c = gpu_config();
   c.inject_nan_steps = {2};
   Trainer t(c, nullptr);
