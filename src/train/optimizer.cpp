@@ -11,7 +11,7 @@
 
 namespace fourbit::train {
 
-AdamW::AdamW(model::Model& model, const AdamWConfig& config) : model_(model), config_(config) {
+void validate(const AdamWConfig& config) {
   FOURBIT_CHECK(config.beta1 >= 0 && config.beta1 < 1 && config.beta2 >= 0 && config.beta2 < 1,
                 "AdamW: beta1 and beta2 must lie in [0, 1), got {} and {}", config.beta1,
                 config.beta2);
@@ -22,16 +22,37 @@ AdamW::AdamW(model::Model& model, const AdamWConfig& config) : model_(model), co
   FOURBIT_CHECK(std::isfinite(config.grad_clip),
                 "AdamW: grad_clip must be finite (<= 0 disables clipping), got {}",
                 config.grad_clip);
+}
+
+bool adamw_decays(const model::ParamSpec& s, const AdamWConfig& config) {
+  const bool decay = s.kind != model::ParamKind::kNorm &&
+                     (s.weight_decay ||
+                      (config.decay_embeddings && s.kind == model::ParamKind::kEmbedding));
+  return decay && s.trainable;
+}
+
+ops::AdamWParams adamw_update_params(const AdamWConfig& config, double lr, int64_t step, bool decay,
+                                     float grad_scale) {
+  ops::AdamWParams a;
+  a.lr = (float)lr;
+  a.beta1 = (float)config.beta1;
+  a.beta2 = (float)config.beta2;
+  a.eps = (float)config.eps;
+  a.weight_decay = decay ? (float)config.weight_decay : 0.0f;
+  a.step = step;
+  a.grad_scale = grad_scale;
+  return a;
+}
+
+AdamW::AdamW(model::Model& model, const AdamWConfig& config) : model_(model), config_(config) {
+  validate(config);
   const model::ParamTable& table = model.table();
   const model::ParamBuffer& params = model.params();
   m_ = model::ParamBuffer(table, params.dtype(), params.device());
   v_ = model::ParamBuffer(table, params.dtype(), params.device());
   for (int i = 0; i < table.size(); ++i) {
     const model::ParamSpec& s = table.row(i);
-    const bool decay = s.kind != model::ParamKind::kNorm &&
-                       (s.weight_decay ||
-                        (config.decay_embeddings && s.kind == model::ParamKind::kEmbedding));
-    decay_.push_back(decay && s.trainable);
+    decay_.push_back(adamw_decays(s, config));
     if (s.trainable) trainable_.push_back(i);
   }
   const Device dev = params.device();
@@ -72,14 +93,7 @@ StepResult AdamW::step(double lr) {
   const model::ParamBuffer& compute = model_.compute_params();
   const bool write_bf16 = compute.dtype() == DType::kBF16 && &compute != &model_.params();
   for (int i : trainable_) {
-    ops::AdamWParams a;
-    a.lr = (float)lr;
-    a.beta1 = (float)config_.beta1;
-    a.beta2 = (float)config_.beta2;
-    a.eps = (float)config_.eps;
-    a.weight_decay = decay_[(size_t)i] ? (float)config_.weight_decay : 0.0f;
-    a.step = steps_ + 1;
-    a.grad_scale = scale;
+    const ops::AdamWParams a = adamw_update_params(config_, lr, steps_ + 1, decay_[(size_t)i], scale);
     ops::adamw_update(model_.params().view(i), model_.grads().view(i), m_.view(i), v_.view(i),
                       write_bf16 ? compute.view(i) : TensorView{}, a, config_.stream);
   }

@@ -30,6 +30,7 @@
 
 #include "core/tensor.h"
 #include "model/model.h"
+#include "ops/adamw.h"
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -85,6 +86,18 @@ class AdamW {
   Tensor norm_, workspace_;     // [1] f32/f64 on the model's device; CUDA reduction scratch
   int64_t steps_ = 0;
 };
+
+// The pieces of AdamW::step that a sharded optimizer (dist/zero_optimizer.h: ZeRO-1, each rank
+// updating a slice of the flat parameter space) reuses, so that both run the same math.
+// Throws naming the field when the config is invalid (betas in [0, 1), eps and weight_decay finite
+// and >= 0, grad_clip finite).
+void validate(const AdamWConfig& config);
+// The decay mask of one table row (see the invariants above).
+bool adamw_decays(const model::ParamSpec& spec, const AdamWConfig& config);
+// The per-tensor arguments of ops::adamw_update for update number `step` (1-based) of a tensor
+// with (decay) or without weight decay, gradients scaled by grad_scale (clipping).
+ops::AdamWParams adamw_update_params(const AdamWConfig& config, double lr, int64_t step, bool decay,
+                                     float grad_scale);
 
 // ---- learning-rate schedules -----------------------------------------------------------------
 enum class ScheduleKind : uint8_t {
