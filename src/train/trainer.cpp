@@ -178,7 +178,7 @@ nlohmann::json TrainSummary::to_json() const {
 
 // ---- Trainer -----------------------------------------------------------------------------------
 
-Trainer::Trainer(TrainConfig config, std::FILE* progress)
+Trainer::Trainer(TrainConfig config, std::FILE* progress, DataParallelFactory data_parallel)
     : config_(std::move(config)), progress_(progress) {
   FOURBIT_CHECK(config_.steps >= 1, "--steps must be >= 1, got {}", config_.steps);
   FOURBIT_CHECK(config_.grad_accum >= 1, "--grad-accum must be >= 1, got {}", config_.grad_accum);
@@ -203,7 +203,17 @@ Trainer::Trainer(TrainConfig config, std::FILE* progress)
   mo.max_batch = (int)config_.data.batch_size;
   mo.max_seq = (int)config_.data.seq_len;
   model_ = std::make_unique<model::Model>(mc, rr, mo);
-  optimizer_ = std::make_unique<AdamW>(*model_, config_.optimizer);
+  if (data_parallel) {
+    dp_ = data_parallel(*model_, config_.optimizer);
+    FOURBIT_CHECK(config_.grad_accum % dp_->world_size() == 0,
+                  "--grad-accum {} (micro-batches per step over all ranks) must be a multiple of "
+                  "the number of ranks {}: use --grad-accum {}",
+                  config_.grad_accum, dp_->world_size(),
+                  (config_.grad_accum + dp_->world_size() - 1) / dp_->world_size() * dp_->world_size());
+    if (dp_->rank() != 0) progress_ = nullptr;
+  } else {
+    optimizer_ = std::make_unique<AdamW>(*model_, config_.optimizer);
+  }
   const int64_t B = config_.data.batch_size, T = config_.data.seq_len;
   inputs_ = Tensor::zeros({B, T}, DType::kI32, Device::kCpu);
   targets_ = Tensor::zeros({B, T}, DType::kI32, Device::kCpu);
@@ -221,7 +231,7 @@ Trainer::~Trainer() {
 }
 
 void Trainer::write_metrics(const nlohmann::json& line) {
-  if (config_.out_dir.empty()) return;
+  if (config_.out_dir.empty() || rank() != 0) return;
   if (metrics_ == nullptr) {
     const std::string path = config_.out_dir + "/metrics.jsonl";
     const bool fresh = step_ == 0 || !fs::exists(path);
@@ -256,6 +266,7 @@ StepMetrics Trainer::step() {
   bool bad = false;
   for (int micro = 0; micro < accum; ++micro) {
     data_.train->next(inputs_, targets_);
+    if (micro % world_size() != rank()) continue;  // another rank's micro-batch
     if (bad) continue;  // keep the data stream where an unbroken step would leave it
     model::ForwardOptions fo;
     fo.stage = model::TrainingStage::kPretrain;
@@ -276,6 +287,20 @@ StepMetrics Trainer::step() {
     m.loss += li.loss / accum;
     m.ce += li.ce / accum;
   }
+  if (dp_) {
+    // The step's mean losses over all ranks; a bad micro-batch anywhere makes the step bad
+    // everywhere (the ranks must take the same decision).
+    double sums[3] = {bad ? 0.0 : m.loss, bad ? 0.0 : m.ce, bad ? 1.0 : 0.0};
+    dp_->all_reduce_sum(sums);
+    if (!bad && sums[2] > 0) {
+      bad = true;
+      m.loss = std::numeric_limits<double>::quiet_NaN();
+      m.bad_report = "a micro-batch of another rank had a non-finite loss (that rank reports it)";
+    } else if (!bad) {
+      m.loss = sums[0];
+      m.ce = sums[1];
+    }
+  }
   for (int64_t s : config_.inject_nan_steps) {
     if (s == m.step && !bad) {
       const TensorView g = model_->grads().view(0);
@@ -287,7 +312,7 @@ StepMetrics Trainer::step() {
     }
   }
   if (!bad) {
-    const StepResult r = optimizer_->step(m.lr);
+    const StepResult r = dp_ ? dp_->optimizer_step(m.lr) : optimizer_->step(m.lr);
     m.grad_norm = r.grad_norm;
     m.clip_scale = r.clip_scale;
     if (!r.applied) {
@@ -297,6 +322,7 @@ StepMetrics Trainer::step() {
           locate([&] { model_->check_grads_finite(); }, "(every gradient is finite)"));
     } else {
       model_->update_router_bias();
+      if (dp_) dp_->after_update(*model_);
     }
   }
   m.applied = !bad;
@@ -378,6 +404,7 @@ EvalMetrics Trainer::evaluate() {
   data_.val->reset();
   for (int64_t i = 0; i < config_.eval_batches; ++i) {
     data_.val->next(inputs_, targets_);
+    if (i % world_size() != rank()) continue;  // another rank's batch
     model::ForwardOptions fo;
     fo.stage = model::TrainingStage::kPretrain;
     fo.step = 0;
@@ -385,6 +412,12 @@ EvalMetrics Trainer::evaluate() {
     const model::LossInfo li = model_->forward(inputs_, targets_, fo);
     e.loss += li.loss / (double)config_.eval_batches;
     e.ce += li.ce / (double)config_.eval_batches;
+  }
+  if (dp_) {
+    double sums[2] = {e.loss, e.ce};
+    dp_->all_reduce_sum(sums);
+    e.loss = sums[0];
+    e.ce = sums[1];
   }
   last_eval_ = e;
   write_metrics({{"type", "eval"},
@@ -425,7 +458,11 @@ CheckpointState Trainer::checkpoint_state() const {
 }
 
 void Trainer::save(const std::string& dir, const SaveOptions& options) const {
-  save_checkpoint(dir, *model_, optimizer_.get(), checkpoint_state(), options);
+  if (dp_) {
+    dp_->save(dir, *model_, checkpoint_state(), options);
+  } else {
+    save_checkpoint(dir, *model_, optimizer_.get(), checkpoint_state(), options);
+  }
 }
 
 void Trainer::resume(const std::string& dir) {
@@ -440,7 +477,8 @@ void Trainer::resume(const std::string& dir) {
                             "new --out directory",
                             dir, *d));
   }
-  const CheckpointInfo info = load_checkpoint(dir, *model_, optimizer_.get());
+  const CheckpointInfo info =
+      dp_ ? dp_->load(dir, *model_) : load_checkpoint(dir, *model_, optimizer_.get());
   data_.train->restore(info.state.data.at("train"));
   step_ = info.state.step;
   tokens_seen_ = info.state.tokens_seen;
@@ -460,7 +498,7 @@ void Trainer::resume(const std::string& dir) {
              saved_steps, config_.steps);
   }
   // Metrics: keep what the checkpoint's run had written up to its step.
-  if (!config_.out_dir.empty()) {
+  if (!config_.out_dir.empty() && rank() == 0) {
     const std::string path = config_.out_dir + "/metrics.jsonl";
     std::ifstream in(path);
     std::string kept, line;
@@ -512,7 +550,9 @@ TrainSummary Trainer::run(std::optional<int64_t> until) {
   const std::string ckpt = config_.out_dir.empty() ? "" : config_.out_dir + "/checkpoint";
   bool interrupted = false;
   while (step_ < target) {
-    if (stop_flag_ != nullptr && stop_flag_->load()) {
+    double stop = stop_flag_ != nullptr && stop_flag_->load() ? 1.0 : 0.0;
+    if (dp_) dp_->all_reduce_sum(std::span<double>(&stop, 1));  // every rank stops at one step
+    if (stop > 0) {
       interrupted = true;
       log_warn("stopping at step {} on request{}", step_,
                ckpt.empty() ? "" : fmt::format("; checkpoint in '{}' (continue with --resume)", ckpt));

@@ -39,6 +39,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -121,10 +122,44 @@ struct TrainSummary {
   nlohmann::json to_json() const;
 };
 
+// Data parallelism: the hooks through which one rank's trainer meets the other ranks
+// (dist/data_parallel.h implements them with a communicator and the ZeRO-1 optimizer). With them:
+//   * grad_accum is the number of micro-batches of a step over ALL ranks and must be a multiple of
+//     world_size(); every rank reads every micro-batch (so all ranks keep the same data position
+//     and checkpoints do not depend on the number of ranks) and runs micro-batches rank, rank +
+//     world, ... of each step with loss_scale 1 / grad_accum, so the SUM of the ranks' gradients
+//     is the one-rank gradient. Losses and the bad-step flag are summed over the ranks; all ranks
+//     take the same decisions (skip, stop, save).
+//   * the optimizer update, checkpoint save and load go through the hooks (collectives);
+//   * only rank 0 prints progress and writes metrics.jsonl and checkpoints.
+//   * evaluation batches are split over the ranks the same way and their losses summed.
+class DataParallelHooks {
+ public:
+  virtual ~DataParallelHooks() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // Sums host values over the ranks, in place.
+  virtual void all_reduce_sum(std::span<double> values) = 0;
+  // The optimizer update from this rank's gradients (train::AdamW semantics, StepResult included).
+  virtual StepResult optimizer_step(double lr) = 0;
+  // After an applied update and model.update_router_bias(): make the buffers that are not trained
+  // (the router bias) equal on every rank.
+  virtual void after_update(model::Model& model) = 0;
+  // Checkpoints in the one-rank format (checkpoint.h), loadable at any number of ranks.
+  virtual void save(const std::string& dir, model::Model& model, const CheckpointState& state,
+                    const SaveOptions& options) = 0;
+  virtual CheckpointInfo load(const std::string& dir, model::Model& model) = 0;
+};
+// Makes the hooks for a trainer's model (called once by the Trainer's constructor).
+using DataParallelFactory =
+    std::function<std::unique_ptr<DataParallelHooks>(model::Model& model, const AdamWConfig& config)>;
+
 class Trainer {
  public:
-  // Builds model, optimizer and data. With `progress` set, the progress line goes there.
-  explicit Trainer(TrainConfig config, std::FILE* progress = stderr);
+  // Builds model, optimizer and data. With `progress` set, the progress line goes there. With
+  // `data_parallel`, this is one rank of a data-parallel run (DataParallelHooks above).
+  explicit Trainer(TrainConfig config, std::FILE* progress = stderr,
+                   DataParallelFactory data_parallel = {});
   ~Trainer();
 
   // Resumes from a checkpoint directory (model, optimizer, step, data positions, metrics file
@@ -150,7 +185,14 @@ class Trainer {
   int64_t tokens_seen() const { return tokens_seen_; }
   const TrainConfig& config() const { return config_; }
   model::Model& model() { return *model_; }
-  AdamW& optimizer() { return *optimizer_; }
+  // The one-rank optimizer (not in a data-parallel run, whose optimizer state is sharded).
+  AdamW& optimizer() {
+    FOURBIT_CHECK(optimizer_ != nullptr, "Trainer::optimizer: a data-parallel trainer has no "
+                  "one-rank optimizer (its state is sharded over the ranks)");
+    return *optimizer_;
+  }
+  int rank() const { return dp_ ? dp_->rank() : 0; }
+  int world_size() const { return dp_ ? dp_->world_size() : 1; }
   // The loss of every step of this process (NaN for a bad step); after resume() it starts with
   // the checkpoint's summary: its first loss (when not among the recent ones) and its last <= 10.
   const std::vector<double>& train_losses() const { return losses_; }
@@ -165,7 +207,8 @@ class Trainer {
   TrainConfig config_;
   std::FILE* progress_;
   std::unique_ptr<model::Model> model_;
-  std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<AdamW> optimizer_;          // one rank
+  std::unique_ptr<DataParallelHooks> dp_;     // data parallel (then optimizer_ is null)
   DataSources data_;
   Tensor inputs_, targets_;  // host i32 [B, T]
   int64_t step_ = 0, tokens_seen_ = 0, bad_steps_ = 0;
