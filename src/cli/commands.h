@@ -32,5 +32,6 @@ Command add_export_command(CLI::App& app);
 Command add_import_command(CLI::App& app);
 Command add_rl_command(CLI::App& app);
 Command add_sample_command(CLI::App& app);
+Command add_launch_command(CLI::App& app);
 
 }  // namespace fourbit::cli

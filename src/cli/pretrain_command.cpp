@@ -1,8 +1,11 @@
 // `fourbit pretrain`: one pretraining run (train/trainer.h) with a live progress line, metrics in
 // OUT/metrics.jsonl, a checkpoint in OUT/checkpoint (resumable with --resume), and a summary.
+// Started by `fourbit launch -n N` (or torchrun / mpirun), each process is one rank of a
+// data-parallel run (dist/data_parallel.h); rank 0 prints and writes.
 #include "cli/commands.h"
 #include "cli/train_options.h"
 #include "core/log.h"
+#include "dist/data_parallel.h"
 #include "model/config.h"
 
 #include <atomic>
@@ -29,7 +32,17 @@ struct PretrainArgs {
 void run_pretrain(PretrainArgs& a) {
   train::TrainConfig c = finish_train_config(a.train);
   if (c.out_dir.empty()) c.out_dir = "runs/pretrain";
-  train::Trainer t(c);
+  // Under `fourbit launch` (or torchrun / mpirun): one rank of a data-parallel run. The
+  // communicator comes first: it selects this rank's GPU before the model allocates.
+  const std::unique_ptr<dist::Communicator> comm = dist::communicator_from_environment(c.device);
+  if (comm) {
+    dist::quiet_unless_rank0(comm->rank());
+    log_info("data parallel: {} ranks (ZeRO-1); --grad-accum {} micro-batches per step over all "
+             "ranks",
+             comm->size(), c.grad_accum);
+  }
+  train::Trainer t(c, comm && comm->rank() != 0 ? nullptr : stderr,
+                   comm ? dist::data_parallel(*comm) : train::DataParallelFactory{});
   const model::Model& m = t.model();
   log_info("model '{}': {} parameters ({} active), vocab {}, {} layers, d_model {}; recipe {}; "
            "device {}; {} tokens per step",
@@ -57,7 +70,7 @@ void run_pretrain(PretrainArgs& a) {
   const train::TrainSummary s = t.run();
   std::signal(SIGINT, SIG_DFL);
   std::signal(SIGTERM, SIG_DFL);
-  std::printf("%s\n", s.to_json().dump(2).c_str());
+  if (t.rank() == 0) std::printf("%s\n", s.to_json().dump(2).c_str());
   log_info("metrics: {}/metrics.jsonl, checkpoint: {}/checkpoint", c.out_dir, c.out_dir);
 }
 
