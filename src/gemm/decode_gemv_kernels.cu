@@ -320,7 +320,11 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const WeightR
 
 __device__ __forceinline__ void store_y(const DecodeGemvParams& p, int token, int64_t row, float v) {
   if (p.y_bf16) {
-    static_cast<uint16_t*>(p.y)[token * p.ldy + row] = formats::encode_bf16_rn(v);
+    uint16_t out = formats::encode_bf16_rn(v);
+    if (p.residual != nullptr) {  // exactly ops::add_inplace on the bf16 result
+      out = formats::encode_bf16_rn(formats::add_rn(formats::decode_bf16(out), formats::decode_bf16(p.residual[token * p.ldr + row])));
+    }
+    static_cast<uint16_t*>(p.y)[token * p.ldy + row] = out;
   } else {
     static_cast<float*>(p.y)[token * p.ldy + row] = v;
   }

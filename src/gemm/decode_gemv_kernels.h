@@ -83,6 +83,9 @@ struct DecodeGemvParams {
   void* y = nullptr;
   bool y_bf16 = false;
   int64_t ldy = 0;
+  // Optional bf16 residual [B, N], row stride ldr (y_bf16 only): y = bf16(bf16(result) + residual).
+  const uint16_t* residual = nullptr;
+  int64_t ldr = 0;
   // Workspace (plan.splits > 1): partials f32 [splits, B, N]; counters u32 [row_blocks], zero.
   float* partials = nullptr;
   unsigned* counters = nullptr;
