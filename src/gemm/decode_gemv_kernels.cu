@@ -206,6 +206,29 @@ __device__ __forceinline__ void load_weights(const DecodeGemvParams& p, const Ge
   }
 }
 
+// L2 prefetch of the weight bytes this thread loads for the chunk at k0 (no registers, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(ptr));
+}
+__device__ __forceinline__ void prefetch_weights_l2(const DecodeGemvParams& p, const GemvShape& sh, int64_t row0,
+                                                    int t, int64_t k0, DecodeWeightFormat f) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t row = row0 + 8 * i;
+    if (row >= sh.N) continue;
+    if (f == DecodeWeightFormat::kNvfp4) {
+      const int64_t row_bytes = (sh.K + 1) / 2, b0 = k0 / 2 + 16 * t;
+      if (b0 < row_bytes) prefetch_l2(p.w_data + row * row_bytes + b0);
+    } else {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int64_t e = k0 + 8 * t + 32 * q;
+        if (e < sh.K) prefetch_l2(p.w_bf16 + row * p.ldw + e);
+      }
+    }
+  }
+}
+
 // x of one chunk: NT pieces per thread (8 NT tokens x 16 pieces over 128 threads).
 template <int NT>
 struct XRegs {
@@ -356,7 +379,14 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvP
 
   WeightRegs<F> cur, next;
   XRegs<NT> xr;
+  // Before the dependency wait (programmatic dependent launch, see launch_typed): only the weights,
+  // which no kernel of a decode step writes. The first chunk goes to registers, the CTA's later
+  // chunks are prefetched into L2, all while the previous kernel (the producer of x) finishes.
   load_weights(p, sh, row0, t, (int64_t)c_begin * kDecodeChunk, cur);
+  for (int c = c_begin + 1; c < c_end; ++c) prefetch_weights_l2(p, sh, row0, t, (int64_t)c * kDecodeChunk, F);
+  // x, the workspace and the output only once the previous kernel has completed (a no-op when the
+  // launch was not programmatic).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   load_x<NT>(p, sh, (int64_t)c_begin * kDecodeChunk, xr);
   store_x<F, kXF16, NT>(xr, tile[0]);
   __syncthreads();
@@ -418,14 +448,34 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvP
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;
 }
 
+// Launched as a programmatic dependent launch: the CTAs may start while the previous kernel on the
+// stream is still running and load their weights, then wait (griddepcontrol.wait) for its
+// completion before touching x, the workspace or y. This hides the launch gap and the weight-load
+// latency behind the small kernels (norm, RoPE, attention) that precede each GEMV in a decode step;
+// CUDA graphs keep the programmatic edge when the step is captured.
+template <DecodeWeightFormat F, bool kXF16, int NT>
+void launch_pdl(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)plan.row_blocks, (unsigned)plan.splits);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemv_kernel<F, kXF16, NT>, p, plan.chunks, plan.chunks_per_split,
+                                        plan.splits));
+}
+
 template <DecodeWeightFormat F, bool kXF16>
 void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
-  const dim3 grid((unsigned)plan.row_blocks, (unsigned)plan.splits);
   switch (plan.n_tiles) {
-    case 1: decode_gemv_kernel<F, kXF16, 1><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
-    case 2: decode_gemv_kernel<F, kXF16, 2><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
-    case 4: decode_gemv_kernel<F, kXF16, 4><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
-    default: decode_gemv_kernel<F, kXF16, 8><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
+    case 1: launch_pdl<F, kXF16, 1>(p, plan, stream); break;
+    case 2: launch_pdl<F, kXF16, 2>(p, plan, stream); break;
+    case 4: launch_pdl<F, kXF16, 4>(p, plan, stream); break;
+    default: launch_pdl<F, kXF16, 8>(p, plan, stream); break;
   }
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
@@ -524,37 +574,40 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQ
   quantize_x_blocks(p, s_amax, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
 }
 
-// Small activations (B * K <= kSingleCtaElements): amax and quantization in one CTA, one launch.
-constexpr int kSingleCtaThreads = 1024;
-constexpr int64_t kSingleCtaElements = 65536;
+// Small activations (B * K <= kRedundantAmaxElements): one launch. Every CTA reduces the global
+// amax of the whole x itself (at most 128 KB, read from L2) and then quantizes its own 256 blocks,
+// so the blocks spread over ceil(blocks / 256) CTAs instead of one SM. The amax is a max: the same
+// value in every CTA, whatever the order.
+constexpr int64_t kRedundantAmaxElements = 65536;
 
-__global__ void __launch_bounds__(kSingleCtaThreads) quantize_x_single_cta_kernel(const DecodeQuantizeParams p) {
-  __shared__ float warp_max[kSingleCtaThreads / 32];
+__global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kernel(const DecodeQuantizeParams p) {
+  __shared__ float warp_max[kQuantThreads / 32];
   __shared__ float s_amax;
-  const int64_t n = (int64_t)p.B * p.K;
   float m = 0.0f;
   bool bad = false;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const int64_t r = i / p.K, c = i % p.K;
-    const float a = formats::abs_f32(formats::decode_bf16(p.x[r * p.ldx + c]));
-    if (!(a <= formats::kFloatMax)) {
-      bad = true;
-    } else {
-      m = formats::fmax_ieee(m, a);
+  for (int r = 0; r < p.B; ++r) {
+    const uint16_t* row = p.x + (int64_t)r * p.ldx;
+    for (int64_t c = threadIdx.x; c < p.K; c += blockDim.x) {
+      const float a = formats::abs_f32(formats::decode_bf16(row[c]));
+      if (!(a <= formats::kFloatMax)) {
+        bad = true;
+      } else {
+        m = formats::fmax_ieee(m, a);
+      }
     }
   }
   for (int off = 16; off > 0; off >>= 1) m = formats::fmax_ieee(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-  if (bad && p.error_flags != nullptr) atomicOr(p.error_flags, quant::kDeviceErrNonFinite);
+  if (bad && blockIdx.x == 0 && p.error_flags != nullptr) atomicOr(p.error_flags, quant::kDeviceErrNonFinite);
   __syncthreads();
   if (threadIdx.x == 0) {
     float b = 0.0f;
-    for (int w = 0; w < kSingleCtaThreads / 32; ++w) b = formats::fmax_ieee(b, warp_max[w]);
+    for (int w = 0; w < kQuantThreads / 32; ++w) b = formats::fmax_ieee(b, warp_max[w]);
     s_amax = b;
-    *p.amax_out = b;
+    if (blockIdx.x == 0) *p.amax_out = b;
   }
   __syncthreads();
-  quantize_x_blocks(p, s_amax, threadIdx.x, blockDim.x);
+  quantize_x_blocks(p, s_amax, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
 }
 
 }  // namespace
@@ -571,8 +624,10 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream) {
   const int64_t n = (int64_t)p.B * p.K;
-  if (n <= kSingleCtaElements) {
-    quantize_x_single_cta_kernel<<<1, kSingleCtaThreads, 0, stream>>>(p);
+  if (n <= kRedundantAmaxElements) {
+    const int64_t blocks = (int64_t)p.B * ((p.K + 15) / 16);
+    const int ctas = (int)std::max<int64_t>(1, (blocks + kQuantThreads - 1) / kQuantThreads);
+    quantize_x_redundant_amax_kernel<<<ctas, kQuantThreads, 0, stream>>>(p);
     FOURBIT_CUDA_CHECK_LAUNCH();
     return;
   }

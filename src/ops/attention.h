@@ -57,7 +57,7 @@ struct AttentionOptions {
 // must be ordered (one stream).
 class AttentionDecodeWorkspace {
  public:
-  static constexpr int kDecodeSplitCtas = 512;
+  static constexpr int kDecodeSplitCtas = 1024;
   explicit AttentionDecodeWorkspace(Device device);
   float* partials() const { return partials_.ptr<float>(); }
   uint32_t* counters() const { return counters_.ptr<uint32_t>(); }
@@ -99,7 +99,7 @@ void attention_backward(const TensorView& dout,  // [B, T, H, D]
 // synchronizing, clamps them into that range.
 // CUDA: a simple FP32 kernel (decode is bound by reading the cache, not by math); one CTA per
 // (b, kv head, 16 query rows) and cache split. With options.decode_workspace, a launch of fewer
-// than 2 CTAs per SM splits the cache (T_max, in 64-position tiles) over up to that many CTAs, each
+// than 6 CTAs per SM splits the cache (T_max, in 64-position tiles) over up to that many CTAs, each
 // keeping a partial online softmax; the last CTA of a group merges the partials in split order
 // (deterministic; a different FP32 rounding than the unsplit kernel, same tolerance).
 void attention_decode(const TensorView& q,              // [B, Tq, H, D]

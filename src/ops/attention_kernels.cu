@@ -28,8 +28,8 @@
 //
 // Decode: one CTA per (b, kv head, 16 query rows, cache split); FP32 scalar math on key/value tiles
 // of 64 positions staged in shared memory, online softmax per row. With a workspace, launches of
-// fewer than 2 CTAs per SM (small batches: Llama-1.1B at batch 1 has 4 kv heads, 4 CTAs) split the
-// cache into up to 2 x SMs / groups ranges of whole tiles (flash-decoding); each CTA leaves its
+// fewer than 6 CTAs per SM (small batches: Llama-1.1B at batch 1 has 4 kv heads, 4 CTAs) split the
+// cache into up to 6 x SMs / groups ranges of whole tiles (flash-decoding); each CTA leaves its
 // partial (acc, max, sum) in the scratch and the last to finish (atomic counter) merges them in
 // split order, so the result does not depend on which CTA finished last.
 #include "ops/attention_kernels.h"
@@ -865,14 +865,15 @@ void decode_d(const AttentionDecodeArgs& a, cudaStream_t stream) {
   const int rows = (d.heads / d.kv_heads) * d.seq;
   const int row_blocks = (rows + kDecodeRows - 1) / kDecodeRows;
   const int64_t groups = (int64_t)row_blocks * d.kv_heads * d.batch;
-  // Split the cache while the launch has fewer than 2 CTAs per SM (and fits the scratch).
+  // Split the cache while the launch has fewer than 6 CTAs per SM (and fits the scratch): a CTA is
+  // 4 warps that mostly wait on shared memory and the cache, so an SM wants several.
   static const int sms = [] {
     int dev = 0, n = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) n = 0;
     (void)cudaGetLastError();
     return n > 0 ? n : 132;
   }();
-  const int64_t target = std::min<int64_t>(2 * sms, a.max_ctas);
+  const int64_t target = std::min<int64_t>(6 * sms, a.max_ctas);
   const int tiles = (a.cache_capacity + kDecodeKeys - 1) / kDecodeKeys;
   int splits = 1;
   if (a.partials != nullptr && a.counters != nullptr && groups < target && tiles > 1) {
