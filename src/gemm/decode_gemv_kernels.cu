@@ -206,29 +206,6 @@ __device__ __forceinline__ void load_weights(const DecodeGemvParams& p, const Ge
   }
 }
 
-// L2 prefetch of the weight bytes this thread loads for the chunk at k0 (no registers, no wait).
-__device__ __forceinline__ void prefetch_l2(const void* ptr) {
-  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(ptr));
-}
-__device__ __forceinline__ void prefetch_weights_l2(const DecodeGemvParams& p, const GemvShape& sh, int64_t row0,
-                                                    int t, int64_t k0, DecodeWeightFormat f) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int64_t row = row0 + 8 * i;
-    if (row >= sh.N) continue;
-    if (f == DecodeWeightFormat::kNvfp4) {
-      const int64_t row_bytes = (sh.K + 1) / 2, b0 = k0 / 2 + 16 * t;
-      if (b0 < row_bytes) prefetch_l2(p.w_data + row * row_bytes + b0);
-    } else {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int64_t e = k0 + 8 * t + 32 * q;
-        if (e < sh.K) prefetch_l2(p.w_bf16 + row * p.ldw + e);
-      }
-    }
-  }
-}
-
 // x of one chunk: NT pieces per thread (8 NT tokens x 16 pieces over 128 threads).
 template <int NT>
 struct XRegs {
@@ -379,14 +356,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvP
 
   WeightRegs<F> cur, next;
   XRegs<NT> xr;
-  // Before the dependency wait (programmatic dependent launch, see launch_typed): only the weights,
-  // which no kernel of a decode step writes. The first chunk goes to registers, the CTA's later
-  // chunks are prefetched into L2, all while the previous kernel (the producer of x) finishes.
   load_weights(p, sh, row0, t, (int64_t)c_begin * kDecodeChunk, cur);
-  for (int c = c_begin + 1; c < c_end; ++c) prefetch_weights_l2(p, sh, row0, t, (int64_t)c * kDecodeChunk, F);
-  // x, the workspace and the output only once the previous kernel has completed (a no-op when the
-  // launch was not programmatic).
-  asm volatile("griddepcontrol.wait;" ::: "memory");
   load_x<NT>(p, sh, (int64_t)c_begin * kDecodeChunk, xr);
   store_x<F, kXF16, NT>(xr, tile[0]);
   __syncthreads();
@@ -448,34 +418,14 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvP
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;
 }
 
-// Launched as a programmatic dependent launch: the CTAs may start while the previous kernel on the
-// stream is still running and load their weights, then wait (griddepcontrol.wait) for its
-// completion before touching x, the workspace or y. This hides the launch gap and the weight-load
-// latency behind the small kernels (norm, RoPE, attention) that precede each GEMV in a decode step;
-// CUDA graphs keep the programmatic edge when the step is captured.
-template <DecodeWeightFormat F, bool kXF16, int NT>
-void launch_pdl(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)plan.row_blocks, (unsigned)plan.splits);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemv_kernel<F, kXF16, NT>, p, plan.chunks, plan.chunks_per_split,
-                                        plan.splits));
-}
-
 template <DecodeWeightFormat F, bool kXF16>
 void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
+  const dim3 grid((unsigned)plan.row_blocks, (unsigned)plan.splits);
   switch (plan.n_tiles) {
-    case 1: launch_pdl<F, kXF16, 1>(p, plan, stream); break;
-    case 2: launch_pdl<F, kXF16, 2>(p, plan, stream); break;
-    case 4: launch_pdl<F, kXF16, 4>(p, plan, stream); break;
-    default: launch_pdl<F, kXF16, 8>(p, plan, stream); break;
+    case 1: decode_gemv_kernel<F, kXF16, 1><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
+    case 2: decode_gemv_kernel<F, kXF16, 2><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
+    case 4: decode_gemv_kernel<F, kXF16, 4><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
+    default: decode_gemv_kernel<F, kXF16, 8><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
   }
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
