@@ -7,6 +7,7 @@
 // (NaN) before each launch, so an unwritten element fails; every launch runs twice and must give
 // the same bits (deterministic split-K, counters reset).
 #include "core/device.h"
+#include "formats/element.h"
 #include "gemm/decode_gemv.h"
 #include "gemm_test_util.h"
 
@@ -223,6 +224,33 @@ void run_case(const Case& c, uint64_t seed) {
   int flag_host = 0;
   FOURBIT_CUDA_CHECK(cudaMemcpy(&flag_host, flag.data(), 4, cudaMemcpyDeviceToHost));
   EXPECT_EQ(flag_host, 0);
+
+  // bf16 output with a residual: bit for bit the launch above followed by a bf16 add (rounded sum of
+  // the two bf16 values), i.e. ops::add_inplace.
+  if (c.y == DType::kBF16) {
+    const int64_t ldr = c.N + 5;
+    std::mt19937_64 rng(seed ^ 0x5EEDu);
+    std::normal_distribution<float> nd(0.0f, 2.0f);
+    std::vector<uint16_t> res_host((size_t)(c.B * ldr));
+    for (uint16_t& v : res_host) v = formats::encode_bf16_rn(nd(rng));
+    Strided res = strided(c.B, c.N, ldr, DType::kBF16);
+    FOURBIT_CUDA_CHECK(cudaMemcpy(res.buf.data(), res_host.data(), res_host.size() * 2, cudaMemcpyHostToDevice));
+    a.residual = res.view;
+    poison(yd.view);
+    decode_gemv(a);
+    FOURBIT_CUDA_CHECK(cudaDeviceSynchronize());
+    a.residual = TensorView{};
+    const std::vector<uint8_t> with_res = raw(yd.view);
+    const int64_t ldy = c.N + c.y_pad;
+    for (int64_t r = 0; r < c.B; ++r)
+      for (int64_t n = 0; n < c.N; ++n) {
+        uint16_t plain = 0, got_bits = 0;
+        std::memcpy(&plain, first.data() + 2 * (r * ldy + n), 2);
+        std::memcpy(&got_bits, with_res.data() + 2 * (r * ldy + n), 2);
+        const uint16_t want_bits = formats::encode_bf16_rn(formats::decode_bf16(plain) + formats::decode_bf16(res_host[(size_t)(r * ldr + n)]));
+        ASSERT_EQ(got_bits, want_bits) << describe(c) << ": residual epilogue at [" << r << ", " << n << "]";
+      }
+  }
 }
 
 TEST(DecodeGemvCuda, Nvfp4WeightsPlainActivations) {

@@ -400,16 +400,25 @@ void check_decode(int64_t B, int64_t Tmax, int64_t H, int64_t Hkv, int64_t D, in
   const Tensor kd = host_tensor({B, Tmax, Hkv, D}, DType::kBF16, kc).to(Device::kCuda);
   const Tensor vd = host_tensor({B, Tmax, Hkv, D}, DType::kBF16, vc).to(Device::kCuda);
   const Tensor ld = len_h.to(Device::kCuda);
-  std::vector<uint8_t> first;
-  for (uint8_t poison : kPoisons) {
-    Guarded out = Guarded::make({B, Tq, H, D}, DType::kBF16, poison);
-    attention_decode(qd, kd, vd, ld, out.view);
-    device_synchronize();
-    ASSERT_EQ(out.damaged_guard_bytes(), 0) << "decode out: write outside the tensor";
-    ASSERT_TRUE(all_close(out.values(), w, [&](int64_t i) { return std::ldexp(bnd[(size_t)i], -7) + 1e-6; },
-                          "decode out"));
-    if (first.empty()) first = bytes_of(out.view);
-    else ASSERT_TRUE(first == bytes_of(out.view)) << "decode not deterministic";
+  // Without a workspace: one CTA per (b, kv head, 16 rows). With one: the cache is split over
+  // CTAs (every case below launches few enough CTAs to split) and merged by the last CTA; the
+  // repeated calls on one workspace also check that its counters are left at zero.
+  AttentionDecodeWorkspace ws(Device::kCuda);
+  for (bool split : {false, true}) {
+    SCOPED_TRACE(split ? "split-cache kernel (workspace)" : "one CTA per group (no workspace)");
+    AttentionOptions o;
+    if (split) o.decode_workspace = &ws;
+    std::vector<uint8_t> first;
+    for (uint8_t poison : kPoisons) {
+      Guarded out = Guarded::make({B, Tq, H, D}, DType::kBF16, poison);
+      attention_decode(qd, kd, vd, ld, out.view, o);
+      device_synchronize();
+      ASSERT_EQ(out.damaged_guard_bytes(), 0) << "decode out: write outside the tensor";
+      ASSERT_TRUE(all_close(out.values(), w, [&](int64_t i) { return std::ldexp(bnd[(size_t)i], -7) + 1e-6; },
+                            "decode out"));
+      if (first.empty()) first = bytes_of(out.view);
+      else ASSERT_TRUE(first == bytes_of(out.view)) << "decode not deterministic";
+    }
   }
 }
 
@@ -421,6 +430,14 @@ TEST_F(OpsAttentionCuda, DecodeMatchesTheReference) {
   check_decode(2, 130, 16, 1, 64, 2, {129, 64}, 5020);     // 32 query rows: two CTAs per head
   if (HasFatalFailure()) return;
   check_decode(2, 40, 4, 4, 128, 5, {0, 40}, 5030);        // sequence 0: empty, all padding
+  if (HasFatalFailure()) return;
+  // Llama-1.1B's attention at batch 1 (4 kv heads of 8 query heads): 16 splits of one tile.
+  check_decode(1, 1000, 32, 4, 64, 1, {777}, 5040);
+  if (HasFatalFailure()) return;
+  // Splits past a short sequence's end (no key reaches those rows), and a padding row.
+  check_decode(2, 600, 16, 2, 128, 2, {600, 1}, 5050);
+  if (HasFatalFailure()) return;
+  check_decode(1, 257, 4, 1, 64, 1, {0}, 5060);  // empty cache: zero output from every split
 }
 
 }  // namespace

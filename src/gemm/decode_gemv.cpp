@@ -222,6 +222,14 @@ void decode_gemv(const DecodeGemvArgs& a) {
                     y.strides[0] >= N,
                 "{}: y must be an f32 or bf16 [{}, {}] matrix with unit column stride on cuda, got {}", where, B, N,
                 y.describe());
+  const TensorView& r = a.residual;
+  if (r.data != nullptr) {
+    FOURBIT_CHECK(y.dtype == DType::kBF16, "{}: a residual needs a bf16 y, got {}", where, y.describe());
+    FOURBIT_CHECK(r.device == Device::kCuda && r.dtype == DType::kBF16 && r.shape.ndim == 2 && r.shape[0] == B &&
+                      r.shape[1] == N && r.strides[1] == 1 && r.strides[0] >= N,
+                  "{}: residual must be a bf16 [{}, {}] matrix with unit column stride on cuda, got {}", where, B, N,
+                  r.describe());
+  }
   FOURBIT_CHECK(a.workspace != nullptr, "{}: a DecodeWorkspace is required", where);
   const kernels::DecodeGemvPlan plan = kernels::plan_decode_gemv((int)B, N, K, sm_count());
   a.workspace->reserve(plan.partial_floats, plan.row_blocks);
@@ -250,6 +258,10 @@ void decode_gemv(const DecodeGemvArgs& a) {
   p.y = y.data;
   p.y_bf16 = y.dtype == DType::kBF16;
   p.ldy = y.strides[0];
+  if (r.data != nullptr) {
+    p.residual = r.ptr<const uint16_t>();
+    p.ldr = r.strides[0];
+  }
   p.partials = a.workspace->partials();
   p.counters = a.workspace->counters();
   kernels::launch_decode_gemv(p, plan, (cudaStream_t)a.stream);

@@ -81,6 +81,10 @@ struct DecodeGemvArgs {
   float x_global_constant = quant::kNvfp4GlobalConstant;
   DecodeWeights w;
   TensorView y;  // f32 or bf16 [B, N] on CUDA, unit column stride (row stride >= N); overwritten
+  // Optional residual: bf16 [B, N] on CUDA, unit column stride. Then y (bf16 only) =
+  // bf16(bf16(alpha_eff * x . W^T) + residual), bit for bit the GEMV followed by ops::add_inplace
+  // (y, residual): the transformer block's residual add without its own kernel.
+  TensorView residual;
   float alpha = 1.0f;
   void* stream = nullptr;  // cudaStream_t
   DecodeWorkspace* workspace = nullptr;  // required

@@ -320,7 +320,11 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const WeightR
 
 __device__ __forceinline__ void store_y(const DecodeGemvParams& p, int token, int64_t row, float v) {
   if (p.y_bf16) {
-    static_cast<uint16_t*>(p.y)[token * p.ldy + row] = formats::encode_bf16_rn(v);
+    uint16_t out = formats::encode_bf16_rn(v);
+    if (p.residual != nullptr) {  // exactly ops::add_inplace on the bf16 result
+      out = formats::encode_bf16_rn(formats::add_rn(formats::decode_bf16(out), formats::decode_bf16(p.residual[token * p.ldr + row])));
+    }
+    static_cast<uint16_t*>(p.y)[token * p.ldy + row] = out;
   } else {
     static_cast<float*>(p.y)[token * p.ldy + row] = v;
   }
@@ -520,37 +524,40 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQ
   quantize_x_blocks(p, s_amax, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
 }
 
-// Small activations (B * K <= kSingleCtaElements): amax and quantization in one CTA, one launch.
-constexpr int kSingleCtaThreads = 1024;
-constexpr int64_t kSingleCtaElements = 65536;
+// Small activations (B * K <= kRedundantAmaxElements): one launch. Every CTA reduces the global
+// amax of the whole x itself (at most 128 KB, read from L2) and then quantizes its own 256 blocks,
+// so the blocks spread over ceil(blocks / 256) CTAs instead of one SM. The amax is a max: the same
+// value in every CTA, whatever the order.
+constexpr int64_t kRedundantAmaxElements = 65536;
 
-__global__ void __launch_bounds__(kSingleCtaThreads) quantize_x_single_cta_kernel(const DecodeQuantizeParams p) {
-  __shared__ float warp_max[kSingleCtaThreads / 32];
+__global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kernel(const DecodeQuantizeParams p) {
+  __shared__ float warp_max[kQuantThreads / 32];
   __shared__ float s_amax;
-  const int64_t n = (int64_t)p.B * p.K;
   float m = 0.0f;
   bool bad = false;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const int64_t r = i / p.K, c = i % p.K;
-    const float a = formats::abs_f32(formats::decode_bf16(p.x[r * p.ldx + c]));
-    if (!(a <= formats::kFloatMax)) {
-      bad = true;
-    } else {
-      m = formats::fmax_ieee(m, a);
+  for (int r = 0; r < p.B; ++r) {
+    const uint16_t* row = p.x + (int64_t)r * p.ldx;
+    for (int64_t c = threadIdx.x; c < p.K; c += blockDim.x) {
+      const float a = formats::abs_f32(formats::decode_bf16(row[c]));
+      if (!(a <= formats::kFloatMax)) {
+        bad = true;
+      } else {
+        m = formats::fmax_ieee(m, a);
+      }
     }
   }
   for (int off = 16; off > 0; off >>= 1) m = formats::fmax_ieee(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-  if (bad && p.error_flags != nullptr) atomicOr(p.error_flags, quant::kDeviceErrNonFinite);
+  if (bad && blockIdx.x == 0 && p.error_flags != nullptr) atomicOr(p.error_flags, quant::kDeviceErrNonFinite);
   __syncthreads();
   if (threadIdx.x == 0) {
     float b = 0.0f;
-    for (int w = 0; w < kSingleCtaThreads / 32; ++w) b = formats::fmax_ieee(b, warp_max[w]);
+    for (int w = 0; w < kQuantThreads / 32; ++w) b = formats::fmax_ieee(b, warp_max[w]);
     s_amax = b;
-    *p.amax_out = b;
+    if (blockIdx.x == 0) *p.amax_out = b;
   }
   __syncthreads();
-  quantize_x_blocks(p, s_amax, threadIdx.x, blockDim.x);
+  quantize_x_blocks(p, s_amax, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
 }
 
 }  // namespace
@@ -567,8 +574,10 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream) {
   const int64_t n = (int64_t)p.B * p.K;
-  if (n <= kSingleCtaElements) {
-    quantize_x_single_cta_kernel<<<1, kSingleCtaThreads, 0, stream>>>(p);
+  if (n <= kRedundantAmaxElements) {
+    const int64_t blocks = (int64_t)p.B * ((p.K + 15) / 16);
+    const int ctas = (int)std::max<int64_t>(1, (blocks + kQuantThreads - 1) / kQuantThreads);
+    quantize_x_redundant_amax_kernel<<<ctas, kQuantThreads, 0, stream>>>(p);
     FOURBIT_CUDA_CHECK_LAUNCH();
     return;
   }

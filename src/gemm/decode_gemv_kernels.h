@@ -83,6 +83,9 @@ struct DecodeGemvParams {
   void* y = nullptr;
   bool y_bf16 = false;
   int64_t ldy = 0;
+  // Optional bf16 residual [B, N], row stride ldr (y_bf16 only): y = bf16(bf16(result) + residual).
+  const uint16_t* residual = nullptr;
+  int64_t ldr = 0;
   // Workspace (plan.splits > 1): partials f32 [splits, B, N]; counters u32 [row_blocks], zero.
   float* partials = nullptr;
   unsigned* counters = nullptr;
@@ -92,8 +95,8 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 // NVFP4 1x16 row-wise quantization of a small activation x bf16 [B, K] (round to nearest), written
 // straight to the scaled domain: xs bf16 [B, K] contiguous = e2m1 * s_b, and *amax_out = the global
 // amax; the same values as quant::quantize_reference + dequantize_bf16_scaled_reference (the
-// per-block arithmetic is quant/block_math.h). Up to 65536 elements one CTA does both passes (one
-// launch); larger inputs take two launches: per-CTA partial maxima into `partials`
+// per-block arithmetic is quant/block_math.h). Up to 65536 elements one launch does both passes (each
+// CTA reduces the whole amax itself, then quantizes its own 256 blocks); larger inputs take two launches: per-CTA partial maxima into `partials`
 // (kDecodeAmaxPartials floats), then the quantization (each CTA reduces the partials).
 // A NaN or Inf in x ORs quant::kDeviceErrNonFinite into *error_flags.
 struct DecodeQuantizeParams {

@@ -58,6 +58,10 @@
 #include <string>
 #include <vector>
 
+namespace fourbit::ops {
+class AttentionDecodeWorkspace;  // ops/attention.h
+}  // namespace fourbit::ops
+
 namespace fourbit::model {
 
 // Which recipe stages a training step runs: pretraining (pretrain_forward Fprop, pretrain_backward
@@ -124,6 +128,7 @@ class KvCache {
   std::vector<int32_t> lengths_;   // host [B]
   Tensor lengths_device_;          // i32 [B] on the model's device
   std::unique_ptr<Arena> arena_;   // one step's activations
+  std::shared_ptr<ops::AttentionDecodeWorkspace> attention_ws_;  // split-cache decode scratch (CUDA)
 };
 
 struct CachedForwardOptions {

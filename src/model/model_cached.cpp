@@ -116,6 +116,7 @@ KvCache Model::make_kv_cache(int batch, int max_len, int max_step_tokens) const 
   detail::Carver counter(nullptr, options_.device);
   impl_->plan(counter, batch, max_step_tokens, false, n_tokens, stat_dtype_, true);
   c.arena_ = std::make_unique<Arena>(counter.bytes(), options_.device);
+  if (options_.device == Device::kCuda) c.attention_ws_ = std::make_shared<ops::AttentionDecodeWorkspace>(Device::kCuda);
   return c;
 }
 
@@ -347,7 +348,8 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     return L;
   };
   // One dense linear layer: y = x W^T under the rl_sampler recipe through the decode GEMV.
-  auto decode_linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y) {
+  auto decode_linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
+                           const TensorView& residual) {
     const SamplerWeights::Layer& L = check_layer(l, kind, param);
     const gemm::LinearRecipe& r = im.linear_recipe(l, kind);
     const std::string name = layer_name(l, kind);
@@ -373,16 +375,20 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     }
     g.w = L.w_config ? gemm::DecodeWeights::packed(L.packed, name) : gemm::DecodeWeights::plain(wt, name);
     g.y = y;
+    g.residual = residual;
     g.stream = stream;
     g.workspace = &sw->workspace;
     g.name = name;
     gemm::decode_gemv(g);
     if (gemm_observer_) im.observe(name, recipe::Gemm::kFprop, r, x, wt, y, {}, im.linear_options(l, kind, name).sr);
   };
+  // The decode GEMV adds a block's residual in its epilogue (the same bits as ops::add_inplace after
+  // it), except for an observer, which must see the GEMM's own output.
+  const bool fuse_residual = sw != nullptr && !gemm_observer_;
   auto linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
-                    bool bf16_output) {
+                    bool bf16_output, const TensorView& residual = TensorView{}) {
     if (sw != nullptr) {
-      decode_linear(sec, l, kind, x, param, y);
+      decode_linear(sec, l, kind, x, param, y, fuse_residual ? residual : TensorView{});
     } else {
       im.fprop(sec, l, kind, x, im.w(param), y, bf16_output);
     }
@@ -443,13 +449,15 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
         TensorView out4 = b.attn;
         out4.shape = Shape{B, Tq, H, D};
         out4.strides = contiguous_strides(out4.shape);
+        ops::AttentionOptions ao;
+        ao.decode_workspace = cache.attention_ws_.get();
         ops::attention_decode(detail::qkv_part4(b.qkv, 0, H, D, B, Tq), cache.k_[(size_t)l],
-                              cache.v_[(size_t)l], cache.lengths_device_, out4, {}, st);
+                              cache.v_[(size_t)l], cache.lengths_device_, out4, ao, st);
         im.bf16(b.attn);
       }
-      linear(Section::kAttention, l, LinearKind::kAttnOut, b.attn, p.attn_out, mid, true);
+      linear(Section::kAttention, l, LinearKind::kAttnOut, b.attn, p.attn_out, mid, true, x);
       const Section ffn = c.is_moe_block(l) ? Section::kMoe : Section::kMlp;
-      {
+      if (!fuse_residual) {
         Scope s(im, Section::kAttention, Work::kOther);
         ops::add_inplace(mid, x, st);
         im.bf16(mid);
@@ -466,11 +474,11 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
           Scope s(im, Section::kMlp, Work::kOther);
           ops::swiglu_forward(act, gu, st);
         }
-        linear(Section::kMlp, l, LinearKind::kMlpDown, act, p.mlp_down, out, true);
+        linear(Section::kMlp, l, LinearKind::kMlpDown, act, p.mlp_down, out, true, mid);
       } else {
         im.forward_ffn(l, a, b, out, o.forced_expert_ids);
       }
-      {
+      if (!(fuse_residual && !c.is_moe_block(l))) {
         Scope s(im, ffn, Work::kOther);
         ops::add_inplace(out, mid, st);
         im.bf16(out);
@@ -520,7 +528,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     key.max_len = cache.max_len();
     key.all_logits = o.all_logits;
     key.buffers = {a.tokens.data, a.logits.data, cache.lengths_device_.data(), params_.flat().data,
-                   compute_params().flat().data, im.flag()};
+                   compute_params().flat().data, im.flag(), cache.attention_ws_.get()};
     for (int l = 0; l < c.n_layers; ++l) {
       key.buffers.push_back(cache.k_[(size_t)l].data());
       key.buffers.push_back(cache.v_[(size_t)l].data());

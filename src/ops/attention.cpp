@@ -372,6 +372,14 @@ void attention_backward(const TensorView& dout, const TensorView& q, const Tenso
 #endif
 }
 
+AttentionDecodeWorkspace::AttentionDecodeWorkspace(Device device) {
+  // The CPU reference never splits: a CPU workspace holds nothing.
+  const int64_t partials = device == Device::kCuda ? (int64_t)kDecodeSplitCtas * 16 * (128 + 2) : 0;
+  const int64_t counters = device == Device::kCuda ? kDecodeSplitCtas : 0;
+  partials_ = Tensor::empty({partials}, DType::kF32, device);
+  counters_ = Tensor::zeros({counters}, DType::kI32, device);
+}
+
 void attention_decode(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                       const TensorView& cache_lengths, const TensorView& out,
                       const AttentionOptions& options, void* stream) {
@@ -420,6 +428,13 @@ void attention_decode(const TensorView& q, const TensorView& k_cache, const Tens
   a.cache_lengths = cache_lengths.ptr<int32_t>();
   a.out = bf16_out(out);
   a.out_stride = head_strides(out);
+  if (AttentionDecodeWorkspace* ws = options.decode_workspace; ws != nullptr) {
+    FOURBIT_CHECK(ws->device() == Device::kCuda,
+                  "{}: the decode workspace was made for the CPU; make it with Device::kCuda", op);
+    a.partials = ws->partials();
+    a.counters = ws->counters();
+    a.max_ctas = AttentionDecodeWorkspace::kDecodeSplitCtas;
+  }
   kernels::launch_attention_decode(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;

@@ -38,9 +38,34 @@
 
 namespace fourbit::ops {
 
+class AttentionDecodeWorkspace;
+
 struct AttentionOptions {
   // Multiplies q . k before the softmax; unset: 1 / sqrt(D). Must be finite and > 0.
   std::optional<float> scale;
+  // attention_decode on CUDA: scratch that lets the kernel split the cache over several CTAs
+  // (flash-decoding). Null: one CTA streams the whole cache of its (b, kv head, 16 query rows).
+  AttentionDecodeWorkspace* decode_workspace = nullptr;
+};
+
+// Scratch of the split-cache decode kernel, made once by the owner of a KV cache (never inside a
+// CUDA-graph capture: it allocates) and passed to every attention_decode call on its stream. Its
+// size does not depend on the shapes: the kernel splits the cache only while the CTAs of the whole
+// launch stay within kDecodeSplitCtas, so kDecodeSplitCtas x 16 query rows x (128 + 2) f32 partials
+// (acc, running max, running sum) and kDecodeSplitCtas counters always suffice. The counters are
+// zero between calls (the last CTA of each group resets its own). Calls that share one workspace
+// must be ordered (one stream).
+class AttentionDecodeWorkspace {
+ public:
+  static constexpr int kDecodeSplitCtas = 1024;
+  explicit AttentionDecodeWorkspace(Device device);
+  float* partials() const { return partials_.ptr<float>(); }
+  uint32_t* counters() const { return counters_.ptr<uint32_t>(); }
+  Device device() const { return partials_.device(); }
+
+ private:
+  Tensor partials_;  // f32 [kDecodeSplitCtas * 16 * 130]
+  Tensor counters_;  // i32 [kDecodeSplitCtas], zero
 };
 
 // Causal forward. Writes out and lse.
@@ -73,8 +98,10 @@ void attention_backward(const TensorView& dout,  // [B, T, H, D]
 // Lengths must lie in [0, T_max]: checked on the CPU; the CUDA kernel, which cannot check without
 // synchronizing, clamps them into that range.
 // CUDA: a simple FP32 kernel (decode is bound by reading the cache, not by math); one CTA per
-// (b, kv head, 16 query rows) streams the whole cache, so long caches with few sequences use few
-// SMs (no split over the cache yet).
+// (b, kv head, 16 query rows) and cache split. With options.decode_workspace, a launch of fewer
+// than 6 CTAs per SM splits the cache (T_max, in 64-position tiles) over up to that many CTAs, each
+// keeping a partial online softmax; the last CTA of a group merges the partials in split order
+// (deterministic; a different FP32 rounding than the unsplit kernel, same tolerance).
 void attention_decode(const TensorView& q,              // [B, Tq, H, D]
                       const TensorView& k_cache,        // [B, T_max, Hkv, D]
                       const TensorView& v_cache,        // [B, T_max, Hkv, D]

@@ -26,8 +26,12 @@
 // Heaviest CTAs first: for the causal mask, the last query tiles (forward, dq) and the first key
 // tiles (dk/dv) do the most work, so they are given the lowest block indices.
 //
-// Decode: one CTA per (b, kv head, 16 query rows); FP32 scalar math on key/value tiles of 64
-// positions staged in shared memory, online softmax per row. Memory-bound by design.
+// Decode: one CTA per (b, kv head, 16 query rows, cache split); FP32 scalar math on key/value tiles
+// of 64 positions staged in shared memory, online softmax per row. With a workspace, launches of
+// fewer than 6 CTAs per SM (small batches: Llama-1.1B at batch 1 has 4 kv heads, 4 CTAs) split the
+// cache into up to 6 x SMs / groups ranges of whole tiles (flash-decoding); each CTA leaves its
+// partial (acc, max, sum) in the scratch and the last to finish (atomic counter) merges them in
+// split order, so the result does not depend on which CTA finished last.
 #include "ops/attention_kernels.h"
 
 #include "core/error.h"
@@ -35,6 +39,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -624,13 +629,18 @@ struct alignas(16) DecodeSmem {
   int pos[kDecodeRows];                       // query position; -1: inactive row
 };
 
+// splits > 1: CTA (x, hk, b * splits + s) covers the cache positions [s, s + 1) * keys_per_split
+// and leaves its partial softmax in a.partials; the last CTA of (x, hk, b) to finish merges them.
 template <int D>
-__global__ void __launch_bounds__(kThreads) attention_decode_kernel(const AttentionDecodeArgs a) {
+__global__ void __launch_bounds__(kThreads) attention_decode_kernel(const AttentionDecodeArgs a, int splits,
+                                                                    int keys_per_split) {
   __shared__ DecodeSmem<D> sm;
+  __shared__ bool is_last;
   const AttentionDims& d = a.dims;
   const int Tq = d.seq;
   const int group = d.heads / d.kv_heads;
-  const int hk = blockIdx.y, b = blockIdx.z;
+  const int hk = blockIdx.y, b = (int)blockIdx.z / splits, split = (int)blockIdx.z % splits;
+  const int key_begin = split * keys_per_split;
   const int row_begin = blockIdx.x * kDecodeRows;  // flat row = t * group + (h - hk * group)
   const int n_rows = group * Tq;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -671,8 +681,9 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Attent
   int max_pos = -1;
 #pragma unroll
   for (int r = 0; r < kDecodeRows; ++r) max_pos = max(max_pos, sm.pos[r]);
+  const int last_key = min(max_pos, key_begin + keys_per_split - 1);  // keys_per_split: multiple of 64
 
-  for (int c0 = 0; c0 <= max_pos; c0 += kDecodeKeys) {
+  for (int c0 = key_begin; c0 <= last_key; c0 += kDecodeKeys) {
     static_assert(kDecodeKeys * D / 8 % kThreads == 0, "decode tile chunks must divide evenly");
 #pragma unroll  // all of this thread's 16-byte loads in flight before the first shared store
     for (int it = 0; it < kDecodeKeys * D / 8 / kThreads; ++it) {
@@ -745,17 +756,69 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Attent
     __syncthreads();  // before the next tile overwrites k, v, p
   }
 
+  if (splits == 1) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int r = r0 + i * kRowStep;
+      const int flat = row_begin + r;
+      if (flat >= n_rows) continue;
+      const int tq = flat / group, h = hk * group + flat % group;
+      const bool active = sm.pos[r] >= 0;
+      const float inv = active ? 1.0f / sm.l[r] : 0.0f;
+      uint16_t* o = a.out + b * a.out_stride.b + tq * a.out_stride.t + h * a.out_stride.h;
+      *reinterpret_cast<uint32_t*>(o + 2 * cp) = pack_bf16(acc[i][0] * inv, acc[i][1] * inv);
+    }
+    return;
+  }
+
+  // Split: the partial (acc relative to the running max m, m, l) of each row to the scratch, laid
+  // out [group][split][row][D + 2] with group = (b * Hkv + hk) * gridDim.x + blockIdx.x.
+  constexpr int kStride = D + 2;
+  const int64_t grp = ((int64_t)b * d.kv_heads + hk) * gridDim.x + blockIdx.x;
+  float* mine = a.partials + (grp * splits + split) * kDecodeRows * kStride;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int r = r0 + i * kRowStep;
+    __stcg(reinterpret_cast<float2*>(mine + r * kStride + 2 * cp), make_float2(acc[i][0], acc[i][1]));
+  }
+  if (tid < kDecodeRows) {
+    __stcg(mine + tid * kStride + D, sm.m[tid]);
+    __stcg(mine + tid * kStride + D + 1, sm.l[tid]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(a.counters + grp, 1u) == (unsigned)(splits - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  // Merge in split order: M = max m_s, L = sum l_s 2^(m_s - M), out = sum acc_s 2^(m_s - M) / L.
+  const float* all = a.partials + grp * splits * kDecodeRows * kStride;
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
     const int r = r0 + i * kRowStep;
     const int flat = row_begin + r;
     if (flat >= n_rows) continue;
+    float m_max = -INFINITY;
+    for (int s2 = 0; s2 < splits; ++s2) m_max = fmaxf(m_max, __ldcg(all + (s2 * kDecodeRows + r) * kStride + D));
+    float l_sum = 0.0f, x0 = 0.0f, x1 = 0.0f;
+    if (m_max != -INFINITY) {
+      for (int s2 = 0; s2 < splits; ++s2) {
+        const float* part = all + (s2 * kDecodeRows + r) * kStride;
+        const float m_s = __ldcg(part + D);
+        if (m_s == -INFINITY) continue;  // no key of this split reached the row
+        const float w = exp2f(m_s - m_max);
+        l_sum = fmaf(__ldcg(part + D + 1), w, l_sum);
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(part + 2 * cp));
+        x0 = fmaf(v.x, w, x0);
+        x1 = fmaf(v.y, w, x1);
+      }
+    }
     const int tq = flat / group, h = hk * group + flat % group;
-    const bool active = sm.pos[r] >= 0;
-    const float inv = active ? 1.0f / sm.l[r] : 0.0f;
+    const float inv = sm.pos[r] >= 0 && l_sum > 0.0f ? 1.0f / l_sum : 0.0f;
     uint16_t* o = a.out + b * a.out_stride.b + tq * a.out_stride.t + h * a.out_stride.h;
-    *reinterpret_cast<uint32_t*>(o + 2 * cp) = pack_bf16(acc[i][0] * inv, acc[i][1] * inv);
+    *reinterpret_cast<uint32_t*>(o + 2 * cp) = pack_bf16(x0 * inv, x1 * inv);
   }
+  if (tid == 0) a.counters[grp] = 0u;  // ready for the next call
 }
 
 // --- launch helpers ------------------------------------------------------------------------------
@@ -800,8 +863,27 @@ template <int D>
 void decode_d(const AttentionDecodeArgs& a, cudaStream_t stream) {
   const AttentionDims& d = a.dims;
   const int rows = (d.heads / d.kv_heads) * d.seq;
-  const dim3 grid((rows + kDecodeRows - 1) / kDecodeRows, d.kv_heads, d.batch);
-  attention_decode_kernel<D><<<grid, kThreads, 0, stream>>>(a);
+  const int row_blocks = (rows + kDecodeRows - 1) / kDecodeRows;
+  const int64_t groups = (int64_t)row_blocks * d.kv_heads * d.batch;
+  // Split the cache while the launch has fewer than 6 CTAs per SM (and fits the scratch): a CTA is
+  // 4 warps that mostly wait on shared memory and the cache, so an SM wants several.
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) n = 0;
+    (void)cudaGetLastError();
+    return n > 0 ? n : 132;
+  }();
+  const int64_t target = std::min<int64_t>(6 * sms, a.max_ctas);
+  const int tiles = (a.cache_capacity + kDecodeKeys - 1) / kDecodeKeys;
+  int splits = 1;
+  if (a.partials != nullptr && a.counters != nullptr && groups < target && tiles > 1) {
+    splits = (int)std::min<int64_t>(tiles, target / groups);
+  }
+  int tiles_per_split = (tiles + splits - 1) / std::max(splits, 1);
+  if (splits > 1) splits = (tiles + tiles_per_split - 1) / tiles_per_split;  // no empty trailing split
+  const int keys_per_split = splits > 1 ? tiles_per_split * kDecodeKeys : std::max(tiles, 1) * kDecodeKeys;
+  const dim3 grid(row_blocks, d.kv_heads, (unsigned)(d.batch * splits));
+  attention_decode_kernel<D><<<grid, kThreads, 0, stream>>>(a, splits, keys_per_split);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 

@@ -53,6 +53,10 @@ struct AttentionDecodeArgs {
   const uint16_t* v_cache;  HeadStrides v_stride;        // bf16 [B, T_max, Hkv, D]
   const int32_t* cache_lengths;                          // i32 [B]
   uint16_t* out;            HeadStrides out_stride;      // bf16 [B, Tq, H, D]
+  // Split-cache scratch (attention.h AttentionDecodeWorkspace); null: no split.
+  float* partials = nullptr;    // f32 [max_ctas][16][D + 2]
+  uint32_t* counters = nullptr; // [max_ctas], zero between calls
+  int max_ctas = 0;             // CTAs of a split launch, at most
 };
 
 // True when the kernels exist for this head dim.
