@@ -166,6 +166,19 @@ FOURBIT_HD float e2m1_magic(float a) {
   return f32_from_bits(0x4A800000u + range * 0x00800002u);
 }
 
+// Code = the low three bits of a magic sum, with x's sign in bit 3: x's bits 31..28 shifted
+// down, bits 2..0 replaced (a single three-input logic instruction).
+FOURBIT_HD uint32_t e2m1_with_sign(uint32_t magic_sum_bits, float x) {
+  const uint32_t top = f32_bits(x) >> 28;
+#if defined(__CUDA_ARCH__)
+  uint32_t r;  // (sum & 7) | (top & ~7): spelled as lop3, which the compiler would split in two
+  asm("lop3.b32 %0, %1, %2, 7, 0xE4;" : "=r"(r) : "r"(magic_sum_bits), "r"(top));
+  return r;
+#else
+  return top ^ ((top ^ magic_sum_bits) & 0x7u);
+#endif
+}
+
 FOURBIT_HD float abs_fast(float x) {
 #if defined(__CUDA_ARCH__)
   return fabsf(x);  // folds into the using instruction as an operand modifier
@@ -180,7 +193,7 @@ FOURBIT_HD float abs_fast(float x) {
 // finite and the element multipliers are finite and positive).
 FOURBIT_HD uint32_t encode_e2m1_rn_not_nan(float x) {
   const float a = fmin_ieee(abs_fast(x), 6.0f);
-  return (f32_bits(add_rn(a, e2m1_magic(a))) & 0x7u) | ((f32_bits(x) >> 28) & 0x8u);
+  return e2m1_with_sign(f32_bits(add_rn(a, e2m1_magic(a))), x);
 }
 
 // encode_e2m1_sr for any x that is not NaN (NaN gives sign | 7), in about fifteen instructions:
@@ -196,7 +209,7 @@ FOURBIT_HD uint32_t encode_e2m1_sr_not_nan(float x, uint32_t rbits8) {
   const float step = f32_from_bits(((ab > 0x3F800000u ? ab : 0x3F800000u) & 0xFF800000u) - 0x00800000u);
   const float u = add_rn(f32_from_bits(0x3F804000u | ((rbits8 & 0xFFu) << 15)), -1.0f);
   const float t = fma_rn(u, step, a);
-  return (f32_bits(add_rz(t, e2m1_magic(t))) & 0x7u) | ((f32_bits(x) >> 28) & 0x8u);
+  return e2m1_with_sign(f32_bits(add_rz(t, e2m1_magic(t))), x);
 }
 
 FOURBIT_HD uint8_t encode_e2m1_sr(float x, uint32_t rbits8) {
