@@ -17,6 +17,27 @@
 // post-RHT column-wise amax) in a separate pass unless the caller supplies it.
 // Non-finite inputs set bit 0 of the error flag; MXFP8 scaled-domain BF16 with a scale code
 // outside [3, 246] (not exact in BF16) sets bit 1.
+//
+// Performance model (H200, 16384 x 8192 BF16 source = 134 M elements; bench/notes-quant-kernels.md
+// keeps the measurements). NVFP4 1x16 row + column moves 2 B/element in and 2 x (0.5 + 1/16)
+// B/element out = 419 MB, 0.10 ms at the 4.22 TB/s copy rate (the global-amax pass reads the
+// source once more: 0.16 ms in all). Arithmetic, from the sm_90a SASS: the round-to-nearest E2M1
+// encoder is ~9 instructions per element and orientation (FMUL, FMNMX, VIMNMX, SHF, IMAD, FADD,
+// SHF, LOP3, a pack), plus ~1 BF16 unpack, ~0.6 for the block amax on BF16 pairs and ~2-3 per
+// element for the per-block scale (E4M3 cvt, correctly rounded reciprocal), addresses and
+// stores: ~14 x 2 orientations x 134 M / 32 = 117 M warp instructions, 0.11 ms at the full issue
+// rate (132 SMs x 4 schedulers x 1.98 GHz), and half of them run on the half-rate ALU pipe, so
+// the compute floor is about the memory floor. The measured 0.235 ms (amax given) is neither: a
+// CTA loads its 16 KB tile, waits, computes, writes, with nothing in flight during its compute
+// phase and a ~200-cycle dependent chain per micro-block (amax tree, E4M3 scale, reciprocal,
+// encode), with at most 4 CTAs (32 warps) per SM; the next step is persistent CTAs that
+// prefetch the next tile (cp.async, two buffers) while encoding the current one.
+// Gradients (row SR + column RHT SR) add per 16 elements one Philox-4x32-10 (~100
+// instructions) per orientation, the SR encoder (~15 per element) and, column-wise, the 16-point
+// Walsh-Hadamard butterfly (64 FADD, 16 FMUL, 8 BF16x2 conversions): ~50 instructions per element
+// in all, about 0.2 ms of issue. Four Over Six row-wise encodes each block three times and
+// dequantizes two candidates with a correctly rounded FP32 division per element (div_rn, ~10
+// instructions and a slow-path branch): ~60 per element; the division is the largest single cost.
 #include "quant/quantize_kernels.h"
 
 #include "core/error.h"
