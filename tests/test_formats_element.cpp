@@ -264,6 +264,36 @@ TEST(Encode, FastE2M1EncodersEqualTheGenericOne) {
   EXPECT_GT(n, 40000000);
 }
 
+TEST(Encode, FastE2M1StochasticEncoderEqualsTheGenericOne) {
+  const Grid g = make_grid<kE2M1>();
+  std::vector<float> xs = dense_sweep(g.values);
+  // Values whose dithered sum t lands exactly on, or one ulp beside, a grid point or a range
+  // boundary (where the step of t differs from the step of |x|).
+  for (double v : g.values) {
+    for (double step : {0.5, 1.0, 2.0}) {
+      for (uint32_t r = 0; r < 256; ++r) {
+        const float a = (float)(v - (2.0 * r + 1.0) / 512.0 * step);
+        if (!(a > 0.0f)) continue;
+        for (float x : {a, std::nextafter(a, 0.0f), std::nextafter(a, 1e30f)}) {
+          xs.push_back(x);
+          xs.push_back(-x);
+        }
+      }
+    }
+  }
+  for (float x : {6.0f, 6.5f, 8.0f, 1e30f, std::numeric_limits<float>::infinity(), 0.0f, -0.0f})
+    xs.push_back(x);
+  int64_t n = 0;
+  for (float x : xs) {
+    for (uint32_t r = 0; r < 256; ++r) {
+      ASSERT_EQ(encode_e2m1_sr_not_nan(x, r), encode_e2m1_sr(x, r))
+          << x << " (0x" << std::hex << f32_bits(x) << "), rbits " << std::dec << r;
+      ++n;
+    }
+  }
+  EXPECT_GT(n, 50000000);
+}
+
 TEST(Encode, EveryCodeRoundTrips) {
   for (int c = 0; c < 16; ++c) EXPECT_EQ(encode_e2m1_rn(decode_e2m1((uint8_t)c)), c);
   for (int c = 0; c < 256; ++c) {

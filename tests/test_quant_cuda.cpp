@@ -334,22 +334,43 @@ TEST_F(QuantCuda, GivenAmaxIsUsedInsteadOfAPass) {
 }
 
 TEST_F(QuantCuda, NonFiniteInputIsReportedWithTheTensorName) {
-  for (Format f : {Format::kNvfp4, Format::kMxfp8, Format::kFp8Block}) {
-    Tensor host = make_source(Fill::kNormal, 128, 128, false, 4);
-    host.ptr<float>()[777] = std::numeric_limits<float>::quiet_NaN();
-    const Tensor dev = host.to(Device::kCuda);
-    QuantConfig cfg;
-    cfg.format = f;
-    QuantizedTensor q = allocate_quantized(cfg, 128, 128, {true, true}, Device::kCuda);
-    CudaQuantizeOptions co;
-    co.tensor_name = "blocks.7.attn.qkv.grad_output";
-    try {
-      quantize_cuda(dev.view(), q, co);
-      ADD_FAILURE() << format_name(f) << ": NaN was quantized silently";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("blocks.7.attn.qkv.grad_output"), std::string::npos) << e.what();
-    }
-  }
+  // NaN and Inf, BF16 (checked on BF16 pairs by the NVFP4 1x16 kernels) and FP32 sources, each
+  // orientation alone and both, the bad value in either column of a BF16 pair; with the global
+  // amax given (no amax pass), the quantize kernel itself must see it.
+  Tensor one = Tensor::empty({1}, DType::kF32, Device::kCpu);
+  *one.ptr<float>() = 1.0f;
+  const Tensor one_dev = one.to(Device::kCuda);
+  for (bool given : {false, true})
+  for (Format f : {Format::kNvfp4, Format::kMxfp8, Format::kFp8Block})
+    for (bool bf16 : {false, true})
+      for (bool inf : {false, true})
+        for (int64_t at : {777, 778})
+          for (Orientations o : {Orientations{true, true}, Orientations{true, false}, Orientations{false, true}}) {
+            SCOPED_TRACE(::testing::Message() << format_name(f) << (bf16 ? " bf16" : " f32")
+                                              << (inf ? " inf" : " nan") << " at " << at
+                                              << " row " << o.rowwise << " col " << o.colwise
+                                              << (given ? " amax given" : ""));
+            Tensor host = make_source(Fill::kNormal, 128, 128, bf16, 4);
+            if (bf16) {
+              host.ptr<uint16_t>()[at] = inf ? 0xFF80 : 0x7FC0;
+            } else {
+              host.ptr<float>()[at] = inf ? -std::numeric_limits<float>::infinity()
+                                          : std::numeric_limits<float>::quiet_NaN();
+            }
+            const Tensor dev = host.to(Device::kCuda);
+            QuantConfig cfg;
+            cfg.format = f;
+            QuantizedTensor q = allocate_quantized(cfg, 128, 128, o, Device::kCuda);
+            CudaQuantizeOptions co;
+            co.tensor_name = "blocks.7.attn.qkv.grad_output";
+            if (given) co.given_rowwise_amax = one_dev.ptr<float>();
+            try {
+              quantize_cuda(dev.view(), q, co);
+              ADD_FAILURE() << "a non-finite value was quantized silently";
+            } catch (const Error& e) {
+              EXPECT_NE(std::string(e.what()).find("blocks.7.attn.qkv.grad_output"), std::string::npos) << e.what();
+            }
+          }
 }
 
 TEST_F(QuantCuda, UnalignedShapesAreRejectedClearly) {

@@ -156,16 +156,60 @@ FOURBIT_HD uint8_t encode_e2m1_rn_fast(float x) {
   return (uint8_t)((n < 7u ? n : 7u) | ((bits >> 28) & 0x8u));
 }
 
-// encode_e2m1_rn for any x that is not NaN, in about ten mostly FP32-pipe instructions (what the
-// CUDA kernels use): |x| is clamped to 6 (saturation, Inf included), then adding
-// M = 2^22 + 0, 2^23 + 2 or 2^24 + 8 for |x| < 2, < 4, >= 4 rounds it (RNE) to the E2M1 spacing of
-// its range (0.5, 1, 2) and leaves the code, offset by the range's first code (0, 2, 4), in the
-// low three bits of the sum. For NaN it returns sign | 7 instead of 0x7; the kernels never feed it
-// NaN (their inputs are checked finite and the element multipliers are finite and positive).
+// The E2M1 magic number for |x| = a in [0, 6]: 2^22, 2^23 + 2 or 2^24 + 8 for a < 2, < 4, >= 4,
+// from a's exponent field clamped below at that of 1.0 (three integer instructions, no compare
+// and select). Adding it to a rounds a to the E2M1 spacing of its range (0.5, 1, 2) and leaves the
+// code, offset by the range's first code (0, 2, 4), in the low three bits of the sum.
+FOURBIT_HD float e2m1_magic(float a) {
+  const uint32_t b = f32_bits(a);
+  const uint32_t range = ((b > 0x3F800000u ? b : 0x3F800000u) >> 23) - 127u;  // 0, 1, 2
+  return f32_from_bits(0x4A800000u + range * 0x00800002u);
+}
+
+// Code = the low three bits of a magic sum, with x's sign in bit 3: x's bits 31..28 shifted
+// down, bits 2..0 replaced (a single three-input logic instruction).
+FOURBIT_HD uint32_t e2m1_with_sign(uint32_t magic_sum_bits, float x) {
+  const uint32_t top = f32_bits(x) >> 28;
+#if defined(__CUDA_ARCH__)
+  uint32_t r;  // (sum & 7) | (top & ~7): spelled as lop3, which the compiler would split in two
+  asm("lop3.b32 %0, %1, %2, 7, 0xE4;" : "=r"(r) : "r"(magic_sum_bits), "r"(top));
+  return r;
+#else
+  return top ^ ((top ^ magic_sum_bits) & 0x7u);
+#endif
+}
+
+FOURBIT_HD float abs_fast(float x) {
+#if defined(__CUDA_ARCH__)
+  return fabsf(x);  // folds into the using instruction as an operand modifier
+#else
+  return abs_f32(x);
+#endif
+}
+
+// encode_e2m1_rn for any x that is not NaN, in about nine instructions (what the CUDA kernels
+// use): |x| is clamped to 6 (saturation, Inf included), then e2m1_magic rounds it (RNE). For NaN
+// it returns sign | 7 instead of 0x7; the kernels never feed it NaN (their inputs are checked
+// finite and the element multipliers are finite and positive).
 FOURBIT_HD uint32_t encode_e2m1_rn_not_nan(float x) {
-  const float a = fmin_ieee(abs_f32(x), 6.0f);
-  const float magic = a < 2.0f ? 4194304.0f : (a < 4.0f ? 8388610.0f : 16777224.0f);
-  return (f32_bits(add_rn(a, magic)) & 0x7u) | ((f32_bits(x) >> 28) & 0x8u);
+  const float a = fmin_ieee(abs_fast(x), 6.0f);
+  return e2m1_with_sign(f32_bits(add_rn(a, e2m1_magic(a))), x);
+}
+
+// encode_e2m1_sr for any x that is not NaN (NaN gives sign | 7), in about fifteen instructions:
+// a = min(|x|, 6) (a >= 6 then always lands on code 7, as the saturation of the generic encoder);
+// the dither u = (2 r + 1) / 512 is built from bits (1 + u has r in mantissa bits 22..15 and bit
+// 14 set; subtracting 1 is exact); t = fma(u, step(a), a) is the generic encoder's t; and the
+// floor of t onto the grid of t's range is the magic addition of e2m1_magic rounded toward zero
+// (t < 8 always). Tested equal to encode_e2m1_sr for every rbits on a dense sweep.
+FOURBIT_HD uint32_t encode_e2m1_sr_not_nan(float x, uint32_t rbits8) {
+  const float a = fmin_ieee(abs_fast(x), 6.0f);
+  const uint32_t ab = f32_bits(a);
+  // step(a) = 2^(max(floor(log2 a), 0) - 1): 0.5, 1 or 2.
+  const float step = f32_from_bits(((ab > 0x3F800000u ? ab : 0x3F800000u) & 0xFF800000u) - 0x00800000u);
+  const float u = add_rn(f32_from_bits(0x3F804000u | ((rbits8 & 0xFFu) << 15)), -1.0f);
+  const float t = fma_rn(u, step, a);
+  return e2m1_with_sign(f32_bits(add_rz(t, e2m1_magic(t))), x);
 }
 
 FOURBIT_HD uint8_t encode_e2m1_sr(float x, uint32_t rbits8) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #if !defined(__CUDA_ARCH__)
 #include <bit>
+#include <cfenv>
 #include <cmath>
 #endif
 
@@ -78,6 +79,21 @@ FOURBIT_HD float fma_rn(float a, float b, float c) {
   return __fmaf_rn(a, b, c);
 #else
   return std::fma(a, b, c);
+#endif
+}
+
+// a + b rounded toward zero (one IEEE operation; the device's FADD.RZ). The host switches the
+// rounding mode around one volatile addition: it is only used by tests of the device encoders.
+FOURBIT_HD float add_rz(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rz(a, b);
+#else
+  const int mode = std::fegetround();
+  std::fesetround(FE_TOWARDZERO);
+  volatile float va = a, vb = b;
+  volatile float r = va + vb;
+  std::fesetround(mode);
+  return r;
 #endif
 }
 

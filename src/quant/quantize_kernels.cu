@@ -17,11 +17,33 @@
 // post-RHT column-wise amax) in a separate pass unless the caller supplies it.
 // Non-finite inputs set bit 0 of the error flag; MXFP8 scaled-domain BF16 with a scale code
 // outside [3, 246] (not exact in BF16) sets bit 1.
+//
+// Performance model (H200, 16384 x 8192 BF16 source = 134 M elements; bench/notes-quant-kernels.md
+// keeps the measurements). NVFP4 1x16 row + column moves 2 B/element in and 2 x (0.5 + 1/16)
+// B/element out = 419 MB, 0.10 ms at the 4.22 TB/s copy rate (the global-amax pass reads the
+// source once more: 0.16 ms in all). Arithmetic, from the sm_90a SASS: the round-to-nearest E2M1
+// encoder is ~9 instructions per element and orientation (FMUL, FMNMX, VIMNMX, SHF, IMAD, FADD,
+// SHF, LOP3, a pack), plus ~1 BF16 unpack, ~0.6 for the block amax on BF16 pairs and ~2-3 per
+// element for the per-block scale (E4M3 cvt, correctly rounded reciprocal), addresses and
+// stores: ~14 x 2 orientations x 134 M / 32 = 117 M warp instructions, 0.11 ms at the full issue
+// rate (132 SMs x 4 schedulers x 1.98 GHz), and half of them run on the half-rate ALU pipe, so
+// the compute floor is about the memory floor. The measured 0.235 ms (amax given) is neither: a
+// CTA loads its 16 KB tile, waits, computes, writes, with nothing in flight during its compute
+// phase and a ~200-cycle dependent chain per micro-block (amax tree, E4M3 scale, reciprocal,
+// encode), with at most 4 CTAs (32 warps) per SM; the next step is persistent CTAs that
+// prefetch the next tile (cp.async, two buffers) while encoding the current one.
+// Gradients (row SR + column RHT SR) add per 16 elements one Philox-4x32-10 (~100
+// instructions) per orientation, the SR encoder (~15 per element) and, column-wise, the 16-point
+// Walsh-Hadamard butterfly (64 FADD, 16 FMUL, 8 BF16x2 conversions): ~50 instructions per element
+// in all, about 0.2 ms of issue. Four Over Six row-wise encodes each block three times and
+// dequantizes two candidates with a correctly rounded FP32 division per element (div_rn, ~10
+// instructions and a slow-path branch): ~60 per element; the division is the largest single cost.
 #include "quant/quantize_kernels.h"
 
 #include "core/error.h"
 #include "formats/element.h"
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -76,23 +98,81 @@ __device__ __forceinline__ uint32_t rbyte(const Philox4x32Result& r, int i) {
   return (r.v[i >> 2] >> (8 * (i & 3))) & 0xFFu;
 }
 
+// One E2M1 code of x * mult: formats' short encoders (tested equal to the generic ones).
+// Four Over Six's zero multiplier (scale 0) gives +0, as four_over_six_encode_element.
+__device__ __forceinline__ uint32_t e2m1_code(float x, float mult, bool four_over_six,
+                                              bool stochastic, uint32_t rbits8) {
+  const float y = formats::mul_rn(x, mult);
+  const uint32_t q = stochastic ? formats::encode_e2m1_sr_not_nan(y, rbits8)
+                                : formats::encode_e2m1_rn_not_nan(y);
+  return four_over_six && mult == 0.0f ? 0u : q;
+}
+
 // Encodes 16 values with an NVFP4 scale already chosen; returns the packed 8 bytes.
 __device__ __forceinline__ uint2 nvfp4_encode16(const float v[16], float mult, bool four_over_six,
                                                 bool stochastic, const Philox4x32Result& rb) {
   uint32_t w[2] = {0, 0};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    uint8_t q;
-    if (four_over_six) {
-      q = four_over_six_encode_element(v[i], mult, stochastic, rbyte(rb, i));
-    } else if (stochastic) {
-      q = nvfp4_encode_element(v[i], mult, true, rbyte(rb, i));
-    } else {
-      q = (uint8_t)formats::encode_e2m1_rn_not_nan(formats::mul_rn(v[i], mult));
-    }
-    w[i >> 3] |= (uint32_t)q << (4 * (i & 7));
+    w[i >> 3] |= e2m1_code(v[i], mult, four_over_six, stochastic, rbyte(rb, i)) << (4 * (i & 7));
   }
   return make_uint2(w[0], w[1]);
+}
+
+// E2M1 value of a code (formats::decode_e2m1 without branches): magnitudes 0 and 0.5 for codes
+// 0 and 1, else the FP32 with exponent and top mantissa bit taken from the code.
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+  const uint32_t m = code & 7u;
+  const uint32_t mag = m < 2u ? m * 0x3F000000u : 0x3F000000u + (m << 22);
+  return __uint_as_float(mag | ((code & 8u) << 28));
+}
+
+// --- BF16 pairs -----------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t bf16x2_absmax_nan(uint32_t a, uint32_t b) {
+  __nv_bfloat162 x, y;
+  memcpy(&x, &a, 4);
+  memcpy(&y, &b, 4);
+  const __nv_bfloat162 m = __hmax2_nan(__habs2(x), __habs2(y));
+  uint32_t r;
+  memcpy(&r, &m, 4);
+  return r;
+}
+// Element-wise max |.| of n BF16x2 words (a tree), NaN-propagating: a half is NaN or Inf exactly
+// when one of its values is, else it is the exact amax of its values.
+template <int n>
+__device__ __forceinline__ uint32_t bf16x2_amax(const uint32_t* w) {
+  uint32_t m[n / 2];
+#pragma unroll
+  for (int i = 0; i < n / 2; ++i) m[i] = bf16x2_absmax_nan(w[2 * i], w[2 * i + 1]);
+#pragma unroll
+  for (int h = n / 4; h >= 1; h /= 2) {
+#pragma unroll
+    for (int i = 0; i < h; ++i) m[i] = bf16x2_absmax_nan(m[i], m[i + h]);
+  }
+  return m[0];
+}
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// v <- bf16(v H) (block_math.h rht16_forward: the same operations; the final rounding to BF16 is
+// the hardware conversion, two values per instruction, which rounds like encode_bf16_rn: RNE,
+// overflow to Inf, canonical NaN 0x7FFF).
+__device__ __forceinline__ void rht16_forward_fast(float v[16], uint16_t sign_mask) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    v[i] = __uint_as_float(__float_as_uint(v[i]) ^ (((uint32_t)sign_mask << (31 - i)) & 0x80000000u));
+  }
+  fwht16(v);
+#pragma unroll
+  for (int i = 0; i < 16; i += 2) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(formats::mul_rn(v[i], 0.25f),
+                                                   formats::mul_rn(v[i + 1], 0.25f));
+    uint32_t w;
+    memcpy(&w, &h, 4);
+    v[i] = bf16_lo(w);
+    v[i + 1] = bf16_hi(w);
+  }
 }
 
 // Four Over Six error of one candidate scale over 16 values (sequential, like the reference).
@@ -101,12 +181,15 @@ __device__ __forceinline__ float four_over_six_error16(const float v[16], uint8_
                                                        FourOverSixMetric metric, bool stochastic,
                                                        const Philox4x32Result& rb) {
   const float mult = four_over_six_multiplier(scale, ts);
+  const float s = formats::decode_e4m3(scale);
   float err = 0.0f;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    const uint8_t q = four_over_six_encode_element(v[i], mult, stochastic, rbyte(rb, i));
-    err = four_over_six_accumulate_error(err, four_over_six_dequantize_element(q, scale, ts), v[i],
-                                         metric);
+    const uint32_t q = e2m1_code(v[i], mult, true, stochastic, rbyte(rb, i));
+    // four_over_six_dequantize_element, with the scale decoded once.
+    const float deq = formats::div_rn(formats::mul_rn(formats::mul_rn(e2m1_value(q), s), ts.amax),
+                                      ts.constant);
+    err = four_over_six_accumulate_error(err, deq, v[i], metric);
   }
   return err;
 }
@@ -202,14 +285,17 @@ struct Tile {
   }
 };
 
-// kGeneral = false compiles the round-to-nearest path only (no stochastic rounding, Four Over Six
-// or RHT code at all): a small kernel whose instructions stay in the instruction cache (ncu on the
-// H200 showed 44% of stall cycles waiting for instruction fetch with every option compiled in).
-template <typename InT, Format F, bool kTwoD, bool kGeneral>
+// The variant fixes which options are compiled in: kRoundNearest has no stochastic rounding,
+// Four Over Six or RHT code at all, kSrRht no Four Over Six (the gradients' SR + RHT path), kAll
+// everything. Small kernels stay in the instruction cache (ncu on the H200 showed 44% of stall
+// cycles waiting for instruction fetch with every option compiled in).
+enum Variant : int { kRoundNearest = 0, kSrRht = 1, kAll = 2 };
+
+template <typename InT, Format F, bool kTwoD, int kVariant>
 __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
-  const bool stochastic = kGeneral && p.stochastic;
-  const bool four_over_six = kGeneral && p.four_over_six;
-  const bool rht = kGeneral && p.rht;
+  const bool stochastic = kVariant != kRoundNearest && p.stochastic;
+  const bool four_over_six = kVariant == kAll && p.four_over_six;
+  const bool rht = kVariant != kRoundNearest && p.rht;
   using T = Tile<InT, F, kTwoD>;
   constexpr int TR = T::kRows, TC = T::kCols, kColPair = T::kColPair, kGroup = T::kGroup;
   static_assert(T::kRowTasks % kThreads == 0 && T::kColTasks % kThreads == 0, "tile/threads");
@@ -355,24 +441,66 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
       }
       return packed;
     };
+    // BF16 sources: block amaxes (and the NaN/Inf check) on BF16 pairs, two values an instruction.
     if (do_row) {
-      for_each_row_block([&](int task, int r, int b, float* v) {
-        const uint2 packed = encode(v, amax16(v, bad), nv_row, p.row, r0 + r, c0 + b * 16, K);
+#pragma unroll 1
+      for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
+        const int r = task / (TC / 16), b = task % (TC / 16);
+        float v[16];
+        float amax;
+        if constexpr (sizeof(InT) == 2) {
+          uint32_t w[8];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const uint4 q = *reinterpret_cast<const uint4*>(tile + r * T::kStride + T::phys_chunk(2 * b + j) * T::kChunk);
+            w[4 * j] = q.x, w[4 * j + 1] = q.y, w[4 * j + 2] = q.z, w[4 * j + 3] = q.w;
+          }
+          const uint32_t m2 = bf16x2_amax<8>(w);
+          amax = bf16_lo(bf16x2_absmax_nan(m2, __byte_perm(m2, 0, 0x1032)));
+          bad |= !(amax <= formats::kFloatMax);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) v[2 * k] = bf16_lo(w[k]), v[2 * k + 1] = bf16_hi(w[k]);
+        } else {
+          read_row16(r, b, v);
+          amax = amax16(v, bad);
+        }
+        const uint2 packed = encode(v, amax, nv_row, p.row, r0 + r, c0 + b * 16, K);
         if (p.row.data) *reinterpret_cast<uint2*>(p.row.data + ((r0 + r) * K + c0 + b * 16) / 2) = packed;
-      });
+      }
     }
     if (do_col) {
-for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
+#pragma unroll 1
+      for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) {
+        const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
+        float v[kColPair][16];
+        float amax[kColPair];
+        if constexpr (sizeof(InT) == 2) {
+          uint32_t w[16];
+#pragma unroll
+          for (int i = 0; i < 16; ++i) w[i] = *reinterpret_cast<const uint32_t*>(tile + T::element_offset(mb * 16 + i, cp * 2));
+          const uint32_t m2 = bf16x2_amax<16>(w);
+          amax[0] = bf16_lo(m2);
+          amax[1] = bf16_hi(m2);
+          if (!do_row) bad |= !(amax[0] <= formats::kFloatMax && amax[1] <= formats::kFloatMax);
+#pragma unroll
+          for (int i = 0; i < 16; ++i) v[0][i] = bf16_lo(w[i]), v[1][i] = bf16_hi(w[i]);
+        } else {
+          read_cols16(mb, cp, v);
+          bool ignore = false;  // the row-wise pass (or below) reports non-finite inputs
+          amax[0] = amax16(v[0], do_row ? ignore : bad);
+        }
 #pragma unroll
         for (int j = 0; j < kColPair; ++j) {
           const int c = cp * kColPair + j;
-          if (rht) rht16_forward(v[j], p.rht_sign_mask);
-          bool ignore = false;  // the row-wise pass (or below) reports non-finite inputs
-          const uint2 packed = encode(v[j], amax16(v[j], do_row ? ignore : bad), nv_col, p.col,
-                                      c0 + c, r0 + mb * 16, M);
+          if (rht) {
+            rht16_forward_fast(v[j], p.rht_sign_mask);
+            bool ignore = false;
+            amax[j] = amax16(v[j], ignore);
+          }
+          const uint2 packed = encode(v[j], amax[j], nv_col, p.col, c0 + c, r0 + mb * 16, M);
           *reinterpret_cast<uint2*>(stage + c * T::kStageStride + mb * 8) = packed;
         }
-      });
+      }
       flush_stage();
     }
     if (bad) atomicOr(p.error_flags, kErrNonFinite);
@@ -758,7 +886,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const InT* src, int64_t 
         a_row = fmaxf(a_row, x);
       }
       if (rht) {
-        rht16_forward(v, sign_mask);
+        rht16_forward_fast(v, sign_mask);
 #pragma unroll
         for (int i = 0; i < 16; ++i) a_col = fmaxf(a_col, abs_f32(v[i]));
       }
@@ -824,10 +952,10 @@ __global__ void dequantize_kernel(DequantParams p) {
   }
 }
 
-template <typename InT, Format F, bool kTwoD, bool kGeneral>
+template <typename InT, Format F, bool kTwoD, int kVariant>
 void launch_tile_variant(const Params& p, cudaStream_t stream) {
   using T = Tile<InT, F, kTwoD>;
-  auto kernel = quantize_tile_kernel<InT, F, kTwoD, kGeneral>;
+  auto kernel = quantize_tile_kernel<InT, F, kTwoD, kVariant>;
   static bool configured = false;  // per instantiation; the device is set once per process
   if (!configured) {
     FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -841,10 +969,17 @@ void launch_tile_variant(const Params& p, cudaStream_t stream) {
 
 template <typename InT, Format F, bool kTwoD>
 void launch_tile(const Params& p, cudaStream_t stream) {
-  if (p.stochastic || p.four_over_six || p.rht) {
-    launch_tile_variant<InT, F, kTwoD, true>(p, stream);
+  if (p.four_over_six) {
+    launch_tile_variant<InT, F, kTwoD, kAll>(p, stream);
+  } else if (p.stochastic || p.rht) {
+    // Only NVFP4 1x16 has its own SR + RHT kernel (the gradients); the others take kAll.
+    if constexpr (F == Format::kNvfp4 && !kTwoD) {
+      launch_tile_variant<InT, F, kTwoD, kSrRht>(p, stream);
+    } else {
+      launch_tile_variant<InT, F, kTwoD, kAll>(p, stream);
+    }
   } else {
-    launch_tile_variant<InT, F, kTwoD, false>(p, stream);
+    launch_tile_variant<InT, F, kTwoD, kRoundNearest>(p, stream);
   }
 }
 
