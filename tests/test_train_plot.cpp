@@ -1,7 +1,7 @@
 // train/plot.h and train/compare.h: nice tick values; the SVG of two runs is well-formed (every
 // tag closed in order, one root <svg>), has both panels, a line per run and panel, axis ticks and
 // the legend labels (escaped); skipped steps break a line; malformed metrics files are refused
-// naming file and line; the comparison table's gap column.
+// naming file and line; RL metrics (reward and K3 panels); the comparison table's gap column.
 #include "train/compare.h"
 #include "train/plot.h"
 
@@ -122,6 +122,44 @@ TEST(Plot, SvgIsWellFormed) {
     EXPECT_NE(std::string(e.what()).find("line 2"), std::string::npos) << e.what();
   }
   EXPECT_THROW(read_loss_series(dir + "/missing.jsonl"), Error);
+  fs::remove_all(dir);
+}
+
+// RL runs: rl_metrics.jsonl (no "type", one object per step) gives (step, reward) and (step, K3);
+// a directory holding only rl_metrics.jsonl is read; the RL panel titles reach the SVG; an RL line
+// inside a pretraining file is refused.
+TEST(Plot, RlMetrics) {
+  const std::string dir = (fs::temp_directory_path() / fmt::format("fourbit_plot_rl_{}", ::getpid())).string();
+  fs::create_directories(dir + "/nvfp4");
+  {
+    std::ofstream f(dir + "/nvfp4/rl_metrics.jsonl");
+    for (int s = 1; s <= 8; ++s)
+      f << fmt::format(R"({{"step":{},"reward_mean":{},"k3":{},"entropy":1.5}})", s, 0.1 * s, 1e-3 * s) << "\n";
+  }
+  const LossSeries r = read_loss_series(dir + "/nvfp4");
+  EXPECT_EQ(r.kind, MetricsKind::kRl);
+  EXPECT_EQ(r.label, "nvfp4");
+  ASSERT_EQ(r.train.size(), 8u);
+  ASSERT_EQ(r.val.size(), 8u);
+  EXPECT_DOUBLE_EQ(r.train[2].first, 3);
+  EXPECT_DOUBLE_EQ(r.train[2].second, 0.3);
+  EXPECT_DOUBLE_EQ(r.val[7].second, 8e-3);
+  PlotOptions o;
+  o.panels = rl_panels();
+  const std::string svg = render_loss_svg({r}, o);
+  EXPECT_GT(check_well_formed(svg), 20);
+  EXPECT_NE(svg.find(">mean reward</text>"), std::string::npos);
+  EXPECT_NE(svg.find(">K3 divergence (trainer vs sampler)</text>"), std::string::npos);
+  EXPECT_EQ(svg.find("training loss"), std::string::npos);
+
+  std::ofstream(dir + "/mixed.jsonl") << R"({"type":"train","step":1,"loss":2})" << "\n"
+                                      << R"({"step":2,"reward_mean":0.5,"k3":0.1})" << "\n";
+  try {
+    read_loss_series(dir + "/mixed.jsonl");
+    FAIL() << "an RL line in a pretraining file was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("line 2"), std::string::npos) << e.what();
+  }
   fs::remove_all(dir);
 }
 

@@ -81,15 +81,29 @@ std::vector<double> nice_ticks(double lo, double hi, int target) {
   return ticks;
 }
 
+PlotPanels rl_panels() {
+  PlotPanels p;
+  p.left = "mean reward";
+  p.right = "K3 divergence (trainer vs sampler)";
+  p.left_axis = "reward";
+  p.right_axis = "K3";
+  return p;
+}
+
 LossSeries read_loss_series(const std::string& path_in) {
   std::string path = path_in;
-  if (std::filesystem::is_directory(path)) path += "/metrics.jsonl";
+  if (std::filesystem::is_directory(path)) {
+    path = std::filesystem::exists(path + "/metrics.jsonl") || !std::filesystem::exists(path + "/rl_metrics.jsonl")
+               ? path + "/metrics.jsonl"
+               : path + "/rl_metrics.jsonl";
+  }
   std::ifstream in(path);
-  FOURBIT_CHECK(in.good(), "plot: cannot read '{}' (give metrics.jsonl files or run directories "
-                "written by `fourbit pretrain`)", path);
+  FOURBIT_CHECK(in.good(), "plot: cannot read '{}' (give metrics.jsonl / rl_metrics.jsonl files or run "
+                "directories written by `fourbit pretrain` or `fourbit rl`)", path);
   LossSeries s;
   std::string line;
   int64_t number = 0;
+  bool seen_pretrain_line = false;
   const auto value = [](const nlohmann::json& j, const char* key) {
     return j.contains(key) && j[key].is_number() ? j[key].get<double>()
                                                  : std::numeric_limits<double>::quiet_NaN();
@@ -103,9 +117,20 @@ LossSeries read_loss_series(const std::string& path_in) {
     } catch (const nlohmann::json::exception& e) {
       throw Error(fmt::format("plot: '{}' line {} is not JSON: {}", path, number, e.what()));
     }
-    FOURBIT_CHECK(j.is_object() && j.contains("type"),
+    if (j.is_object() && !j.contains("type") && j.contains("reward_mean")) {  // an RL step
+      FOURBIT_CHECK(!seen_pretrain_line,
+                    "plot: '{}' line {} is an RL step in a pretraining metrics file", path, number);
+      FOURBIT_CHECK(j.contains("step") && j["step"].is_number(),
+                    "plot: '{}' line {}: an RL step without a numeric \"step\"", path, number);
+      s.kind = MetricsKind::kRl;
+      s.train.emplace_back(j["step"].get<double>(), value(j, "reward_mean"));
+      s.val.emplace_back(j["step"].get<double>(), value(j, "k3"));
+      continue;
+    }
+    FOURBIT_CHECK(j.is_object() && j.contains("type") && s.kind == MetricsKind::kPretrain,
                   "plot: '{}' line {} has no \"type\" (not a fourbit metrics file?)", path, number);
     const std::string type = j["type"].get<std::string>();
+    seen_pretrain_line = true;
     if (type == "run") {
       if (j.contains("recipe") && j["recipe"].is_string()) s.label = j["recipe"].get<std::string>();
     } else if (type == "train" || type == "eval") {
@@ -172,7 +197,7 @@ std::string render_loss_svg(const std::vector<LossSeries>& series_in, const Plot
                        x0, y0, panel_w, panel_h);
     svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" font-size=\"14\">{}"
                        "</text>\n",
-                       x0 + panel_w / 2, y0 - 6, train ? "training loss" : "validation loss");
+                       x0 + panel_w / 2, y0 - 6, xml_escape(train ? o.panels.left : o.panels.right));
     svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">step</text>\n",
                        x0 + panel_w / 2, y0 + panel_h + 36);
     if (xr.empty()) {
@@ -205,8 +230,8 @@ std::string render_loss_svg(const std::vector<LossSeries>& series_in, const Plot
                          x0, py(t), x0 + panel_w, x0 - 5, x0 - 8, py(t) + 4, tick_label(t, ystep));
     }
     svg += fmt::format("<text x=\"{0:.1f}\" y=\"{1:.1f}\" text-anchor=\"middle\" "
-                       "transform=\"rotate(-90 {0:.1f} {1:.1f})\">loss</text>\n",
-                       x0 - 48, y0 + panel_h / 2);
+                       "transform=\"rotate(-90 {0:.1f} {1:.1f})\">{2}</text>\n",
+                       x0 - 48, y0 + panel_h / 2, xml_escape(train ? o.panels.left_axis : o.panels.right_axis));
     for (size_t i = 0; i < series.size(); ++i) {
       const char* color = kColors[i % std::size(kColors)];
       const auto& pts = train ? series[i].train : series[i].val;
