@@ -8,8 +8,8 @@
 //        in a few minutes for both recipes), T = 64, B = 8, 150 steps;
 //   GPU: `gpt2-124m` with the byte vocabulary (vocab 384), T = 512, B = 16, 600 steps.
 // Stage 2 (RL, src/cli/run_rl_stage.cpp): from the pretrained e2e4 checkpoint, RL on add:digits=3
-// with the NVFP4 sampler (on a GPU also with a BF16 sampler, same seed): reward before / after
-// and K3 divergence, OUT/rl_report.txt.
+// with the NVFP4 sampler and the BF16 sampler (on a GPU also NVFP4 weights with BF16 activations),
+// same seed: reward before / after and K3 divergence, OUT/rl_report.txt, curves in OUT/rl.svg.
 // Later stages are appended as one function each, called from run_default_job in order; each
 // takes the pretraining result (the checkpoints) and adds its own lines to the report.
 #include "cli/commands.h"

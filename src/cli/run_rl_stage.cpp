@@ -5,9 +5,11 @@
 #include "core/check.h"
 #include "core/device.h"
 #include "core/log.h"
+#include "io/atomic_file.h"
 #include "model/config.h"
 #include "rl/byte_tokens.h"
 #include "train/checkpoint.h"
+#include "train/plot.h"
 
 #include <fmt/format.h>
 
@@ -179,8 +181,11 @@ std::string run_default_rl_stage(const std::string& ckpt, Device device, const s
   o.rl.max_len = 32;
   o.rl.lr = gpu ? 3e-5 : 1e-4;
   o.rl.seed = seed;
+  // The NVFP4 sampler next to the BF16 one (same seed, steps and prompts), so the report and the
+  // plot show what 4-bit sampling costs in reward and in trainer/sampler mismatch (K3).
   std::vector<std::string> samplers = {"nvfp4"};
-  if (gpu) samplers.insert(samplers.end(), {"nvfp4-weights", "bf16"});
+  if (gpu) samplers.push_back("nvfp4-weights");
+  samplers.push_back("bf16");
   std::string report = fmt::format(
       "RL stage: from {} on {}, task {}, {} steps of {} x {} rollouts, lr {:g}; sampler fprop = trainer "
       "fprop per row (RL.md quantizer contract), trainer backward as the e2e4 recipe says\n"
@@ -199,6 +204,17 @@ std::string run_default_rl_stage(const std::string& ckpt, Device device, const s
   }
   report += "(reward: held-out greedy accuracy; train first / last: mean sampled reward of the first / last 10% of "
             "steps; K3 = E[rho - log rho - 1], rho = pi_trainer / pi_sampler; RL.md targets K3 < 1e-3 for dense models)\n";
+  // Reward and K3 per step of every sampler, side by side (train/plot.h).
+  std::vector<train::LossSeries> curves;
+  for (const std::string& sampler : samplers) {
+    curves.push_back(train::read_loss_series(out + "/rl-" + sampler + "/rl_metrics.jsonl"));
+    curves.back().label = "sampler " + sampler;
+  }
+  train::PlotOptions po;
+  po.panels = train::rl_panels();
+  po.title = fmt::format("RL on {} from the e2e4 checkpoint", o.task);
+  io::write_file_atomically(out + "/rl.svg", train::render_loss_svg(curves, po));
+  report += fmt::format("curves: {}/rl.svg (`fourbit plot {}/rl-*/rl_metrics.jsonl` redraws them)\n", out, out);
   std::printf("\n%s", report.c_str());
   std::filesystem::create_directories(out);
   std::ofstream f(out + "/rl_report.txt", std::ios::trunc);
