@@ -110,17 +110,12 @@ train::StepResult ZeroAdamW::step(double lr) {
   // 2. The global norm.
   double sumsq = shard_sum_of_squares();
   all_reduce_sum_host(comm_, std::span<double>(&sumsq, 1));
-  train::StepResult r;
-  r.grad_norm = std::sqrt(sumsq);
+  double norm = std::sqrt(sumsq);
   // Rounded to the norm's dtype as train::AdamW reports it (f32, or f64 for an f64 CPU model).
-  if (params.dtype() != DType::kF64) r.grad_norm = (double)(float)r.grad_norm;
-  if (!std::isfinite(r.grad_norm)) {
-    r.clip_scale = std::nan("");
-    r.applied = false;
-    return r;
-  }
-  const float scale = ops::clip_grad_scale((float)r.grad_norm, (float)config_.grad_clip);
-  r.clip_scale = scale;
+  if (params.dtype() != DType::kF64) norm = (double)(float)norm;
+  train::StepResult r = train::step_result_for_norm(norm, config_);
+  if (!r.applied) return r;
+  const float scale = (float)r.clip_scale;
   // 3. AdamW on this rank's pieces.
   for (const ShardPiece& p : pieces_) {
     const int64_t len = p.end - p.begin;

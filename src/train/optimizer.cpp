@@ -31,6 +31,19 @@ bool adamw_decays(const model::ParamSpec& s, const AdamWConfig& config) {
   return decay && s.trainable;
 }
 
+StepResult step_result_for_norm(double grad_norm, const AdamWConfig& config) {
+  StepResult r;
+  r.grad_norm = grad_norm;
+  if (!std::isfinite(grad_norm)) {
+    r.clip_scale = std::nan("");
+    r.applied = false;
+    return r;
+  }
+  r.clip_scale = ops::clip_grad_scale((float)grad_norm, (float)config.grad_clip);
+  r.applied = true;
+  return r;
+}
+
 ops::AdamWParams adamw_update_params(const AdamWConfig& config, double lr, int64_t step, bool decay,
                                      float grad_scale) {
   ops::AdamWParams a;
@@ -81,15 +94,9 @@ double AdamW::grad_norm() {
 StepResult AdamW::step(double lr) {
   FOURBIT_CHECK(std::isfinite(lr) && lr >= 0, "AdamW::step: lr must be finite and >= 0, got {}",
                 lr);
-  StepResult r;
-  r.grad_norm = grad_norm();
-  if (!std::isfinite(r.grad_norm)) {
-    r.clip_scale = std::nan("");
-    r.applied = false;
-    return r;
-  }
-  const float scale = ops::clip_grad_scale((float)r.grad_norm, (float)config_.grad_clip);
-  r.clip_scale = scale;
+  StepResult r = step_result_for_norm(grad_norm(), config_);
+  if (!r.applied) return r;
+  const float scale = (float)r.clip_scale;
   const model::ParamBuffer& compute = model_.compute_params();
   const bool write_bf16 = compute.dtype() == DType::kBF16 && &compute != &model_.params();
   for (int i : trainable_) {

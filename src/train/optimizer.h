@@ -94,6 +94,10 @@ class AdamW {
 void validate(const AdamWConfig& config);
 // The decay mask of one table row (see the invariants above).
 bool adamw_decays(const model::ParamSpec& spec, const AdamWConfig& config);
+// The start of a step from its global gradient norm: a non-finite norm gives applied = false and a
+// NaN clip scale (the caller then changes nothing); otherwise clip_scale = the clipping factor of
+// ops::clip_grad_scale and applied = true.
+StepResult step_result_for_norm(double grad_norm, const AdamWConfig& config);
 // The per-tensor arguments of ops::adamw_update for update number `step` (1-based) of a tensor
 // with (decay) or without weight decay, gradients scaled by grad_scale (clipping).
 ops::AdamWParams adamw_update_params(const AdamWConfig& config, double lr, int64_t step, bool decay,
