@@ -38,6 +38,17 @@ DeviceProperties current_device_properties() {
   return d;
 }
 
+int current_device_sm_count() {
+  int dev = 0;
+  FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));
+  static thread_local int cached_device = -1, cached_count = 0;
+  if (dev != cached_device) {
+    FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&cached_count, cudaDevAttrMultiProcessorCount, dev));
+    cached_device = dev;
+  }
+  return cached_count;
+}
+
 namespace {
 // The current device's default memory pool, set (once per device) to keep every freed byte for
 // reuse instead of returning it to the driver at each synchronization.
@@ -128,6 +139,7 @@ namespace {
 bool built_with_cuda() { return false; }
 int cuda_device_count() { return 0; }
 DeviceProperties current_device_properties() { no_cuda("device properties"); }
+int current_device_sm_count() { no_cuda("device properties"); }
 void* device_malloc(int64_t) { no_cuda("device allocation"); }
 void device_free(void*) {}
 DeviceMemoryStats device_memory_stats() { return {}; }

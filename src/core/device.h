@@ -23,6 +23,9 @@ struct DeviceProperties {
   int64_t shared_memory_per_block_optin = 0;
 };
 DeviceProperties current_device_properties();
+// The current device's multiprocessor count, cached per device and thread (cheap enough for every
+// kernel launch that sizes its grid by it; current_device_properties() is not).
+int current_device_sm_count();
 
 // Device memory comes from the CUDA stream-ordered allocator (cudaMallocAsync / cudaFreeAsync on
 // the legacy default stream, with the device's default pool keeping freed memory for reuse). Why:

@@ -3,6 +3,7 @@
 #include "gemm/decode_gemv.h"
 
 #include "core/check.h"
+#include "core/device.h"
 #include "core/error.h"
 #include "formats/element.h"
 #include "quant/block_math.h"
@@ -163,20 +164,6 @@ DecodeReference decode_gemv_reference(const DecodeReferenceArgs& a) {
 
 #if defined(FOURBIT_WITH_CUDA)
 
-namespace {
-
-int sm_count() {
-  int device = 0;
-  FOURBIT_CUDA_CHECK(cudaGetDevice(&device));
-  static thread_local int cached_device = -1, cached_count = 0;
-  if (device != cached_device) {
-    FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&cached_count, cudaDevAttrMultiProcessorCount, device));
-    cached_device = device;
-  }
-  return cached_count;
-}
-
-}  // namespace
 
 void DecodeWorkspace::reserve(int64_t partial_floats, int64_t counters) {
   if (partial_floats <= n_partials_ && counters <= n_counters_ && buffer_.defined()) return;
@@ -190,7 +177,7 @@ void DecodeWorkspace::reserve(int64_t partial_floats, int64_t counters) {
 }
 
 void DecodeWorkspace::reserve_for(int B, int64_t N, int64_t K) {
-  const kernels::DecodeGemvPlan plan = kernels::plan_decode_gemv(B, N, K, sm_count());
+  const kernels::DecodeGemvPlan plan = kernels::plan_decode_gemv(B, N, K, current_device_sm_count());
   reserve(plan.partial_floats, plan.row_blocks);
 }
 
@@ -231,7 +218,7 @@ void decode_gemv(const DecodeGemvArgs& a) {
                   r.describe());
   }
   FOURBIT_CHECK(a.workspace != nullptr, "{}: a DecodeWorkspace is required", where);
-  const kernels::DecodeGemvPlan plan = kernels::plan_decode_gemv((int)B, N, K, sm_count());
+  const kernels::DecodeGemvPlan plan = kernels::plan_decode_gemv((int)B, N, K, current_device_sm_count());
   a.workspace->reserve(plan.partial_floats, plan.row_blocks);
 
   kernels::DecodeGemvParams p;

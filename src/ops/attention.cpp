@@ -7,12 +7,14 @@
 #include "ops/attention.h"
 
 #include "core/check.h"
+#include "core/device.h"
 #include "ops/arg_checks.h"
 
 #if defined(FOURBIT_WITH_CUDA)
 #include "ops/attention_kernels.h"
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <string_view>
 #include <vector>
@@ -433,7 +435,10 @@ void attention_decode(const TensorView& q, const TensorView& k_cache, const Tens
                   "{}: the decode workspace was made for the CPU; make it with Device::kCuda", op);
     a.partials = ws->partials();
     a.counters = ws->counters();
-    a.max_ctas = AttentionDecodeWorkspace::kDecodeSplitCtas;
+    // Split while the launch has fewer than 6 CTAs per SM: a CTA is 4 warps that mostly wait on
+    // shared memory and the cache, so an SM wants several. The workspace caps it.
+    a.max_ctas = (int)std::min<int64_t>(AttentionDecodeWorkspace::kDecodeSplitCtas,
+                                        6 * (int64_t)current_device_sm_count());
   }
   kernels::launch_attention_decode(a, static_cast<cudaStream_t>(stream));
 #else

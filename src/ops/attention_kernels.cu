@@ -865,23 +865,17 @@ void decode_d(const AttentionDecodeArgs& a, cudaStream_t stream) {
   const int rows = (d.heads / d.kv_heads) * d.seq;
   const int row_blocks = (rows + kDecodeRows - 1) / kDecodeRows;
   const int64_t groups = (int64_t)row_blocks * d.kv_heads * d.batch;
-  // Split the cache while the launch has fewer than 6 CTAs per SM (and fits the scratch): a CTA is
-  // 4 warps that mostly wait on shared memory and the cache, so an SM wants several.
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) n = 0;
-    (void)cudaGetLastError();
-    return n > 0 ? n : 132;
-  }();
-  const int64_t target = std::min<int64_t>(6 * sms, a.max_ctas);
+  // Split the cache while the launch has fewer than a.max_ctas CTAs (attention.cpp: 6 per SM).
+  const int64_t target = a.max_ctas;
   const int tiles = (a.cache_capacity + kDecodeKeys - 1) / kDecodeKeys;
   int splits = 1;
   if (a.partials != nullptr && a.counters != nullptr && groups < target && tiles > 1) {
     splits = (int)std::min<int64_t>(tiles, target / groups);
   }
-  int tiles_per_split = (tiles + splits - 1) / std::max(splits, 1);
-  if (splits > 1) splits = (tiles + tiles_per_split - 1) / tiles_per_split;  // no empty trailing split
-  const int keys_per_split = splits > 1 ? tiles_per_split * kDecodeKeys : std::max(tiles, 1) * kDecodeKeys;
+  // Whole tiles per split, no empty trailing split; one split covers every tile (at least one).
+  const int tiles_per_split = std::max(1, (tiles + splits - 1) / splits);
+  if (splits > 1) splits = (tiles + tiles_per_split - 1) / tiles_per_split;
+  const int keys_per_split = tiles_per_split * kDecodeKeys;
   const dim3 grid(row_blocks, d.kv_heads, (unsigned)(d.batch * splits));
   attention_decode_kernel<D><<<grid, kThreads, 0, stream>>>(a, splits, keys_per_split);
   FOURBIT_CUDA_CHECK_LAUNCH();

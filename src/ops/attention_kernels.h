@@ -56,7 +56,7 @@ struct AttentionDecodeArgs {
   // Split-cache scratch (attention.h AttentionDecodeWorkspace); null: no split.
   float* partials = nullptr;    // f32 [max_ctas][16][D + 2]
   uint32_t* counters = nullptr; // [max_ctas], zero between calls
-  int max_ctas = 0;             // CTAs of a split launch, at most
+  int max_ctas = 0;             // CTAs of a split launch, at most (and no split beyond that many)
 };
 
 // True when the kernels exist for this head dim.
