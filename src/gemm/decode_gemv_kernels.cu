@@ -434,29 +434,43 @@ void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStr
 
 constexpr int kQuantThreads = 256;
 
-__global__ void __launch_bounds__(kQuantThreads) amax_partial_kernel(const DecodeQuantizeParams p) {
-  __shared__ float warp_max[kQuantThreads / 32];
-  const int64_t n = (int64_t)p.B * p.K;
-  float m = 0.0f;
-  bool bad = false;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = i / p.K, c = i % p.K;
-    const float a = formats::abs_f32(formats::decode_bf16(p.x[r * p.ldx + c]));
-    if (!(a <= formats::kFloatMax)) {
-      bad = true;
-    } else {
-      m = formats::fmax_ieee(m, a);
-    }
+// One element into a thread's running amax; NaN and Inf set `bad` instead.
+__device__ __forceinline__ void accumulate_amax(float& m, bool& bad, uint16_t bits) {
+  const float a = formats::abs_f32(formats::decode_bf16(bits));
+  if (!(a <= formats::kFloatMax)) {
+    bad = true;
+  } else {
+    m = formats::fmax_ieee(m, a);
   }
+}
+
+// The CTA's maximum of the threads' running amaxes (returned in every thread); a `bad` thread ORs
+// the non-finite flag when `report` is set.
+__device__ float cta_amax(const DecodeQuantizeParams& p, float m, bool bad, bool report) {
+  __shared__ float warp_max[kQuantThreads / 32];
+  __shared__ float result;
   for (int off = 16; off > 0; off >>= 1) m = formats::fmax_ieee(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-  if (bad && p.error_flags != nullptr) atomicOr(p.error_flags, quant::kDeviceErrNonFinite);
+  if (bad && report && p.error_flags != nullptr) atomicOr(p.error_flags, quant::kDeviceErrNonFinite);
   __syncthreads();
   if (threadIdx.x == 0) {
     float b = 0.0f;
     for (int w = 0; w < kQuantThreads / 32; ++w) b = formats::fmax_ieee(b, warp_max[w]);
-    p.partials[blockIdx.x] = b;
+    result = b;
   }
+  __syncthreads();
+  return result;
+}
+
+__global__ void __launch_bounds__(kQuantThreads) amax_partial_kernel(const DecodeQuantizeParams p) {
+  const int64_t n = (int64_t)p.B * p.K;
+  float m = 0.0f;
+  bool bad = false;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    accumulate_amax(m, bad, p.x[(i / p.K) * p.ldx + i % p.K]);
+  }
+  const float b = cta_amax(p, m, bad, true);
+  if (threadIdx.x == 0) p.partials[blockIdx.x] = b;
 }
 
 // Quantizes the 16-element blocks i0, i0 + stride, ... of x given the global amax (the reference's
@@ -531,33 +545,15 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQ
 constexpr int64_t kRedundantAmaxElements = 65536;
 
 __global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kernel(const DecodeQuantizeParams p) {
-  __shared__ float warp_max[kQuantThreads / 32];
-  __shared__ float s_amax;
   float m = 0.0f;
   bool bad = false;
   for (int r = 0; r < p.B; ++r) {
     const uint16_t* row = p.x + (int64_t)r * p.ldx;
-    for (int64_t c = threadIdx.x; c < p.K; c += blockDim.x) {
-      const float a = formats::abs_f32(formats::decode_bf16(row[c]));
-      if (!(a <= formats::kFloatMax)) {
-        bad = true;
-      } else {
-        m = formats::fmax_ieee(m, a);
-      }
-    }
+    for (int64_t c = threadIdx.x; c < p.K; c += blockDim.x) accumulate_amax(m, bad, row[c]);
   }
-  for (int off = 16; off > 0; off >>= 1) m = formats::fmax_ieee(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-  if (bad && blockIdx.x == 0 && p.error_flags != nullptr) atomicOr(p.error_flags, quant::kDeviceErrNonFinite);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float b = 0.0f;
-    for (int w = 0; w < kQuantThreads / 32; ++w) b = formats::fmax_ieee(b, warp_max[w]);
-    s_amax = b;
-    if (blockIdx.x == 0) *p.amax_out = b;
-  }
-  __syncthreads();
-  quantize_x_blocks(p, s_amax, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+  const float amax = cta_amax(p, m, bad, blockIdx.x == 0);  // every CTA saw the same x: one report
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.amax_out = amax;
+  quantize_x_blocks(p, amax, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
 }
 
 }  // namespace
