@@ -30,26 +30,21 @@ bool overlaps(const TensorView& a, const TensorView& b) {
   return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
+template <typename T>
+void sum_typed(void* out, const std::vector<const void*>& in, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    T acc = static_cast<const T*>(in[0])[i];
+    for (size_t p = 1; p < in.size(); ++p) acc += static_cast<const T*>(in[p])[i];
+    static_cast<T*>(out)[i] = acc;
+  }
+}
+
 // out[i] = in[0][i] + in[1][i] + ... in rank order, in the dtype's precision (bf16 through f32).
 // `out` may be one of `in` (each index is read from every input before it is written).
 void sum_in_rank_order(void* out, const std::vector<const void*>& in, int64_t n, DType dtype) {
   switch (dtype) {
-    case DType::kF64: {
-      for (int64_t i = 0; i < n; ++i) {
-        double acc = static_cast<const double*>(in[0])[i];
-        for (size_t p = 1; p < in.size(); ++p) acc += static_cast<const double*>(in[p])[i];
-        static_cast<double*>(out)[i] = acc;
-      }
-      return;
-    }
-    case DType::kF32: {
-      for (int64_t i = 0; i < n; ++i) {
-        float acc = static_cast<const float*>(in[0])[i];
-        for (size_t p = 1; p < in.size(); ++p) acc += static_cast<const float*>(in[p])[i];
-        static_cast<float*>(out)[i] = acc;
-      }
-      return;
-    }
+    case DType::kF64: sum_typed<double>(out, in, n); return;
+    case DType::kF32: sum_typed<float>(out, in, n); return;
     case DType::kBF16: {
       for (int64_t i = 0; i < n; ++i) {
         float acc = formats::decode_bf16(static_cast<const uint16_t*>(in[0])[i]);

@@ -467,7 +467,8 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
         ops::rmsnorm_forward(b.ln2, b.ln2_rstd, mid, im.master(p.mlp_norm), eps, st);
         im.bf16(b.ln2);
       }
-      if (sw != nullptr && !c.is_moe_block(l)) {
+      const bool decode_mlp = sw != nullptr && !c.is_moe_block(l);  // the dense MLP on the decode GEMV
+      if (decode_mlp) {
         const TensorView gu = prefix(b.gate_up, N, 2 * c.d_ff), act = prefix(b.act, N, c.d_ff);
         linear(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, p.mlp_up, gu, true);
         {
@@ -478,7 +479,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       } else {
         im.forward_ffn(l, a, b, out, o.forced_expert_ids);
       }
-      if (!(fuse_residual && !c.is_moe_block(l))) {
+      if (!(decode_mlp && fuse_residual)) {  // else mlp_down added it
         Scope s(im, ffn, Work::kOther);
         ops::add_inplace(out, mid, st);
         im.bf16(out);
