@@ -102,28 +102,44 @@ TEST(Checkpoint, RoundTripAndLayout) {
   fs::remove_all(root);
 }
 
-TEST(Checkpoint, CrashMidSaveKeepsPreviousCheckpoint) {
-  const std::string root = temp_dir("crash");
-  const model::ModelConfig c = small_dense();
-  model::Model m(c, resolved(c), model::ModelOptions{.max_batch = 2});
-  AdamW opt(m, {});
-  train_step(m, opt, 1);
-  const std::string dir = root + "/ckpt";
-  save_checkpoint(dir, m, &opt, some_state(1));
-  const std::vector<uint8_t> saved = bytes_of(m.params().flat());
-  train_step(m, opt, 2);
-  for (const char* stage : {"model.safetensors", "optimizer.safetensors", "state.json", "swap"}) {
-    SaveOptions crash;
-    crash.hook = [&](std::string_view s) {
-      if (s == stage) throw std::runtime_error(fmt::format("simulated crash at {}", s));
-    };
-    EXPECT_THROW(save_checkpoint(dir, m, &opt, some_state(2), crash), std::runtime_error) << stage;
+// The interrupted-save tests' starting point: a model one step in, saved to ROOT/ckpt as step 1,
+// then stepped once more so that its live state differs from the checkpoint.
+struct SavedThenStepped {
+  explicit SavedThenStepped(const std::string& root) : dir(root + "/ckpt") {
+    train_step(m, opt, 1);
+    save_checkpoint(dir, m, &opt, some_state(1));
+    saved = bytes_of(m.params().flat());
+    train_step(m, opt, 2);
+  }
+  // A fresh model loads the step-1 save, bit for bit.
+  void expect_first_save_loads(const std::string& stage) const {
     model::Model r(c, resolved(c), model::ModelOptions{.max_batch = 2});
     AdamW ropt(r, {});
     const CheckpointInfo info = load_checkpoint(dir, r, &ropt);
     EXPECT_EQ(info.state.step, 1) << stage;
     EXPECT_EQ(ropt.steps(), 1) << stage;
     EXPECT_EQ(bytes_of(r.params().flat()), saved) << stage;
+  }
+  const model::ModelConfig c = small_dense();
+  model::Model m{c, resolved(c), model::ModelOptions{.max_batch = 2}};
+  AdamW opt{m, {}};
+  const std::string dir;
+  std::vector<uint8_t> saved;
+};
+
+TEST(Checkpoint, CrashMidSaveKeepsPreviousCheckpoint) {
+  const std::string root = temp_dir("crash");
+  SavedThenStepped f(root);
+  const std::string& dir = f.dir;
+  model::Model& m = f.m;
+  AdamW& opt = f.opt;
+  for (const char* stage : {"model.safetensors", "optimizer.safetensors", "state.json", "swap"}) {
+    SaveOptions crash;
+    crash.hook = [&](std::string_view s) {
+      if (s == stage) throw std::runtime_error(fmt::format("simulated crash at {}", s));
+    };
+    EXPECT_THROW(save_checkpoint(dir, m, &opt, some_state(2), crash), std::runtime_error) << stage;
+    f.expect_first_save_loads(stage);
     EXPECT_FALSE(fs::exists(dir + ".tmp-" + std::to_string(::getpid()))) << stage;
   }
   // A completed save replaces it.
@@ -185,14 +201,10 @@ TEST(Checkpoint, ProcessKilledMidSaveKeepsPreviousCheckpoint) {
   // over an existing checkpoint; the parent then loads the previous checkpoint intact, and its own
   // next save succeeds despite the child's stale temporary directory.
   const std::string root = temp_dir("killed");
-  const model::ModelConfig c = small_dense();
-  model::Model m(c, resolved(c), model::ModelOptions{.max_batch = 2});
-  AdamW opt(m, {});
-  train_step(m, opt, 1);
-  const std::string dir = root + "/ckpt";
-  save_checkpoint(dir, m, &opt, some_state(1));
-  const std::vector<uint8_t> saved = bytes_of(m.params().flat());
-  train_step(m, opt, 2);
+  SavedThenStepped f(root);
+  const std::string& dir = f.dir;
+  model::Model& m = f.m;
+  AdamW& opt = f.opt;
   for (const char* stage : {"model.safetensors", "optimizer.safetensors", "state.json", "swap"}) {
     const pid_t pid = ::fork();
     ASSERT_GE(pid, 0);
@@ -208,10 +220,7 @@ TEST(Checkpoint, ProcessKilledMidSaveKeepsPreviousCheckpoint) {
     ASSERT_EQ(::waitpid(pid, &status, 0), pid);
     ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << stage;
     EXPECT_TRUE(fs::exists(fmt::format("{}.tmp-{}", dir, pid))) << "the crash left its temp dir";
-    model::Model r(c, resolved(c), model::ModelOptions{.max_batch = 2});
-    AdamW ropt(r, {});
-    EXPECT_EQ(load_checkpoint(dir, r, &ropt).state.step, 1) << stage;
-    EXPECT_EQ(bytes_of(r.params().flat()), saved) << stage;
+    f.expect_first_save_loads(stage);
   }
   fs::create_directories(dir + ".tmp-1");  // pid 1 (init) is alive: not ours to remove
   save_checkpoint(dir, m, &opt, some_state(2));
