@@ -23,6 +23,10 @@
 #   FOURBIT_CMAKE_ARGS     extra cmake arguments, e.g. "-DFOURBIT_CUDA_GENCODE=..."
 #   FOURBIT_COMMIT         the commit to report, where git cannot read it (the device machine
 #                          gets a copy of the working tree whose .git it cannot use)
+#   FOURBIT_BENCHES        space-separated benchmark names to run (default: all of them); "none"
+#                          runs none. A run that must fit a time limit splits them over calls.
+#   FOURBIT_SKIP           space-separated steps to skip: test-cpu, torch-check (the gpu tests and
+#                          the build are never skipped)
 set -u -o pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -139,12 +143,17 @@ step gpu-info "$test_log" 20 \
   --format=csv
 step test-gpu "$test_log" 3 \
   ctest --test-dir "$build" -L gpu --output-on-failure --no-tests=error
-step test-cpu "$test_log" 3 \
-  ctest --test-dir "$build" -L cpu --output-on-failure --no-tests=error -j "$jobs"
+skip=" ${FOURBIT_SKIP:-} "
+if [[ "$skip" != *" test-cpu "* ]]; then
+  step test-cpu "$test_log" 3 \
+    ctest --test-dir "$build" -L cpu --output-on-failure --no-tests=error -j "$jobs"
+fi
 
 # The PyTorch cross-check of the transformer (tools/torch_crosscheck.py), where torch is installed:
 # fourbit's CPU float64 model, then its CUDA model, against an independent PyTorch model.
-if python3 -c 'import torch, numpy' >/dev/null 2>&1; then
+if [[ "$skip" == *" torch-check "* ]]; then
+  echo "torch cross-check skipped: FOURBIT_SKIP has torch-check" | tee -a "$test_log"
+elif python3 -c 'import torch, numpy' >/dev/null 2>&1; then
   step torch-check-cpu "$test_log" 40 python3 "$root/tools/torch_crosscheck.py" --fourbit "$fourbit"
   step torch-check-cuda "$test_log" 40 \
     python3 "$root/tools/torch_crosscheck.py" --fourbit "$fourbit" --device cuda
@@ -153,9 +162,11 @@ else
 fi
 
 bench_names=()
+wanted=" ${FOURBIT_BENCHES:-all} "
 for line in "${benches[@]}"; do
   read -r name args <<<"$line"
   read -r -a args <<<"$args"
+  [ "$wanted" = " all " ] || [[ "$wanted" == *" $name "* ]] || continue
   csv="$build/bench/$name.csv"
   rm -f "$csv"
   step "bench-$name" "$bench_log" 200 "$fourbit" "${args[@]}" --csv "$csv"
