@@ -200,6 +200,12 @@ TEST(DecodeGemvPlan, CoversEveryChunkAndRow) {
     ASSERT_GE(p.n_tiles * 8, B);
     ASSERT_LT((p.n_tiles / 2) * 8, B);
     ASSERT_EQ(p.partial_floats, p.splits > 1 ? (int64_t)p.splits * B * N : 0);
+    ASSERT_EQ(p.staged, B <= 16);
+    if (p.staged) {  // x of a whole split fits the default 48 KB of dynamic shared memory
+      ASSERT_LE(p.chunks_per_split, kernels::kDecodeStagedChunks);
+      ASSERT_EQ(p.x_smem_bytes, p.chunks_per_split * p.n_tiles * kernels::kDecodeXTileBytes);
+      ASSERT_LE(p.x_smem_bytes, 48 * 1024);
+    }
   }
 }
 #endif

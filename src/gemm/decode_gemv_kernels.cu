@@ -148,6 +148,7 @@ struct WeightRegs<DecodeWeightFormat::kNvfp4> {
 struct GemvShape {
   int64_t N, K;
   bool vec_w, vec_x;
+  bool vec_s = false;  // NVFP4: a thread's two scale bytes are one aligned 16-bit load
 };
 
 __device__ __forceinline__ void load_weights(const DecodeGemvParams& p, const GemvShape& sh, int64_t row0,
@@ -197,13 +198,57 @@ __device__ __forceinline__ void load_weights(const DecodeGemvParams& p, const Ge
           word(v, j / 4) |= byte << (8 * (j % 4));
         }
       }
-      const int64_t sb = k0 / 16 + 2 * t;
+      const int64_t sb = k0 / 16 + 2 * t;  // even: with n_scales even, sb < n_scales covers sb + 1
       const uint8_t* ss = p.w_scales + row * n_scales + sb;
-      s = (sb < n_scales ? (uint32_t)__ldg(ss) : 0u) | ((sb + 1 < n_scales ? (uint32_t)__ldg(ss + 1) : 0u) << 8);
+      if (sh.vec_s) {
+        s = sb < n_scales ? (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(ss)) : 0u;
+      } else {
+        s = (sb < n_scales ? (uint32_t)__ldg(ss) : 0u) | ((sb + 1 < n_scales ? (uint32_t)__ldg(ss + 1) : 0u) << 8);
+      }
     }
     r.w[i] = v;
     r.s[i] = s;
   }
+}
+
+// One 16-byte x piece: elements e .. e + 7 of `token` (zeros past K and past the batch).
+__device__ __forceinline__ uint4 load_x_piece(const DecodeGemvParams& p, const GemvShape& sh, int token, int64_t e) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (token < p.B) {
+    const uint16_t* src = p.x + token * p.ldx + e;
+    if (sh.vec_x && e + 8 <= sh.K) {
+      v = __ldg(reinterpret_cast<const uint4*>(src));
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t lo = e + 2 * j < sh.K ? src[2 * j] : 0u;
+        const uint32_t hi = e + 2 * j + 1 < sh.K ? src[2 * j + 1] : 0u;
+        word(v, j) = lo | (hi << 16);
+      }
+    }
+  }
+  return v;
+}
+
+// Stores piece c of `token` into a chunk's x tile, in the order and precision the weights use.
+template <DecodeWeightFormat F, bool kXF16>
+__device__ __forceinline__ void store_x_piece(uint4 v, uint4* tile, int token, int c) {
+  if constexpr (F == DecodeWeightFormat::kNvfp4) {
+    // [x0..x7] -> [x0, x2, x4, x6, x1, x3, x5, x7], the order of the decoded weight pairs.
+    uint4 o;
+    o.x = __byte_perm(v.x, v.y, 0x5410);
+    o.y = __byte_perm(v.z, v.w, 0x5410);
+    o.z = __byte_perm(v.x, v.y, 0x7632);
+    o.w = __byte_perm(v.z, v.w, 0x7632);
+    if constexpr (kXF16) {
+      o.x = bf16x2_to_f16x2(o.x);
+      o.y = bf16x2_to_f16x2(o.y);
+      o.z = bf16x2_to_f16x2(o.z);
+      o.w = bf16x2_to_f16x2(o.w);
+    }
+    v = o;
+  }
+  tile[token * kPieces + piece_slot<F>(token, c)] = v;
 }
 
 // x of one chunk: NT pieces per thread (8 NT tokens x 16 pieces over 128 threads).
@@ -217,23 +262,7 @@ __device__ __forceinline__ void load_x(const DecodeGemvParams& p, const GemvShap
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     const int idx = (int)threadIdx.x + i * kThreads;
-    const int token = idx / kPieces, c = idx % kPieces;
-    const int64_t e = k0 + 8 * c;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (token < p.B) {
-      const uint16_t* src = p.x + token * p.ldx + e;
-      if (sh.vec_x && e + 8 <= sh.K) {
-        v = __ldg(reinterpret_cast<const uint4*>(src));
-      } else {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t lo = e + 2 * j < sh.K ? src[2 * j] : 0u;
-          const uint32_t hi = e + 2 * j + 1 < sh.K ? src[2 * j + 1] : 0u;
-          word(v, j) = lo | (hi << 16);
-        }
-      }
-    }
-    r.v[i] = v;
+    r.v[i] = load_x_piece(p, sh, idx / kPieces, k0 + 8 * (idx % kPieces));
   }
 }
 
@@ -242,24 +271,31 @@ __device__ __forceinline__ void store_x(const XRegs<NT>& r, uint4* tile) {
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     const int idx = (int)threadIdx.x + i * kThreads;
-    const int token = idx / kPieces, c = idx % kPieces;
-    uint4 v = r.v[i];
-    if constexpr (F == DecodeWeightFormat::kNvfp4) {
-      // [x0..x7] -> [x0, x2, x4, x6, x1, x3, x5, x7], the order of the decoded weight pairs.
-      uint4 o;
-      o.x = __byte_perm(v.x, v.y, 0x5410);
-      o.y = __byte_perm(v.z, v.w, 0x5410);
-      o.z = __byte_perm(v.x, v.y, 0x7632);
-      o.w = __byte_perm(v.z, v.w, 0x7632);
-      if constexpr (kXF16) {
-        o.x = bf16x2_to_f16x2(o.x);
-        o.y = bf16x2_to_f16x2(o.y);
-        o.z = bf16x2_to_f16x2(o.z);
-        o.w = bf16x2_to_f16x2(o.w);
-      }
-      v = o;
+    store_x_piece<F, kXF16>(r.v[i], tile, idx / kPieces, idx % kPieces);
+  }
+}
+
+// Staged launches: x of chunks c_begin .. c_begin + n_chunks - 1 into consecutive chunk tiles of
+// NT * 8 * kPieces pieces each; loads are issued four at a time before their stores.
+template <DecodeWeightFormat F, bool kXF16, int NT>
+__device__ __forceinline__ void stage_x(const DecodeGemvParams& p, const GemvShape& sh, int c_begin, int n_chunks,
+                                        uint4* tiles) {
+  constexpr int kTilePieces = NT * 8 * kPieces;
+  const int total = n_chunks * kTilePieces;
+  for (int i0 = (int)threadIdx.x; i0 < total; i0 += 4 * kThreads) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads, chunk = idx / kTilePieces, within = idx % kTilePieces;
+      v[u] = idx < total ? load_x_piece(p, sh, within / kPieces,
+                                        (int64_t)(c_begin + chunk) * kDecodeChunk + 8 * (within % kPieces))
+                         : make_uint4(0, 0, 0, 0);
     }
-    tile[token * kPieces + piece_slot<F>(token, c)] = v;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads, chunk = idx / kTilePieces, within = idx % kTilePieces;
+      if (idx < total) store_x_piece<F, kXF16>(v[u], tiles + chunk * kTilePieces, within / kPieces, within % kPieces);
+    }
   }
 }
 
@@ -330,49 +366,12 @@ __device__ __forceinline__ void store_y(const DecodeGemvParams& p, int token, in
   }
 }
 
-template <DecodeWeightFormat F, bool kXF16, int NT>
-__global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvParams p, int chunks,
-                                                               int chunks_per_split, int splits) {
-  __shared__ __align__(16) uint4 tile[2][NT * 8 * kPieces];
+// The epilogue of both kernels: alpha_eff, then y directly (one split) or through the split-K
+// partials, summed in split order by the row block's last-arriving CTA.
+template <DecodeWeightFormat F, int NT>
+__device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&acc)[NT][4], int64_t row0,
+                                       int64_t row_base, int t, int splits) {
   __shared__ bool is_last;
-  const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t row_base = (int64_t)blockIdx.x * kDecodeRowsPerCta;
-  const int64_t row0 = row_base + warp * 16 + g;
-  GemvShape sh;
-  sh.N = p.N;
-  sh.K = p.K;
-  sh.vec_x = p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
-  if constexpr (F == DecodeWeightFormat::kNvfp4) {
-    sh.vec_w = ((p.K + 1) / 2) % 16 == 0 && (reinterpret_cast<uintptr_t>(p.w_data) & 15) == 0;
-  } else {
-    sh.vec_w = p.ldw % 8 == 0 && (reinterpret_cast<uintptr_t>(p.w_bf16) & 15) == 0;
-  }
-  const int c_begin = (int)blockIdx.y * chunks_per_split;
-  const int c_end = min(chunks, c_begin + chunks_per_split);
-
-  float acc[NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-
-  WeightRegs<F> cur, next;
-  XRegs<NT> xr;
-  load_weights(p, sh, row0, t, (int64_t)c_begin * kDecodeChunk, cur);
-  load_x<NT>(p, sh, (int64_t)c_begin * kDecodeChunk, xr);
-  store_x<F, kXF16, NT>(xr, tile[0]);
-  __syncthreads();
-  for (int c = c_begin; c < c_end; ++c) {
-    const int buf = (c - c_begin) & 1;
-    const bool more = c + 1 < c_end;
-    if (more) {
-      load_weights(p, sh, row0, t, (int64_t)(c + 1) * kDecodeChunk, next);
-      load_x<NT>(p, sh, (int64_t)(c + 1) * kDecodeChunk, xr);
-    }
-    compute_chunk<kXF16, NT>(acc, cur, tile[buf], g, t);
-    if (more) store_x<F, kXF16, NT>(xr, tile[buf ^ 1]);
-    __syncthreads();
-    cur = next;
-  }
-
   // Epilogue scalar of the exact emulation: f32(f32(alpha * d_x) * d_w).
   float alpha = p.alpha;
   if (p.x_amax != nullptr) alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.x_amax, p.x_constant));
@@ -418,9 +417,119 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvP
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;
 }
 
+template <DecodeWeightFormat F>
+__device__ __forceinline__ GemvShape gemv_shape(const DecodeGemvParams& p) {
+  GemvShape sh;
+  sh.N = p.N;
+  sh.K = p.K;
+  sh.vec_x = p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
+  if constexpr (F == DecodeWeightFormat::kNvfp4) {
+    sh.vec_w = ((p.K + 1) / 2) % 16 == 0 && (reinterpret_cast<uintptr_t>(p.w_data) & 15) == 0;
+    sh.vec_s = ((p.K + 15) / 16) % 2 == 0 && (reinterpret_cast<uintptr_t>(p.w_scales) & 1) == 0;
+  } else {
+    sh.vec_w = p.ldw % 8 == 0 && (reinterpret_cast<uintptr_t>(p.w_bf16) & 15) == 0;
+  }
+  return sh;
+}
+
+// Batches above 16 tokens: x double-buffered per chunk, the next chunk's weights loaded while the
+// current one is computed (one barrier per chunk).
+template <DecodeWeightFormat F, bool kXF16, int NT>
+__global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvParams p, int chunks,
+                                                               int chunks_per_split, int splits) {
+  __shared__ __align__(16) uint4 tile[2][NT * 8 * kPieces];
+  const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t row_base = (int64_t)blockIdx.x * kDecodeRowsPerCta;
+  const int64_t row0 = row_base + warp * 16 + g;
+  const GemvShape sh = gemv_shape<F>(p);
+  const int c_begin = (int)blockIdx.y * chunks_per_split;
+  const int c_end = min(chunks, c_begin + chunks_per_split);
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  WeightRegs<F> cur, next;
+  XRegs<NT> xr;
+  load_weights(p, sh, row0, t, (int64_t)c_begin * kDecodeChunk, cur);
+  load_x<NT>(p, sh, (int64_t)c_begin * kDecodeChunk, xr);
+  store_x<F, kXF16, NT>(xr, tile[0]);
+  __syncthreads();
+  for (int c = c_begin; c < c_end; ++c) {
+    const int buf = (c - c_begin) & 1;
+    const bool more = c + 1 < c_end;
+    if (more) {
+      load_weights(p, sh, row0, t, (int64_t)(c + 1) * kDecodeChunk, next);
+      load_x<NT>(p, sh, (int64_t)(c + 1) * kDecodeChunk, xr);
+    }
+    compute_chunk<kXF16, NT>(acc, cur, tile[buf], g, t);
+    if (more) store_x<F, kXF16, NT>(xr, tile[buf ^ 1]);
+    __syncthreads();
+    cur = next;
+  }
+
+  finish<F, NT>(p, acc, row0, row_base, t, splits);
+}
+
+// Weight chunks a staged launch keeps in flight per thread (the register ring): NVFP4 holds 10
+// registers per chunk, BF16 32.
+template <DecodeWeightFormat F>
+constexpr int kRingDepth = F == DecodeWeightFormat::kNvfp4 ? 4 : 2;
+
+// Batches of up to 16 tokens (plan.staged): the loads of the first kRingDepth chunks' weights go
+// out first, then x of the whole split is staged in shared memory (dynamic, chunks_per_split
+// tiles), one barrier, and the chunks are computed with each ring slot reloaded kRingDepth chunks
+// ahead as soon as it is consumed.
+template <DecodeWeightFormat F, bool kXF16, int NT>
+__global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const DecodeGemvParams p, int chunks,
+                                                                      int chunks_per_split, int splits) {
+  extern __shared__ __align__(16) uint4 x_tiles[];  // [chunks_per_split][NT * 8 tokens][kPieces]
+  constexpr int kTilePieces = NT * 8 * kPieces;
+  constexpr int D = kRingDepth<F>;
+  const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t row_base = (int64_t)blockIdx.x * kDecodeRowsPerCta;
+  const int64_t row0 = row_base + warp * 16 + g;
+  const GemvShape sh = gemv_shape<F>(p);
+  const int c_begin = (int)blockIdx.y * chunks_per_split;
+  const int c_end = min(chunks, c_begin + chunks_per_split);
+
+  WeightRegs<F> ring[D];
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    if (c_begin + d < c_end) load_weights(p, sh, row0, t, (int64_t)(c_begin + d) * kDecodeChunk, ring[d]);
+  }
+  stage_x<F, kXF16, NT>(p, sh, c_begin, c_end - c_begin, x_tiles);
+  __syncthreads();
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  for (int c = c_begin; c < c_end; c += D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      if (c + d < c_end) {
+        compute_chunk<kXF16, NT>(acc, ring[d], x_tiles + (c + d - c_begin) * kTilePieces, g, t);
+        if (c + d + D < c_end) load_weights(p, sh, row0, t, (int64_t)(c + d + D) * kDecodeChunk, ring[d]);
+      }
+    }
+  }
+
+  finish<F, NT>(p, acc, row0, row_base, t, splits);
+}
+
 template <DecodeWeightFormat F, bool kXF16>
 void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   const dim3 grid((unsigned)plan.row_blocks, (unsigned)plan.splits);
+  if (plan.staged) {
+    const size_t smem = (size_t)plan.x_smem_bytes;
+    if (plan.n_tiles == 1) {
+      decode_gemv_staged_kernel<F, kXF16, 1><<<grid, kThreads, smem, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits);
+    } else {
+      decode_gemv_staged_kernel<F, kXF16, 2><<<grid, kThreads, smem, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits);
+    }
+    FOURBIT_CUDA_CHECK_LAUNCH();
+    return;
+  }
   switch (plan.n_tiles) {
     case 1: decode_gemv_kernel<F, kXF16, 1><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
     case 2: decode_gemv_kernel<F, kXF16, 2><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;

@@ -8,7 +8,12 @@
 //   - one CTA of kDecodeWarps warps covers kDecodeRowsPerCta = 16 * kDecodeWarps rows of W; each
 //     warp owns 16 rows (the mma's M), the batch is the mma's N (8 tokens per n-tile, up to 8);
 //   - K is walked in chunks of kDecodeChunk = 128 elements; grid.y splits the chunks (split-K)
-//     when N alone gives too few CTAs. Split partials go to an FP32 workspace [splits, B, N]; the
+//     when N alone gives too few CTAs.
+//   - Up to 16 tokens (n_tiles <= 2) the launch is "staged": a CTA issues the loads of its first
+//     chunks' weights at once (a register ring, kept full while it computes), stages the x of its
+//     whole chunk range in shared memory (at most kDecodeStagedChunks chunks, so the plan splits K
+//     at least that finely), and then runs without a barrier: one memory round trip per CTA instead
+//     of one per chunk. Larger batches double-buffer x per chunk (their x tile is 8x larger). Split partials go to an FP32 workspace [splits, B, N]; the
 //     last CTA of a row block (a per-row-block arrival counter) sums them in split order, so the
 //     result does not depend on CTA scheduling (deterministic), and resets the counter to 0.
 // Invariants: the counters start at zero (the workspace is zeroed when allocated) and are zero
@@ -27,6 +32,8 @@ inline constexpr int kDecodeWarps = 4;
 inline constexpr int kDecodeRowsPerCta = 16 * kDecodeWarps;
 inline constexpr int kDecodeChunk = 128;     // K elements per CTA iteration
 inline constexpr int kDecodeAmaxPartials = 64;  // CTAs of the activation amax pass (at most)
+inline constexpr int kDecodeStagedChunks = 8;  // most chunks per split of a staged launch
+inline constexpr int kDecodeXTileBytes = 8 * kDecodeChunk * 2;  // x of one chunk and one n-tile
 
 enum class DecodeWeightFormat : uint8_t { kBf16, kNvfp4 };
 
@@ -38,6 +45,8 @@ struct DecodeGemvPlan {
   int chunks = 0;            // ceil(K / kDecodeChunk)
   int chunks_per_split = 0;  // every split but possibly the last has this many chunks
   int n_tiles = 1;           // 8-token mma tiles the kernel instantiates: 1, 2, 4 or 8
+  bool staged = false;       // n_tiles <= 2: x of the whole split in shared memory (see above)
+  int x_smem_bytes = 0;      // staged: the dynamic shared memory of x, chunks_per_split tiles
   int64_t partial_floats = 0;  // workspace floats for the split partials (splits > 1)
 };
 
@@ -54,8 +63,11 @@ inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count
   // At least two chunks per split: a CTA's fixed costs (prologue, partials, arrival) stay small.
   const int max_splits = std::max(1, p.chunks / 2);
   int splits = (int)std::min<int64_t>(max_splits, std::max<int64_t>(1, (target + p.row_blocks - 1) / p.row_blocks));
+  p.staged = p.n_tiles <= 2;
+  if (p.staged) splits = std::max(splits, (p.chunks + kDecodeStagedChunks - 1) / kDecodeStagedChunks);
   p.chunks_per_split = (p.chunks + splits - 1) / splits;
   p.splits = (p.chunks + p.chunks_per_split - 1) / p.chunks_per_split;  // no empty split
+  p.x_smem_bytes = p.staged ? p.chunks_per_split * p.n_tiles * kDecodeXTileBytes : 0;
   p.partial_floats = p.splits > 1 ? (int64_t)p.splits * B * N : 0;
   return p;
 }
