@@ -312,8 +312,63 @@ TEST(DecodeGemvCuda, ZeroBlocksHugeAndTinyScales) {
   run_case(z, seed++);
 }
 
+// decode_quantize_nvfp4 alone, bit for bit the CPU quantizer: both scale rules, every Four Over Six
+// metric, sizes on both sides of the one-launch limit (B K <= 16384), K not a multiple of 16 or of
+// 8 (the scalar amax loads), a strided x, and edge fills (all zeros, one outlier per row, all-equal
+// blocks, values near the E2M1 ties).
+TEST(DecodeGemvCuda, QuantizeActivationMatchesCpuQuantizer) {
+  struct Shape {
+    int B;
+    int64_t K, pad;
+  };
+  const Shape shapes[] = {{1, 2048, 0}, {8, 2048, 0}, {9, 2048, 8}, {2, 5632, 0}, {16, 2048, 0}, {3, 1000, 0},
+                          {5, 37, 3}, {64, 512, 0}};
+  const quant::FourOverSixMetric metrics[] = {quant::FourOverSixMetric::kMse, quant::FourOverSixMetric::kMae,
+                                              quant::FourOverSixMetric::kAbsMax};
+  uint64_t seed = 800;
+  for (const Shape& sh : shapes)
+    for (int fill = 0; fill < 4; ++fill)
+      for (int rule = 0; rule < 4; ++rule) {
+        Tensor x = random_matrix(sh.B, sh.K, seed++, DType::kBF16);
+        uint16_t* xv = x.ptr<uint16_t>();
+        for (int64_t i = 0; i < x.numel(); ++i) {
+          const int64_t c = i % sh.K;
+          if (fill == 1) xv[i] = 0;                                                       // amax = 0
+          if (fill == 2) xv[i] = c == 5 ? formats::encode_bf16_rn(1e4f) : xv[i];          // one outlier per row
+          if (fill == 3) xv[i] = formats::encode_bf16_rn((c / 16 % 2 ? -0.75f : 2.5f) * (1 + i % 3));  // ties, equal blocks
+        }
+        quant::QuantConfig cfg = nvfp4(rule > 0);
+        if (rule > 0) cfg.four_over_six_metric = metrics[rule - 1];
+        Strided xd = strided(sh.B, sh.K, sh.K + sh.pad, DType::kBF16);
+        FOURBIT_CUDA_CHECK(cudaMemcpy2D(xd.view.data, (size_t)(2 * (sh.K + sh.pad)), x.data(), (size_t)(2 * sh.K),
+                                        (size_t)(2 * sh.K), (size_t)sh.B, cudaMemcpyHostToDevice));
+        Tensor xs = Tensor::empty({sh.B, sh.K}, DType::kBF16, Device::kCuda);
+        poison(xs.view());
+        Tensor amax = Tensor::empty({1}, DType::kF32, Device::kCuda), flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+        DecodeWorkspace ws;
+        DecodeQuantizeArgs qa;
+        qa.x = xd.view;
+        qa.config = cfg;
+        qa.xs = xs.view();
+        qa.amax = amax.ptr<float>();
+        qa.workspace = &ws;
+        qa.error_flag = flag.ptr<int>();
+        decode_quantize_nvfp4(qa);
+        const quant::QuantizedTensor q = quantize(x, cfg);
+        const Tensor want = quant::dequantize_bf16_scaled_reference(q, false);
+        const Tensor got = xs.to(Device::kCpu);
+        const std::string what = "B " + std::to_string(sh.B) + " K " + std::to_string(sh.K) + " fill " +
+                                 std::to_string(fill) + " rule " + std::to_string(rule);
+        for (int64_t i = 0; i < want.numel(); ++i)
+          ASSERT_EQ(got.ptr<const uint16_t>()[i], want.ptr<const uint16_t>()[i]) << what << ": element " << i;
+        float amax_host = 0;
+        FOURBIT_CUDA_CHECK(cudaMemcpy(&amax_host, amax.data(), 4, cudaMemcpyDeviceToHost));
+        ASSERT_EQ(amax_host, *q.rowwise->amax.ptr<const float>()) << what;
+      }
+}
+
 TEST(DecodeGemvCuda, NonFiniteActivationIsFlagged) {
-  // One-CTA path (B K <= 65536) and the two-launch path.
+  // One-launch path (B K <= 16384) and the two-launch path.
   for (auto [B, K] : {std::pair<int, int64_t>{2, 64}, {64, 2048}}) {
     Tensor x = random_matrix(B, K, 600 + K, DType::kBF16);
     x.ptr<uint16_t>()[K + 6] = 0x7F80;  // +Inf in row 1

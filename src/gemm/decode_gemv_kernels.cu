@@ -582,23 +582,34 @@ __global__ void __launch_bounds__(kQuantThreads) amax_partial_kernel(const Decod
   if (threadIdx.x == 0) p.partials[blockIdx.x] = b;
 }
 
-// Quantizes the 16-element blocks i0, i0 + stride, ... of x given the global amax (the reference's
-// nvfp4_quantize_1d per block, round to nearest) and writes the scaled-domain values.
-__device__ void quantize_x_blocks(const DecodeQuantizeParams& p, float amax, int64_t i0, int64_t stride) {
+// Quantizes x given the global amax (the reference's nvfp4_quantize_1d per 16-element block,
+// round to nearest) and writes the scaled-domain values. Element-parallel: the 16 lanes of each
+// half-warp own one block (lane l its element l); the block amax is a 16-lane max, and the Four
+// Over Six errors are per-lane terms that every lane then sums in element order, so the result is
+// the sequential reference's bit for bit. The CTA covers kQuantThreads / 16 consecutive blocks per
+// round; rounds advance by gridDim.x such groups.
+constexpr int kQuantBlocksPerCta = kQuantThreads / 16;
+
+__device__ void quantize_x_elements(const DecodeQuantizeParams& p, float amax) {
   const quant::Nvfp4TensorScales ts = quant::nvfp4_tensor_scales(amax, p.scale_constant, p.element_constant);
   const quant::FourOverSixTensorScales ts46 =
       quant::four_over_six_tensor_scales(amax, p.scale_constant, p.element_constant);
   const auto metric = (quant::FourOverSixMetric)p.four_over_six_metric;
   const int64_t n_blocks = (p.K + 15) / 16, total = (int64_t)p.B * n_blocks;
-  for (int64_t i = i0; i < total; i += stride) {
+  const int e = (int)threadIdx.x % 16;
+  // The loop bound is uniform over the warp (its two blocks are i and i + 1, both tested inside):
+  // every lane reaches every shuffle.
+  for (int64_t base = (int64_t)blockIdx.x * kQuantBlocksPerCta + threadIdx.x / 32 * 2; base < total;
+       base += (int64_t)gridDim.x * kQuantBlocksPerCta) {
+    const int64_t i = base + (threadIdx.x % 32) / 16;
     const int64_t r = i / n_blocks, c0 = (i % n_blocks) * 16;
-    const int n = (int)min((int64_t)16, p.K - c0);
-    float v[16];
-    float block_amax = 0.0f;
+    const int n = i < total ? (int)min((int64_t)16, p.K - c0) : 0;
+    const bool valid = e < n;
+    const float v = valid ? formats::decode_bf16(p.x[r * p.ldx + c0 + e]) : 0.0f;
+    float block_amax = formats::abs_f32(v);
 #pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      v[e] = e < n ? formats::decode_bf16(p.x[r * p.ldx + c0 + e]) : 0.0f;
-      if (e < n) block_amax = formats::fmax_ieee(block_amax, formats::abs_f32(v[e]));
+    for (int off = 8; off > 0; off >>= 1) {
+      block_amax = formats::fmax_ieee(block_amax, __shfl_xor_sync(0xFFFFFFFFu, block_amax, off, 16));
     }
     uint8_t s = 0;
     float mult = 0.0f;
@@ -611,58 +622,84 @@ __device__ void quantize_x_blocks(const DecodeQuantizeParams& p, float amax, int
       float err[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        const float mk = quant::four_over_six_multiplier(cand[k], ts46);
+        const uint8_t q =
+            quant::four_over_six_encode_element(v, quant::four_over_six_multiplier(cand[k], ts46), false, 0u);
+        const float term =
+            quant::four_over_six_error_term(quant::four_over_six_dequantize_element(q, cand[k], ts46), v, metric);
 #pragma unroll
-        for (int e = 0; e < 16; ++e) {
-          if (e >= n) break;
-          const uint8_t q = quant::four_over_six_encode_element(v[e], mk, false, 0u);
-          err[k] = quant::four_over_six_accumulate_error(
-              err[k], quant::four_over_six_dequantize_element(q, cand[k], ts46), v[e], metric);
+        for (int j = 0; j < 16; ++j) {
+          const float tj = __shfl_sync(0xFFFFFFFFu, term, j, 16);
+          if (j < n) err[k] = quant::four_over_six_combine_errors(err[k], tj, metric);
         }
       }
       s = err[1] < err[0] ? pair.map4 : pair.map6;
       mult = quant::four_over_six_multiplier(s, ts46);
     }
-    const float sf = formats::decode_e4m3(s);
-    uint16_t* dst = p.xs + r * p.K + c0;
-#pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      if (e >= n) break;
-      const uint8_t q = p.four_over_six ? quant::four_over_six_encode_element(v[e], mult, false, 0u)
-                                        : quant::nvfp4_encode_element(v[e], mult, false, 0u);
-      dst[e] = formats::encode_bf16_rn(formats::mul_rn(formats::decode_e2m1(q), sf));
+    if (valid) {
+      const uint8_t q = p.four_over_six ? quant::four_over_six_encode_element(v, mult, false, 0u)
+                                        : quant::nvfp4_encode_element(v, mult, false, 0u);
+      p.xs[r * p.K + c0 + e] = formats::encode_bf16_rn(formats::mul_rn(formats::decode_e2m1(q), formats::decode_e4m3(s)));
     }
   }
 }
 
+// Grid size of the quantization pass: one CTA per kQuantBlocksPerCta blocks, at most 1024.
+inline int quantize_ctas(const DecodeQuantizeParams& p) {
+  const int64_t blocks = (int64_t)p.B * ((p.K + 15) / 16);
+  return (int)std::clamp<int64_t>((blocks + kQuantBlocksPerCta - 1) / kQuantBlocksPerCta, 1, 1024);
+}
+
 __global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQuantizeParams p, int n_partials) {
   __shared__ float s_amax;
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < 32) {  // n_partials <= kDecodeAmaxPartials = 64: two per lane, then a warp max
     float m = 0.0f;
-    for (int i = 0; i < n_partials; ++i) m = formats::fmax_ieee(m, p.partials[i]);
-    s_amax = m;
-    if (blockIdx.x == 0) *p.amax_out = m;
+    for (int i = (int)threadIdx.x; i < n_partials; i += 32) m = formats::fmax_ieee(m, p.partials[i]);
+    for (int off = 16; off > 0; off >>= 1) m = formats::fmax_ieee(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+    if (threadIdx.x == 0) {
+      s_amax = m;
+      if (blockIdx.x == 0) *p.amax_out = m;
+    }
   }
   __syncthreads();
-  quantize_x_blocks(p, s_amax, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+  quantize_x_elements(p, s_amax);
 }
 
 // Small activations (B * K <= kRedundantAmaxElements): one launch. Every CTA reduces the global
-// amax of the whole x itself (at most 128 KB, read from L2) and then quantizes its own 256 blocks,
-// so the blocks spread over ceil(blocks / 256) CTAs instead of one SM. The amax is a max: the same
-// value in every CTA, whatever the order.
-constexpr int64_t kRedundantAmaxElements = 65536;
+// amax of the whole x itself (at most 32 KB, read from L2 with 16-byte loads, four in flight per
+// thread) and then quantizes its own blocks. The amax is a max: the same value in every CTA,
+// whatever the order.
+constexpr int64_t kRedundantAmaxElements = 16384;
 
 __global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kernel(const DecodeQuantizeParams p) {
   float m = 0.0f;
   bool bad = false;
-  for (int r = 0; r < p.B; ++r) {
-    const uint16_t* row = p.x + (int64_t)r * p.ldx;
-    for (int64_t c = threadIdx.x; c < p.K; c += blockDim.x) accumulate_amax(m, bad, row[c]);
+  if (p.K % 8 == 0 && p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0) {
+    const int64_t per_row = p.K / 8, total = (int64_t)p.B * per_row;
+    for (int64_t i0 = threadIdx.x; i0 < total; i0 += 4 * kQuantThreads) {
+      uint4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t i = i0 + u * kQuantThreads;
+        v[u] = i < total ? __ldg(reinterpret_cast<const uint4*>(p.x + (i / per_row) * p.ldx + (i % per_row) * 8))
+                         : make_uint4(0, 0, 0, 0);  // zeros leave the amax as it is
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          accumulate_amax(m, bad, (uint16_t)(word(v[u], w) & 0xFFFFu));
+          accumulate_amax(m, bad, (uint16_t)(word(v[u], w) >> 16));
+        }
+    }
+  } else {
+    for (int r = 0; r < p.B; ++r) {
+      const uint16_t* row = p.x + (int64_t)r * p.ldx;
+      for (int64_t c = threadIdx.x; c < p.K; c += blockDim.x) accumulate_amax(m, bad, row[c]);
+    }
   }
   const float amax = cta_amax(p, m, bad, blockIdx.x == 0);  // every CTA saw the same x: one report
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.amax_out = amax;
-  quantize_x_blocks(p, amax, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+  quantize_x_elements(p, amax);
 }
 
 }  // namespace
@@ -680,9 +717,7 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream) {
   const int64_t n = (int64_t)p.B * p.K;
   if (n <= kRedundantAmaxElements) {
-    const int64_t blocks = (int64_t)p.B * ((p.K + 15) / 16);
-    const int ctas = (int)std::max<int64_t>(1, (blocks + kQuantThreads - 1) / kQuantThreads);
-    quantize_x_redundant_amax_kernel<<<ctas, kQuantThreads, 0, stream>>>(p);
+    quantize_x_redundant_amax_kernel<<<quantize_ctas(p), kQuantThreads, 0, stream>>>(p);
     FOURBIT_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -690,9 +725,7 @@ void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream
                                                   kDecodeAmaxPartials);
   amax_partial_kernel<<<amax_ctas, kQuantThreads, 0, stream>>>(p);
   FOURBIT_CUDA_CHECK_LAUNCH();
-  const int64_t blocks = (int64_t)p.B * ((p.K + 15) / 16);
-  const int ctas = (int)std::clamp<int64_t>((blocks + kQuantThreads - 1) / kQuantThreads, 1, 1024);
-  quantize_x_kernel<<<ctas, kQuantThreads, 0, stream>>>(p, amax_ctas);
+  quantize_x_kernel<<<quantize_ctas(p), kQuantThreads, 0, stream>>>(p, amax_ctas);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 

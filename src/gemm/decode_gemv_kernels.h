@@ -107,9 +107,10 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 // NVFP4 1x16 row-wise quantization of a small activation x bf16 [B, K] (round to nearest), written
 // straight to the scaled domain: xs bf16 [B, K] contiguous = e2m1 * s_b, and *amax_out = the global
 // amax; the same values as quant::quantize_reference + dequantize_bf16_scaled_reference (the
-// per-block arithmetic is quant/block_math.h). Up to 65536 elements one launch does both passes (each
-// CTA reduces the whole amax itself, then quantizes its own 256 blocks); larger inputs take two launches: per-CTA partial maxima into `partials`
-// (kDecodeAmaxPartials floats), then the quantization (each CTA reduces the partials).
+// per-block arithmetic is quant/block_math.h). Sixteen threads quantize one block (one element
+// each). Up to 16384 elements one launch does both passes (each CTA reduces the whole amax itself,
+// then quantizes its own blocks); larger inputs take two launches: per-CTA partial maxima into
+// `partials` (kDecodeAmaxPartials floats), then the quantization (each CTA reduces the partials).
 // A NaN or Inf in x ORs quant::kDeviceErrNonFinite into *error_flags.
 struct DecodeQuantizeParams {
   const uint16_t* x = nullptr;

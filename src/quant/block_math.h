@@ -150,22 +150,24 @@ FOURBIT_HD float four_over_six_dequantize_element(uint8_t code, uint8_t scale,
   return div_rn(mul_rn(qs, ts.amax), ts.constant);
 }
 
-// Accumulates one element's error into `err` (sequential FP32, element order fixed by caller).
-FOURBIT_HD float four_over_six_accumulate_error(float err, float dequantized, float x,
-                                                FourOverSixMetric metric) {
-  const float diff = sub_rn(dequantized, x);
-  switch (metric) {
-    case FourOverSixMetric::kMse: return add_rn(err, mul_rn(diff, diff));
-    case FourOverSixMetric::kMae: return add_rn(err, formats::abs_f32(diff));
-    case FourOverSixMetric::kAbsMax: return formats::fmax_ieee(err, formats::abs_f32(diff));
-  }
-  return err;
-}
-
 // Combines partial errors (2D tiles: per-row sums combined in row order).
 FOURBIT_HD float four_over_six_combine_errors(float total, float part, FourOverSixMetric metric) {
   return metric == FourOverSixMetric::kAbsMax ? formats::fmax_ieee(total, part)
                                               : add_rn(total, part);
+}
+
+// One element's error term: (q - x)^2, |q - x| or |q - x| for MSE, MAE and max-abs. Terms may be
+// computed in parallel; combining them (four_over_six_combine_errors) from 0 in element order is
+// four_over_six_accumulate_error's sequential sum exactly.
+FOURBIT_HD float four_over_six_error_term(float dequantized, float x, FourOverSixMetric metric) {
+  const float diff = sub_rn(dequantized, x);
+  return metric == FourOverSixMetric::kMse ? mul_rn(diff, diff) : formats::abs_f32(diff);
+}
+
+// Accumulates one element's error into `err` (sequential FP32, element order fixed by caller).
+FOURBIT_HD float four_over_six_accumulate_error(float err, float dequantized, float x,
+                                                FourOverSixMetric metric) {
+  return four_over_six_combine_errors(err, four_over_six_error_term(dequantized, x, metric), metric);
 }
 
 // ---------------------------------------------------------------------------------------------
