@@ -180,6 +180,45 @@ TEST(FourOverSix, Numerics98Blocks) {
   for (int i = 0; i < 16; ++i) EXPECT_EQ(fp4_code(*q.rowwise, 0, i), cb[i]) << i;
 }
 
+TEST(FourOverSix, ReciprocalDivisionIsCorrectlyRoundedForEverySignificand) {
+  // four_over_six_div_constant's fast path (RN(1/C) and one FMA correction) against div_rn for
+  // all 2^23 significands, both signs, at the lowest and highest exponent of its range and in
+  // between. Between the ends each operation's result is the low end's times a power of two
+  // (exact scaling of correctly rounded operations), provided no intermediate is subnormal at the
+  // low end or overflows at the high end: checked on the correction term r = a - q C and q.
+  const int lo = (int)(kFourOverSixFastDivMinBits >> 23) - 127;   // -64
+  const int hi = (int)(kFourOverSixFastDivEndBits >> 23) - 128;   // 63: the highest exponent in range
+  for (float c : {kFourOverSixGlobalConstant, kFourOverSixGlobalConstantUnbiasedSr}) {
+    const float rcp = four_over_six_constant_reciprocal(c);
+    ASSERT_NE(rcp, 0.0f);
+    int64_t wrong = 0, underflow = 0, overflow = 0;
+    for (int e : {lo, -20, 0, 20, hi}) {
+      for (uint32_t m = 0; m < (1u << 23); ++m) {
+        for (uint32_t sign : {0u, 0x80000000u}) {
+          const float a = f32_from_bits(sign | ((uint32_t)(e + 127) << 23) | m);
+          wrong += f32_bits(four_over_six_div_constant(a, c, rcp)) != f32_bits(formats::div_rn(a, c));
+          const float q = formats::mul_rn(a, rcp);
+          const float r = std::fabs(formats::fma_rn(-q, c, a));
+          if (e == lo) underflow += std::fabs(q) < 0x1p-120f || (r != 0.0f && r < 0x1p-120f);
+          if (e == hi) overflow += std::fabs(q) > 0x1p120f || r > 0x1p120f;
+        }
+      }
+    }
+    EXPECT_EQ(wrong, 0) << "C = " << c;
+    EXPECT_EQ(underflow, 0) << "C = " << c;
+    EXPECT_EQ(overflow, 0) << "C = " << c;
+  }
+  // Signed zeros (fast path, sign kept) and values outside the range (div_rn): equal to div_rn.
+  for (float a : {0.0f, -0.0f, 1e-30f, 1e-45f, 3e38f, std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN()}) {
+    const float want = formats::div_rn(a, kFourOverSixGlobalConstant);
+    const float got = four_over_six_div_constant(a, kFourOverSixGlobalConstant,
+                                                 four_over_six_constant_reciprocal(kFourOverSixGlobalConstant));
+    EXPECT_TRUE(f32_bits(got) == f32_bits(want) || (std::isnan(got) && std::isnan(want))) << a;
+  }
+  EXPECT_EQ(four_over_six_constant_reciprocal(2688.0f), 0.0f);
+}
+
 TEST(FourOverSix, LowersErrorOnNormalData) {
   const Tensor x = make_synthetic(Distribution::kNormal, 256, 256, 11);
   QuantConfig six;

@@ -98,9 +98,38 @@ enum class FourOverSixMetric : uint8_t { kMse, kMae, kAbsMax };
 inline constexpr float kFourOverSixGlobalConstant = 1536.0f;  // 6 * 256
 inline constexpr float kFourOverSixGlobalConstantUnbiasedSr = 1445.6470588235295f;  // f32(1536*16/17)
 
+// Division by the Four Over Six decode constant C without a division: the dequantization divides
+// every element by C. For C = 1536 and C = f32(1536 * 16/17) and |a| in [2^-64, 2^64), the
+// reciprocal R = RN(1 / C) with one FMA correction, q = RN(a R), q' = RN(q + RN(a - q C) R), equals
+// RN(a / C): test_quant_reference checks every significand at both ends of that range, and the
+// operations scale exactly by powers of two in between (no intermediate is subnormal at the low
+// end nor overflows at the high end: checked there too); a = +-0 gives +-0. Outside it (tiny,
+// huge, Inf, NaN) and for any other C, div_rn. rcp_c = 0 marks a constant without that proof.
+inline constexpr uint32_t kFourOverSixFastDivMinBits = 0x1F800000u;  // 2^-64
+inline constexpr uint32_t kFourOverSixFastDivEndBits = 0x5F800000u;  // 2^64
+
+FOURBIT_HD float four_over_six_constant_reciprocal(float c) {
+  const bool proven = c == kFourOverSixGlobalConstant || c == kFourOverSixGlobalConstantUnbiasedSr;
+  return proven ? formats::rcp_rn(c) : 0.0f;
+}
+
+// RN(a / c), bit for bit; rcp_c = four_over_six_constant_reciprocal(c).
+FOURBIT_HD float four_over_six_div_constant(float a, float c, float rcp_c) {
+  const uint32_t bits = formats::f32_bits(a), mag = bits & 0x7FFFFFFFu;
+  if (rcp_c != 0.0f && (mag == 0 || mag - kFourOverSixFastDivMinBits <
+                                        kFourOverSixFastDivEndBits - kFourOverSixFastDivMinBits)) {
+    const float q = mul_rn(a, rcp_c);
+    const float q1 = formats::fma_rn(formats::fma_rn(-q, c, a), rcp_c, q);
+    // q1 has the sign of a except for a = -0 (q1 = +0): a / c keeps the sign of a.
+    return formats::f32_from_bits(formats::f32_bits(q1) | (bits & 0x80000000u));
+  }
+  return div_rn(a, c);
+}
+
 struct FourOverSixTensorScales {
   float amax;      // A
   float constant;  // element/decode constant: 6 * 256, or times 16/17 for unbiased SR
+  float rcp_constant;  // four_over_six_constant_reciprocal(constant)
   float encode;    // f32(6 * 256 / A): block scales
   float decode;    // f32(1 / f32(constant / A)): element multiplier
   bool zero;       // A == 0: every scale and code is 0
@@ -111,6 +140,7 @@ FOURBIT_HD FourOverSixTensorScales four_over_six_tensor_scales(float amax, float
   FourOverSixTensorScales s;
   s.amax = amax;
   s.constant = element_constant;
+  s.rcp_constant = four_over_six_constant_reciprocal(element_constant);
   s.zero = !(amax > 0.0f);
   s.encode = s.zero ? 0.0f : div_rn(scale_constant, amax);
   s.decode = s.zero ? 0.0f : div_rn(1.0f, div_rn(element_constant, amax));

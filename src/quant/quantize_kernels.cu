@@ -36,8 +36,9 @@
 // instructions) per orientation, the SR encoder (~15 per element) and, column-wise, the 16-point
 // Walsh-Hadamard butterfly (64 FADD, 16 FMUL, 8 BF16x2 conversions): ~50 instructions per element
 // in all, about 0.2 ms of issue. Four Over Six row-wise encodes each block three times and
-// dequantizes two candidates with a correctly rounded FP32 division per element (div_rn, ~10
-// instructions and a slow-path branch): ~60 per element; the division is the largest single cost.
+// dequantizes two candidates, each divided by the constant C: the reciprocal and one FMA
+// correction (four_over_six_div_constant, proven equal to div_rn; ~6 instructions with its range
+// test) instead of div_rn (~10 and a slow-path branch); both candidates in one loop.
 #include "quant/quantize_kernels.h"
 
 #include "core/error.h"
@@ -175,23 +176,31 @@ __device__ __forceinline__ void rht16_forward_fast(float v[16], uint16_t sign_ma
   }
 }
 
-// Four Over Six error of one candidate scale over 16 values (sequential, like the reference).
-__device__ __forceinline__ float four_over_six_error16(const float v[16], uint8_t scale,
+// Four Over Six errors of both candidate scales over 16 values, in one loop (two independent
+// chains; each accumulates sequentially, like the reference). The dequantization
+// four_over_six_dequantize_element with the scales decoded once and the division by the constant
+// done as four_over_six_div_constant (bit-identical to div_rn).
+__device__ __forceinline__ void four_over_six_errors16(const float v[16], FourOverSixScalePair pair,
                                                        const FourOverSixTensorScales& ts,
                                                        FourOverSixMetric metric, bool stochastic,
-                                                       const Philox4x32Result& rb) {
-  const float mult = four_over_six_multiplier(scale, ts);
-  const float s = formats::decode_e4m3(scale);
-  float err = 0.0f;
+                                                       const Philox4x32Result& rb, float& err6,
+                                                       float& err4) {
+  const float mult6 = four_over_six_multiplier(pair.map6, ts);
+  const float mult4 = four_over_six_multiplier(pair.map4, ts);
+  const float s6 = formats::decode_e4m3(pair.map6), s4 = formats::decode_e4m3(pair.map4);
+  err6 = 0.0f;
+  err4 = 0.0f;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    const uint32_t q = e2m1_code(v[i], mult, true, stochastic, rbyte(rb, i));
-    // four_over_six_dequantize_element, with the scale decoded once.
-    const float deq = formats::div_rn(formats::mul_rn(formats::mul_rn(e2m1_value(q), s), ts.amax),
-                                      ts.constant);
-    err = four_over_six_accumulate_error(err, deq, v[i], metric);
+    const uint32_t q6 = e2m1_code(v[i], mult6, true, stochastic, rbyte(rb, i));
+    const uint32_t q4 = e2m1_code(v[i], mult4, true, stochastic, rbyte(rb, i));
+    const float deq6 = four_over_six_div_constant(
+        formats::mul_rn(formats::mul_rn(e2m1_value(q6), s6), ts.amax), ts.constant, ts.rcp_constant);
+    const float deq4 = four_over_six_div_constant(
+        formats::mul_rn(formats::mul_rn(e2m1_value(q4), s4), ts.amax), ts.constant, ts.rcp_constant);
+    err6 = four_over_six_accumulate_error(err6, deq6, v[i], metric);
+    err4 = four_over_six_accumulate_error(err4, deq4, v[i], metric);
   }
-  return err;
 }
 
 __device__ __forceinline__ void store_bf16x16(uint16_t* dst, const float v[16]) {
@@ -424,8 +433,8 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
       float mult;
       if (four_over_six) {
         const FourOverSixScalePair pair = four_over_six_scales(amax, t.ts46);
-        const float e6 = four_over_six_error16(v, pair.map6, t.ts46, p.metric, stochastic, rb);
-        const float e4 = four_over_six_error16(v, pair.map4, t.ts46, p.metric, stochastic, rb);
+        float e6, e4;
+        four_over_six_errors16(v, pair, t.ts46, p.metric, stochastic, rb, e6, e4);
         s = e4 < e6 ? pair.map4 : pair.map6;
         mult = four_over_six_multiplier(s, t.ts46);
       } else {
@@ -567,8 +576,8 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
           Philox4x32Result rb{};
           if (stochastic) rb = micro_block_bits(p.row.sr, (uint64_t)((r0 + r) * K + c0 + b * 16));
           const FourOverSixScalePair pair = four_over_six_scales(row_group_amax(r, b), t.ts46);
-          err_rows[task * 2 + 0] = four_over_six_error16(v, pair.map6, t.ts46, p.metric, stochastic, rb);
-          err_rows[task * 2 + 1] = four_over_six_error16(v, pair.map4, t.ts46, p.metric, stochastic, rb);
+          four_over_six_errors16(v, pair, t.ts46, p.metric, stochastic, rb, err_rows[task * 2 + 0],
+                                 err_rows[task * 2 + 1]);
         });
         __syncthreads();
         for (int i = threadIdx.x; i < (TR / 16) * (TC / 16); i += kThreads) {
