@@ -300,6 +300,32 @@ TEST_F(QuantCuda, LargeTensorMatchesTheReference) {
   check_case(f, Fill::kNormal, 1024, 1024, true, {true, true}, 7);
 }
 
+TEST_F(QuantCuda, ManyTilesInBothDirections) {
+  // 17 x 33 tiles of every tile-kernel variant (more tiles than one wave of CTAs, in both grid
+  // dimensions), an FP32 source with row scales, and one column of 600 tiles.
+  QuantConfig rn;
+  QuantConfig grad;
+  grad.rounding = Rounding::kStochastic;
+  grad.rht = true;
+  QuantConfig weight;
+  weight.block_2d = true;
+  QuantConfig fos;
+  fos.nvfp4_scale_rule = Nvfp4ScaleRule::kFourOverSix;
+  QuantConfig mx;
+  mx.format = Format::kMxfp8;
+  QuantConfig f8;
+  f8.format = Format::kFp8Block;
+  uint64_t seed = 2000;
+  for (const QuantConfig& c : {rn, grad, weight, fos, mx, f8}) {
+    const int64_t tr = c.format == Format::kFp8Block ? 128 : 64;
+    check_case(c, Fill::kHeavyTailed, 17 * tr, 33 * 128, true, {true, true}, seed++);
+    if (HasFatalFailure()) return;
+  }
+  check_case(rn, Fill::kRowScales, 17 * 64, 33 * 128, false, {true, true}, seed++);
+  check_case(rn, Fill::kNormal, 600 * 64, 128, true, {true, true}, seed++);
+  check_case(grad, Fill::kNormal, 600 * 64, 128, true, {false, true}, seed++);
+}
+
 TEST_F(QuantCuda, QuantReportOnTheGpuEqualsTheCpuReport) {
   ReportOptions o;
   o.rows = 256;
