@@ -699,18 +699,31 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Attent
       *reinterpret_cast<uint4*>(&sm.v[c][col / 2]) = vv;
     }
     __syncthreads();
-    // Scores (already in log2 units): thread -> key c, rows rr, rr + 2, ...
+    // Scores (already in log2 units): thread -> key c, rows rr, rr + 2, ... Every row's dot product
+    // runs as one FMA chain in element order; the rows' chains are interleaved (independent, and
+    // each key pair is read from shared memory once for all of them).
     {
-      const int c = tid % kDecodeKeys;
-      for (int r = tid / kDecodeKeys; r < kDecodeRows; r += kThreads / kDecodeKeys) {
-        float s = 0.0f;
-#pragma unroll 8
-        for (int i = 0; i < D / 2; ++i) {
-          const uint32_t kk = sm.k[c][i];
-          s = fmaf(sm.q[r][2 * i], bf16_lo(kk), s);
-          s = fmaf(sm.q[r][2 * i + 1], bf16_hi(kk), s);
+      constexpr int kRowsPerKey = kThreads / kDecodeKeys;
+      constexpr int kMyRows = kDecodeRows / kRowsPerKey;
+      const int c = tid % kDecodeKeys, rr = tid / kDecodeKeys;
+      float s[kMyRows];
+#pragma unroll
+      for (int j = 0; j < kMyRows; ++j) s[j] = 0.0f;
+#pragma unroll 4
+      for (int i = 0; i < D / 2; ++i) {
+        const uint32_t kk = sm.k[c][i];
+        const float klo = bf16_lo(kk), khi = bf16_hi(kk);
+#pragma unroll
+        for (int j = 0; j < kMyRows; ++j) {
+          const float2 qq = *reinterpret_cast<const float2*>(&sm.q[rr + j * kRowsPerKey][2 * i]);
+          s[j] = fmaf(qq.x, klo, s[j]);
+          s[j] = fmaf(qq.y, khi, s[j]);
         }
-        sm.p[r][c] = c0 + c <= sm.pos[r] ? s : -INFINITY;
+      }
+#pragma unroll
+      for (int j = 0; j < kMyRows; ++j) {
+        const int r = rr + j * kRowsPerKey;
+        sm.p[r][c] = c0 + c <= sm.pos[r] ? s[j] : -INFINITY;
       }
     }
     __syncthreads();
@@ -738,20 +751,24 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Attent
       }
     }
     __syncthreads();
+    // P V: per row the same FMA chain over the keys in order; the rows' chains are interleaved and
+    // each value pair is read once for all of this thread's rows.
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const int r = r0 + i * kRowStep;
-      const float alpha = sm.alpha[r];
-      float x0 = acc[i][0] * alpha, x1 = acc[i][1] * alpha;
-#pragma unroll 8
-      for (int c = 0; c < kDecodeKeys; ++c) {
-        const float p = sm.p[r][c];
-        const uint32_t vv = sm.v[c][cp];
-        x0 = fmaf(p, bf16_lo(vv), x0);
-        x1 = fmaf(p, bf16_hi(vv), x1);
+      const float alpha = sm.alpha[r0 + i * kRowStep];
+      acc[i][0] *= alpha;
+      acc[i][1] *= alpha;
+    }
+#pragma unroll 4
+    for (int c = 0; c < kDecodeKeys; ++c) {
+      const uint32_t vv = sm.v[c][cp];
+      const float vlo = bf16_lo(vv), vhi = bf16_hi(vv);
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const float p = sm.p[r0 + i * kRowStep][c];
+        acc[i][0] = fmaf(p, vlo, acc[i][0]);
+        acc[i][1] = fmaf(p, vhi, acc[i][1]);
       }
-      acc[i][0] = x0;
-      acc[i][1] = x1;
     }
     __syncthreads();  // before the next tile overwrites k, v, p
   }

@@ -23,14 +23,19 @@ T& at(const TensorView& t, int64_t n, int64_t h, int64_t d) {
   return t.ptr<T>()[n * t.strides[0] + h * t.strides[1] + d];
 }
 
+// theta^(-2i / D) in double: the one definition of the frequencies, used by the CPU reference and
+// passed to the CUDA kernel as a table (so both sides start from the same bits).
+double inv_freq_f64(float theta, int64_t i, int64_t D) {
+  return std::pow((double)theta, -2.0 * (double)i / (double)D);
+}
+
 template <typename T>
 void rotate_reference(const TensorView& out, const TensorView& in, const int32_t* positions,
                       float theta, bool inverse) {
   const int64_t N = in.shape[0], heads = in.shape[1], D = in.shape[2], half = D / 2;
   for (int64_t n = 0; n < N; ++n)
     for (int64_t i = 0; i < half; ++i) {
-      const double inv_freq_f64 = std::pow((double)theta, -2.0 * (double)i / (double)D);
-      const T inv_freq = (T)inv_freq_f64;  // f32: rounded once, as on the GPU
+      const T inv_freq = (T)inv_freq_f64(theta, i, D);  // f32: rounded once, as on the GPU
       const T angle = (T)positions[n] * inv_freq;
       const T c = std::cos(angle);
       const T s = inverse ? -std::sin(angle) : std::sin(angle);
@@ -134,7 +139,7 @@ void run(std::string_view op, const TensorView& q_out, const TensorView& k_out, 
   a.type = q.dtype == DType::kBF16 ? kernels::FloatType::kBF16 : kernels::FloatType::kF32;
   a.n_rows = N;
   a.head_dim = (int)D;
-  a.theta = theta;
+  for (int64_t i = 0; i < D / 2; ++i) a.inv_freq[i] = (float)inv_freq_f64(theta, i, D);
   a.inverse = inverse;
   kernels::launch_rope(a, static_cast<cudaStream_t>(stream));
 #else

@@ -8,8 +8,8 @@
 //   out[i + D/2]   = x[i + D/2] cos(angle) + x[i] sin(angle)
 // The backward applies the inverse rotation (angle -> -angle) to the incoming gradient. The whole
 // head dimension D is rotated (no partial rotary dimension) and there is no RoPE scaling (Llama
-// 3.1 / YaRN frequency adjustments are not implemented). Nothing is precomputed: cos and sin are
-// evaluated per token.
+// 3.1 / YaRN frequency adjustments are not implemented). Only the D/2 frequencies are precomputed
+// (on the host, per call); cos and sin are evaluated per token.
 //
 // FP32 math (CPU f32 reference and CUDA alike, so that they agree to a few ulp):
 //   inv_freq_i = f32(pow(f64(theta), -2i / D))   (computed in double, rounded once to float)

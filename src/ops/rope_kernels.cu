@@ -1,5 +1,5 @@
 // RoPE kernel: grid-stride over tokens; per token the CTA evaluates the D/2 (cos, sin) pairs into
-// shared memory (the FP32 recipe of rope.h), then rotates every (head, 8-pair group) item of q and
+// shared memory (the FP32 recipe of rope.h; the frequencies come precomputed in RopeArgs), then rotates every (head, 8-pair group) item of q and
 // k. A thread reads the 8 low and 8 high elements of its pairs and writes them back rotated, so
 // out may equal in.
 #include "ops/rope_kernels.h"
@@ -22,9 +22,8 @@ __global__ void rope_kernel(RopeArgs a) {
     const float pos = (float)a.positions[n];
     __syncthreads();  // the previous token's items are done with cos_s / sin_s
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-      const float inv_freq = (float)pow((double)a.theta, -2.0 * (double)i / (double)a.head_dim);
       float s, c;
-      sincosf(__fmul_rn(pos, inv_freq), &s, &c);
+      sincosf(__fmul_rn(pos, a.inv_freq[i]), &s, &c);
       cos_s[i] = c;
       sin_s[i] = a.inverse ? -s : s;
     }

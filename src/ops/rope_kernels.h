@@ -25,8 +25,10 @@ struct RopeArgs {
   FloatType type;
   int64_t n_rows;
   int head_dim;
-  float theta;
   bool inverse;  // rotate by -angle (the backward)
+  // inv_freq[i] = f32(pow(f64(theta), -2i / D)) for i < D / 2, computed on the host by the CPU
+  // reference's own function (rope.cpp), so the kernel evaluates no pow per token.
+  float inv_freq[kRopeMaxHeadDim / 2];
 };
 void launch_rope(const RopeArgs& a, cudaStream_t stream);
 
