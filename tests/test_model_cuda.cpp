@@ -22,13 +22,15 @@
 //     backward dS = 0, dv = dout) and RoPE at position 0 is the identity, so the only differences
 //     left are FP32 summation orders, which move a bf16 activation by one ulp in rare elements and
 //     a quantized element by one step more rarely still. Bound: err(gpu, ref) <= 0.1 * q + 5e-3
-//     for every activation, the logits and every gradient, where q = err(ref, the same CPU model
-//     under the bf16 recipe) is the size of the quantization itself (typically 5-20%); the first
-//     GEMM (blocks.0.attn.qkv) 2e-3. With longer sequences the attention kernels' own bf16
+//     + 2 s for every activation, the logits and every gradient, where q = err(ref, the same CPU
+//     model under the bf16 recipe) is the size of the quantization itself (typically 5-20%) and s
+//     = err(ref, the reference on the other CPU GEMM backend) measures summation-order chaos (a
+//     flipped per-tensor amax; 0 without OpenBLAS); the first GEMM (blocks.0.attn.qkv) 2e-3. With longer sequences the attention kernels' own bf16
 //     roundings (above) flip quantized elements in every layer and the two runs drift apart by a
 //     fraction of q: that is measured by no test here.
 // Every comparison prints its measured error, so the tolerances can be tightened from a run.
 #include "core/device.h"
+#include "gemm/gemm.h"
 #include "model/model.h"
 
 #include "model_test_util.h"
@@ -39,6 +41,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -214,6 +217,23 @@ TEST_F(ModelCuda, QuantizedRecipesMatchTheCpuReference) {
       Model gpu(c, all_blocks(c, preset), options(Device::kCuda, false, B, T));
       const StepResult ref = run_step(cpu, batch, forced.get());
       const StepResult got = run_step(gpu, batch, forced.get());
+      // The reference once more on the other CPU GEMM backend (OpenBLAS vs the naive loops): the
+      // same arithmetic in another FP32 summation order. Where one bf16 rounding flips the element
+      // that sets a per-tensor amax, every scale of that tensor moves and the difference reaches a
+      // few percent downstream (measured: the MoE model's nvfp4 blocks.0.attn.qkv.weight gradient,
+      // 4.6e-2 between the two CPU backends, the GPU as far from the naive one). The GPU's
+      // order is a third one, so each bound below adds twice this spread. Without OpenBLAS the
+      // spread is not measured (0) and the plain bounds apply.
+      std::optional<StepResult> ref_other;
+      if (gemm::backend_built(gemm::Backend::kCpuBlas)) {
+        ModelOptions naive = options(Device::kCpu, true, B, T);
+        naive.cpu_gemm_backend = gemm::Backend::kCpuReference;
+        Model cpu_naive(c, all_blocks(c, preset), naive);
+        ref_other = run_step(cpu_naive, batch, forced.get());
+      } else {
+        std::printf("  (OpenBLAS not built: the summation-order spread is not measured)\n");
+      }
+      auto spread = [](const std::vector<double>& a, const std::vector<double>& b) { return 2 * rel(a, b); };
       std::printf("%s, recipe %s (B %d, T 1): loss gpu %.7f cpu %.7f (bf16 recipe %.7f)\n", c.name.c_str(),
                   preset.c_str(), B, got.loss.loss, ref.loss.loss, bf16.loss.loss);
       ASSERT_EQ(got.names, ref.names);
@@ -244,19 +264,26 @@ TEST_F(ModelCuda, QuantizedRecipesMatchTheCpuReference) {
               q = std::max(q, qs[j]);
         }
         const double e = rel(got.activations[i], ref.activations[i]);
-        std::printf("  activation %-32s gpu vs cpu %.3e, quantization effect %.3e\n", ref.names[i].c_str(), e, q);
-        const double tol = ref.names[i] == "blocks.0.attn.qkv" ? 2e-3 : bound(q);
+        const double order = ref_other ? spread(ref_other->activations[i], ref.activations[i]) : 0.0;
+        std::printf("  activation %-32s gpu vs cpu %.3e, quantization effect %.3e, 2x order spread %.3e\n",
+                    ref.names[i].c_str(), e, q, order);
+        const double tol = ref.names[i] == "blocks.0.attn.qkv" ? 2e-3 : bound(q) + order;
         EXPECT_LE(e, tol) << "activation " << ref.names[i] << ": gpu vs cpu " << e << ", quantization effect " << q;
       }
       const double q_logits = rel(ref.logits, bf16.logits), e_logits = rel(got.logits, ref.logits);
-      std::printf("  logits: gpu vs cpu %.3e, quantization effect %.3e\n", e_logits, q_logits);
-      EXPECT_LE(e_logits, bound(q_logits)) << "logits";
+      const double order_logits = ref_other ? spread(ref_other->logits, ref.logits) : 0.0;
+      std::printf("  logits: gpu vs cpu %.3e, quantization effect %.3e, 2x order spread %.3e\n", e_logits, q_logits,
+                  order_logits);
+      EXPECT_LE(e_logits, bound(q_logits) + order_logits) << "logits";
       EXPECT_NEAR(got.loss.loss, ref.loss.loss, share * std::fabs(ref.loss.loss - bf16.loss.loss) + 1e-3);
       const std::vector<std::string> names = trainable_names(cpu);
       for (size_t i = 0; i < names.size(); ++i) {
         const double q = rel(ref.grads[i], bf16.grads[i]), e = rel(got.grads[i], ref.grads[i]);
-        std::printf("  gradient   %-32s gpu vs cpu %.3e, quantization effect %.3e\n", names[i].c_str(), e, q);
-        EXPECT_LE(e, bound(q)) << "gradient of " << names[i] << ": gpu vs cpu " << e << ", quantization effect " << q;
+        const double order = ref_other ? spread(ref_other->grads[i], ref.grads[i]) : 0.0;
+        std::printf("  gradient   %-32s gpu vs cpu %.3e, quantization effect %.3e, 2x order spread %.3e\n",
+                    names[i].c_str(), e, q, order);
+        EXPECT_LE(e, bound(q) + order) << "gradient of " << names[i] << ": gpu vs cpu " << e
+                                       << ", quantization effect " << q << ", 2x order spread " << order;
       }
     }
   }

@@ -421,6 +421,7 @@ gemm::LinearOptions Model::Impl::linear_options(int block, LinearKind kind, cons
   o.stream = stream();
   o.name = name;
   o.error_flag = flag();
+  if (m.options_.device == Device::kCpu) o.backend = m.options_.cpu_gemm_backend;
   return o;
 }
 

@@ -80,6 +80,10 @@ struct ModelOptions {
   // weights rounded to bf16. The reference the gpu tests compare the CUDA model with: the
   // quantizers then see the same values on both sides.
   bool cpu_bf16_rounding = false;
+  // CPU only: the backend of every GEMM (kAuto: OpenBLAS in f32 where built, else the naive
+  // reference). The gpu tests build the reference twice, once per CPU backend, to measure how far
+  // FP32 summation order alone moves a quantized model's results.
+  gemm::Backend cpu_gemm_backend = gemm::Backend::kAuto;
 };
 
 struct ForwardOptions {
