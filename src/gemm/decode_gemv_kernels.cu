@@ -22,14 +22,14 @@
 // sums FP32: the result equals the exact emulation (dequantize to BF16 + cuBLASLt) up to the order
 // of the FP32 additions. alpha_eff = f32(f32(alpha * d_x) * d_w), the emulation's epilogue scalar.
 //
-// Performance model (not yet measured; `fourbit bench decode` prints the figures). Bytes: the
-// weight dominates (BF16 2 bytes per value, NVFP4 0.5625), x and y are small for B <= 64. At
-// ~4.2 TB/s over 132 SMs an SM must consume ~17 weight bytes per clock: BF16 ~8.5 values, NVFP4
-// ~30 values per clock, against 128 thread-instructions per clock. The NVFP4 decode costs ~2.5
-// instructions per value (4 shifts/logic ops and 1 cvt per 4 values, 1 FP16 multiply per 2), so
-// NVFP4 at batch 1 is near the issue limit as well as the memory limit; the mma work grows with
-// the batch only past 8 tokens per n-tile. Knobs: kDecodeWarps, kDecodeChunk, plan_decode_gemv's
-// CTAs per SM and minimum chunks per split, and the L2::256B prefetch of the weight loads.
+// Performance (H200, `fourbit bench decode`, bench/results/results-2026-12-03-90ba38d-*): the
+// weight bytes dominate (BF16 2 bytes per value, NVFP4 0.5625). BF16 streams at ~3.6 TB/s once a
+// GEMV is large (lm_head 73% of copy bandwidth at batch 1) but the 2-10 MB layers of a 1.1B model
+// take 6-21 us: ncu shows them latency-bound (0.5 waves, ~73% of cycles without an eligible warp;
+// each CTA waits for one load round trip, then the split-K partials' round trip). NVFP4 at batch 1
+// streams at ~1.5 TB/s marginal (about 2.5 decode instructions per value: 4 shifts/logic ops and
+// 1 cvt per 4 values, 1 FP16 multiply per 2). Knobs: kDecodeWarps, kDecodeChunk, the ring depth,
+// plan_decode_gemv's CTAs per SM and minimum chunks per split, and the L2::256B prefetch.
 //
 // Shared memory: x of one chunk, [8 * NT tokens][16 pieces of 16 bytes], double-buffered; a piece
 // is stored at a swizzled slot so that the eight threads of each quarter-warp read eight distinct
