@@ -31,7 +31,8 @@
 // 1 cvt per 4 values, 1 FP16 multiply per 2). Knobs: kDecodeWarps, kDecodeChunk, the ring depth,
 // plan_decode_gemv's CTAs per SM and minimum chunks per split, and the L2::256B prefetch.
 //
-// Shared memory: x of one chunk, [8 * NT tokens][16 pieces of 16 bytes], double-buffered; a piece
+// Shared memory: x of one chunk, [8 * NT tokens][16 pieces of 16 bytes], double-buffered (staged
+// launches: one such tile per chunk of the split, dynamic shared memory); a piece
 // is stored at a swizzled slot so that the eight threads of each quarter-warp read eight distinct
 // 16-byte bank groups (no bank conflicts; derivation at piece_slot).
 #include "gemm/decode_gemv_kernels.h"
