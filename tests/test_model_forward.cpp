@@ -1,6 +1,7 @@
 // model forward paths (cpu): f32 against f64, the KV-cache forward against the full forward,
 // routing replay, every recipe preset through the reference quantizers, the bf16-rounding CPU mode,
 // memory accounting, the profiler hooks, non-finite reporting and argument errors.
+#include "gemm/gemm.h"
 #include "model/model.h"
 
 #include "model_test_util.h"
@@ -254,6 +255,33 @@ TEST(ModelForward, Bf16RoundingMode) {
   EXPECT_TRUE(close_normwise(values(emu.grads().flat()), values(f32.grads().flat()), 0.05, "gradients"));
   o.cpu_dtype = DType::kF64;
   EXPECT_THROW(Model(c, resolved(c), o), Error);
+}
+
+// ModelOptions::cpu_gemm_backend: the naive reference loops and OpenBLAS (where built) compute the
+// same model to FP32 rounding; asking for OpenBLAS in a build without it is an error naming it.
+TEST(ModelForward, CpuGemmBackendIsSelectable) {
+  const ModelConfig c = small_moe();
+  const int B = 2, T = 8;
+  const testing::Batch batch = make_batch(B, T, c.vocab, 95);
+  ModelOptions o = cpu_options(DType::kF32, 85, B, T);
+  o.cpu_gemm_backend = gemm::Backend::kCpuReference;
+  Model naive(c, resolved(c), o);
+  const LossInfo ln = naive.forward(batch.tokens, batch.targets);
+  o.cpu_gemm_backend = gemm::Backend::kCpuBlas;
+  Model blas(c, resolved(c), o);
+  if (!gemm::backend_built(gemm::Backend::kCpuBlas)) {
+    try {
+      blas.forward(batch.tokens, batch.targets);
+      ADD_FAILURE() << "cpu-blas was accepted in a build without OpenBLAS";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cpu-blas"), std::string::npos) << e.what();
+    }
+    return;
+  }
+  const LossInfo lb = blas.forward(batch.tokens, batch.targets);
+  ASSERT_EQ(routing(naive, B * T), routing(blas, B * T));
+  EXPECT_NEAR(ln.loss, lb.loss, 1e-5 * ln.loss);
+  EXPECT_TRUE(close_normwise(values(naive.logits()), values(blas.logits()), 1e-5, "logits"));
 }
 
 TEST(ModelForward, ArenaIsSizedExactlyAndReused) {
