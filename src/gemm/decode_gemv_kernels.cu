@@ -27,8 +27,9 @@
 // GEMV is large (lm_head 73% of copy bandwidth at batch 1) but the 2-10 MB layers of a 1.1B model
 // take 6-21 us: ncu shows them latency-bound (0.5 waves, ~73% of cycles without an eligible warp;
 // each CTA waits for one load round trip, then the split-K partials' round trip). NVFP4 at batch 1
-// streams at ~1.5 TB/s marginal (about 2.5 decode instructions per value: 4 shifts/logic ops and
-// 1 cvt per 4 values, 1 FP16 multiply per 2). Knobs: kDecodeWarps, kDecodeChunk, the ring depth,
+// streams at only ~1.5 TB/s marginal, cause not yet profiled (the decode costs ~2.5 instructions
+// per value: 4 shifts/logic ops and 1 cvt per 4 values, 1 FP16 multiply per 2; by count that is
+// well under the issue limit). Knobs: kDecodeWarps, kDecodeChunk, the ring depth,
 // plan_decode_gemv's CTAs per SM and minimum chunks per split, and the L2::256B prefetch.
 //
 // Shared memory: x of one chunk, [8 * NT tokens][16 pieces of 16 bytes], double-buffered (staged
