@@ -134,6 +134,19 @@ __device__ __forceinline__ int piece_slot(int token, int c) {
   }
 }
 
+// Eight bf16 elements e .. e + 7 of a row at src (src points at element e) one at a time, zeros
+// from K on: the unaligned or ragged-end path of the 16-byte loads.
+__device__ __forceinline__ uint4 load_bf16x8_tail(const uint16_t* src, int64_t e, int64_t K) {
+  uint4 v;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t lo = e + 2 * j < K ? src[2 * j] : 0u;
+    const uint32_t hi = e + 2 * j + 1 < K ? src[2 * j + 1] : 0u;
+    word(v, j) = lo | (hi << 16);
+  }
+  return v;
+}
+
 // One thread's weights of one chunk: rows g and g + 8 of its warp.
 template <DecodeWeightFormat F>
 struct WeightRegs;
@@ -167,12 +180,7 @@ __device__ __forceinline__ void load_weights(const DecodeGemvParams& p, const Ge
         if (sh.vec_w && e + 8 <= sh.K) {
           v = ldg_stream(src);
         } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint32_t lo = e + 2 * j < sh.K ? src[2 * j] : 0u;
-            const uint32_t hi = e + 2 * j + 1 < sh.K ? src[2 * j + 1] : 0u;
-            word(v, j) = lo | (hi << 16);
-          }
+          v = load_bf16x8_tail(src, e, sh.K);
         }
       }
       r.w[i][q] = v;
@@ -221,12 +229,7 @@ __device__ __forceinline__ uint4 load_x_piece(const DecodeGemvParams& p, const G
     if (sh.vec_x && e + 8 <= sh.K) {
       v = __ldg(reinterpret_cast<const uint4*>(src));
     } else {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t lo = e + 2 * j < sh.K ? src[2 * j] : 0u;
-        const uint32_t hi = e + 2 * j + 1 < sh.K ? src[2 * j + 1] : 0u;
-        word(v, j) = lo | (hi << 16);
-      }
+      v = load_bf16x8_tail(src, e, sh.K);
     }
   }
   return v;
