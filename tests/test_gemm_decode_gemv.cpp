@@ -199,7 +199,8 @@ TEST(DecodeGemvPlan, CoversEveryChunkAndRow) {
     ASSERT_LE(p.splits, 65535);
     ASSERT_GE(p.n_tiles * 8, B);
     ASSERT_LT((p.n_tiles / 2) * 8, B);
-    ASSERT_EQ(p.partial_floats, p.splits > 1 ? (int64_t)p.splits * B * N : 0);
+    ASSERT_EQ(p.cluster, p.staged && p.splits > 1 && p.splits <= kernels::kDecodeClusterMax);
+    ASSERT_EQ(p.partial_floats, p.splits > 1 && !p.cluster ? (int64_t)p.splits * B * N : 0);
     ASSERT_EQ(p.staged, B <= 16);
     if (p.staged) {  // x of a whole split fits the default 48 KB of dynamic shared memory
       ASSERT_LE(p.chunks_per_split, kernels::kDecodeStagedChunks);

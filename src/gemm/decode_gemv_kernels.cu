@@ -44,9 +44,12 @@
 #include "quant/block_math.h"
 #include "quant/format.h"
 
+#include <cooperative_groups.h>
+
 #include <algorithm>
 
 namespace fourbit::gemm::kernels {
+namespace cg = cooperative_groups;
 namespace {
 
 constexpr int kThreads = kDecodeWarps * 32;
@@ -422,6 +425,39 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;
 }
 
+// The epilogue of a cluster launch (plan.cluster; cluster = the row block's `splits` CTAs, rank =
+// blockIdx.y): every CTA leaves its partial sums in shared memory, and after a cluster barrier
+// each CTA finishes a share of the row block's (token, row) outputs, reading the splits' partials
+// over distributed shared memory and summing them in split order: the global path's sums exactly.
+// A second barrier keeps every CTA's shared memory alive until all reads are done.
+template <DecodeWeightFormat F, int NT>
+__device__ __forceinline__ void finish_cluster(const DecodeGemvParams& p, const float (&acc)[NT][4], int64_t row0,
+                                               int64_t row_base, int t, int splits) {
+  __shared__ float partial[NT * 8 * kDecodeRowsPerCta];  // [token][row within the block]
+  const int local0 = (int)(row0 - row_base);
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) partial[(8 * j + 2 * t + (e & 1)) * kDecodeRowsPerCta + local0 + 8 * (e >> 1)] = acc[j][e];
+  float alpha = p.alpha;  // as in finish()
+  if (p.x_amax != nullptr) alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.x_amax, p.x_constant));
+  if constexpr (F == DecodeWeightFormat::kNvfp4) {
+    alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.w_amax, p.w_constant));
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int rank = (int)cluster.block_rank();
+  for (int i = rank * kThreads + (int)threadIdx.x; i < p.B * kDecodeRowsPerCta; i += splits * kThreads) {
+    const int token = i / kDecodeRowsPerCta, local = i % kDecodeRowsPerCta;
+    const int64_t row = row_base + local;
+    if (row >= p.N) continue;
+    float sum = 0.0f;
+    for (int s2 = 0; s2 < splits; ++s2) sum = formats::add_rn(sum, cluster.map_shared_rank(partial, s2)[i]);
+    store_y(p, token, row, formats::mul_rn(sum, alpha));
+  }
+  cluster.sync();
+}
+
 template <DecodeWeightFormat F>
 __device__ __forceinline__ GemvShape gemv_shape(const DecodeGemvParams& p) {
   GemvShape sh;
@@ -487,7 +523,8 @@ constexpr int kRingDepth = F == DecodeWeightFormat::kNvfp4 ? 4 : 2;
 // ahead as soon as it is consumed.
 template <DecodeWeightFormat F, bool kXF16, int NT>
 __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const DecodeGemvParams p, int chunks,
-                                                                      int chunks_per_split, int splits) {
+                                                                      int chunks_per_split, int splits,
+                                                                      bool cluster) {
   extern __shared__ __align__(16) uint4 x_tiles[];  // [chunks_per_split][NT * 8 tokens][kPieces]
   constexpr int kTilePieces = NT * 8 * kPieces;
   constexpr int D = kRingDepth<F>;
@@ -519,20 +556,41 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
     }
   }
 
-  finish<F, NT>(p, acc, row0, row_base, t, splits);
+  if (cluster) {
+    finish_cluster<F, NT>(p, acc, row0, row_base, t, splits);
+  } else {
+    finish<F, NT>(p, acc, row0, row_base, t, splits);
+  }
+}
+
+// A staged launch, as a cluster of plan.splits CTAs along grid.y when plan.cluster.
+template <DecodeWeightFormat F, bool kXF16, int NT>
+void launch_staged(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((unsigned)plan.row_blocks, (unsigned)plan.splits);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = (size_t)plan.x_smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = 1;
+  attribute[0].val.clusterDim.y = plan.cluster ? (unsigned)plan.splits : 1u;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&config, decode_gemv_staged_kernel<F, kXF16, NT>, p, plan.chunks,
+                                        plan.chunks_per_split, plan.splits, plan.cluster));
 }
 
 template <DecodeWeightFormat F, bool kXF16>
 void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   const dim3 grid((unsigned)plan.row_blocks, (unsigned)plan.splits);
   if (plan.staged) {
-    const size_t smem = (size_t)plan.x_smem_bytes;
     if (plan.n_tiles == 1) {
-      decode_gemv_staged_kernel<F, kXF16, 1><<<grid, kThreads, smem, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits);
+      launch_staged<F, kXF16, 1>(p, plan, stream);
     } else {
-      decode_gemv_staged_kernel<F, kXF16, 2><<<grid, kThreads, smem, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits);
+      launch_staged<F, kXF16, 2>(p, plan, stream);
     }
-    FOURBIT_CUDA_CHECK_LAUNCH();
     return;
   }
   switch (plan.n_tiles) {

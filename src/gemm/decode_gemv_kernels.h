@@ -13,7 +13,11 @@
 //     chunks' weights at once (a register ring, kept full while it computes), stages the x of its
 //     whole chunk range in shared memory (at most kDecodeStagedChunks chunks, so the plan splits K
 //     at least that finely), and then runs without a barrier: one memory round trip per CTA instead
-//     of one per chunk. Larger batches double-buffer x per chunk (their x tile is 8x larger). Split partials go to an FP32 workspace [splits, B, N]; the
+//     of one per chunk. Larger batches double-buffer x per chunk (their x tile is 8x larger).
+//   - A staged launch with 2 to kDecodeClusterMax splits runs each row block's splits as one
+//     thread-block cluster: the split partials stay in shared memory and the cluster's CTAs sum
+//     them over distributed shared memory, in split order (the same sums, bit for bit, as the
+//     global path below), with no workspace, atomics or second trip to memory. Split partials go to an FP32 workspace [splits, B, N]; the
 //     last CTA of a row block (a per-row-block arrival counter) sums them in split order, so the
 //     result does not depend on CTA scheduling (deterministic), and resets the counter to 0.
 // Invariants: the counters start at zero (the workspace is zeroed when allocated) and are zero
@@ -33,6 +37,7 @@ inline constexpr int kDecodeRowsPerCta = 16 * kDecodeWarps;
 inline constexpr int kDecodeChunk = 128;     // K elements per CTA iteration
 inline constexpr int kDecodeAmaxPartials = 64;  // CTAs of the activation amax pass (at most)
 inline constexpr int kDecodeStagedChunks = 8;  // most chunks per split of a staged launch
+inline constexpr int kDecodeClusterMax = 8;    // most splits summed in a cluster (portable size)
 inline constexpr int kDecodeXTileBytes = 8 * kDecodeChunk * 2;  // x of one chunk and one n-tile
 
 enum class DecodeWeightFormat : uint8_t { kBf16, kNvfp4 };
@@ -47,7 +52,8 @@ struct DecodeGemvPlan {
   int n_tiles = 1;           // 8-token mma tiles the kernel instantiates: 1, 2, 4 or 8
   bool staged = false;       // n_tiles <= 2: x of the whole split in shared memory (see above)
   int x_smem_bytes = 0;      // staged: the dynamic shared memory of x, chunks_per_split tiles
-  int64_t partial_floats = 0;  // workspace floats for the split partials (splits > 1)
+  bool cluster = false;      // staged, 2..kDecodeClusterMax splits: a cluster of `splits` CTAs
+  int64_t partial_floats = 0;  // workspace floats for the split partials (splits > 1, no cluster)
 };
 
 inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count) {
@@ -68,7 +74,8 @@ inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count
   p.chunks_per_split = (p.chunks + splits - 1) / splits;
   p.splits = (p.chunks + p.chunks_per_split - 1) / p.chunks_per_split;  // no empty split
   p.x_smem_bytes = p.staged ? p.chunks_per_split * p.n_tiles * kDecodeXTileBytes : 0;
-  p.partial_floats = p.splits > 1 ? (int64_t)p.splits * B * N : 0;
+  p.cluster = p.staged && p.splits > 1 && p.splits <= kDecodeClusterMax;
+  p.partial_floats = p.splits > 1 && !p.cluster ? (int64_t)p.splits * B * N : 0;
   return p;
 }
 
