@@ -17,9 +17,10 @@
 //   - A staged launch with 2 to kDecodeClusterMax splits runs each row block's splits as one
 //     thread-block cluster: the split partials stay in shared memory and the cluster's CTAs sum
 //     them over distributed shared memory, in split order (the same sums, bit for bit, as the
-//     global path below), with no workspace, atomics or second trip to memory. Split partials go to an FP32 workspace [splits, B, N]; the
-//     last CTA of a row block (a per-row-block arrival counter) sums them in split order, so the
-//     result does not depend on CTA scheduling (deterministic), and resets the counter to 0.
+//     global path below), with no workspace, atomics or second trip to memory.
+//   - Otherwise split partials go to an FP32 workspace [splits, B, N]; the last CTA of a row block
+//     (a per-row-block arrival counter) sums them in split order, so the result does not depend on
+//     CTA scheduling (deterministic), and resets the counter to 0.
 // Invariants: the counters start at zero (the workspace is zeroed when allocated) and are zero
 // again after every launch; one launch at a time per workspace (one stream).
 #pragma once
