@@ -38,6 +38,8 @@
 // 16-byte bank groups (no bank conflicts; derivation at piece_slot).
 #include "gemm/decode_gemv_kernels.h"
 
+#include "core/pdl.cuh"
+
 #include "core/error.h"
 #include "formats/element.h"
 #include "formats/fp_ops.h"
@@ -47,6 +49,9 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
+#include <utility>
 
 namespace fourbit::gemm::kernels {
 namespace cg = cooperative_groups;
@@ -492,7 +497,9 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvP
 
   WeightRegs<F> cur, next;
   XRegs<NT> xr;
-  load_weights(p, sh, row0, t, (int64_t)c_begin * kDecodeChunk, cur);
+  core::pdl_allow_dependents();
+  load_weights(p, sh, row0, t, (int64_t)c_begin * kDecodeChunk, cur);  // weights: no producer
+  core::pdl_wait_for_producer();  // x, x_amax, the residual and y come from earlier kernels
   load_x<NT>(p, sh, (int64_t)c_begin * kDecodeChunk, xr);
   store_x<F, kXF16, NT>(xr, tile[0]);
   __syncthreads();
@@ -536,10 +543,14 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
   const int c_end = min(chunks, c_begin + chunks_per_split);
 
   WeightRegs<F> ring[D];
+  core::pdl_allow_dependents();
 #pragma unroll
   for (int d = 0; d < D; ++d) {
     if (c_begin + d < c_end) load_weights(p, sh, row0, t, (int64_t)(c_begin + d) * kDecodeChunk, ring[d]);
   }
+  // The weights have no producer in the stream: their loads above overlap the kernel before (PDL);
+  // x, x_amax, the residual and y belong to earlier kernels.
+  core::pdl_wait_for_producer();
   stage_x<F, kXF16, NT>(p, sh, c_begin, c_end - c_begin, x_tiles);
   __syncthreads();
 
@@ -563,23 +574,51 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
   }
 }
 
+// Programmatic dependent launch of the decode kernels (core/pdl.cuh): on unless the environment
+// sets FOURBIT_DECODE_PDL=0 (read once; for A/B measurements).
+bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("FOURBIT_DECODE_PDL");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return enabled;
+}
+
+// Launches `kernel` with the PDL attribute (when enabled) and, with cluster_y > 1, as clusters of
+// (1, cluster_y, 1) CTAs.
+template <typename... KernelArgs, typename... Args>
+void launch_ex(void (*kernel)(KernelArgs...), dim3 grid, int threads, int smem_bytes, unsigned cluster_y,
+               cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3((unsigned)threads);
+  config.dynamicSmemBytes = (size_t)smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[2];
+  int n = 0;
+  if (cluster_y > 1) {
+    attribute[n].id = cudaLaunchAttributeClusterDimension;
+    attribute[n].val.clusterDim.x = 1;
+    attribute[n].val.clusterDim.y = cluster_y;
+    attribute[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (pdl_enabled()) {
+    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  config.attrs = attribute;
+  config.numAttrs = (unsigned)n;
+  FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 // A staged launch, as a cluster of plan.splits CTAs along grid.y when plan.cluster.
 template <DecodeWeightFormat F, bool kXF16, int NT>
 void launch_staged(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((unsigned)plan.row_blocks, (unsigned)plan.splits);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = (size_t)plan.x_smem_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = 1;
-  attribute[0].val.clusterDim.y = plan.cluster ? (unsigned)plan.splits : 1u;
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&config, decode_gemv_staged_kernel<F, kXF16, NT>, p, plan.chunks,
-                                        plan.chunks_per_split, plan.splits, plan.cluster));
+  launch_ex(decode_gemv_staged_kernel<F, kXF16, NT>, dim3((unsigned)plan.row_blocks, (unsigned)plan.splits),
+            kThreads, plan.x_smem_bytes, plan.cluster ? (unsigned)plan.splits : 1u, stream, p, plan.chunks,
+            plan.chunks_per_split, plan.splits, plan.cluster);
 }
 
 template <DecodeWeightFormat F, bool kXF16>
@@ -593,13 +632,11 @@ void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStr
     }
     return;
   }
-  switch (plan.n_tiles) {
-    case 1: decode_gemv_kernel<F, kXF16, 1><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
-    case 2: decode_gemv_kernel<F, kXF16, 2><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
-    case 4: decode_gemv_kernel<F, kXF16, 4><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
-    default: decode_gemv_kernel<F, kXF16, 8><<<grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunks_per_split, plan.splits); break;
-  }
-  FOURBIT_CUDA_CHECK_LAUNCH();
+  auto kernel = plan.n_tiles == 1   ? decode_gemv_kernel<F, kXF16, 1>
+                : plan.n_tiles == 2 ? decode_gemv_kernel<F, kXF16, 2>
+                : plan.n_tiles == 4 ? decode_gemv_kernel<F, kXF16, 4>
+                                    : decode_gemv_kernel<F, kXF16, 8>;
+  launch_ex(kernel, grid, kThreads, 0, 1u, stream, p, plan.chunks, plan.chunks_per_split, plan.splits);
 }
 
 // ---- activation quantization -------------------------------------------------------------------
@@ -635,6 +672,8 @@ __device__ float cta_amax(const DecodeQuantizeParams& p, float m, bool bad, bool
 }
 
 __global__ void __launch_bounds__(kQuantThreads) amax_partial_kernel(const DecodeQuantizeParams p) {
+  core::pdl_allow_dependents();
+  core::pdl_wait_for_producer();
   const int64_t n = (int64_t)p.B * p.K;
   float m = 0.0f;
   bool bad = false;
@@ -714,6 +753,8 @@ inline int quantize_ctas(const DecodeQuantizeParams& p) {
 
 __global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQuantizeParams p, int n_partials) {
   __shared__ float s_amax;
+  core::pdl_allow_dependents();
+  core::pdl_wait_for_producer();
   if (threadIdx.x < 32) {  // n_partials <= kDecodeAmaxPartials = 64: two per lane, then a warp max
     float m = 0.0f;
     for (int i = (int)threadIdx.x; i < n_partials; i += 32) m = formats::fmax_ieee(m, p.partials[i]);
@@ -734,6 +775,8 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQ
 constexpr int64_t kRedundantAmaxElements = 16384;
 
 __global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kernel(const DecodeQuantizeParams p) {
+  core::pdl_allow_dependents();
+  core::pdl_wait_for_producer();
   float m = 0.0f;
   bool bad = false;
   if (p.K % 8 == 0 && p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0) {
@@ -780,16 +823,13 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream) {
   const int64_t n = (int64_t)p.B * p.K;
   if (n <= kRedundantAmaxElements) {
-    quantize_x_redundant_amax_kernel<<<quantize_ctas(p), kQuantThreads, 0, stream>>>(p);
-    FOURBIT_CUDA_CHECK_LAUNCH();
+    launch_ex(quantize_x_redundant_amax_kernel, dim3((unsigned)quantize_ctas(p)), kQuantThreads, 0, 1u, stream, p);
     return;
   }
   const int amax_ctas = (int)std::clamp<int64_t>((n + kQuantThreads * 8 - 1) / (kQuantThreads * 8), 1,
                                                   kDecodeAmaxPartials);
-  amax_partial_kernel<<<amax_ctas, kQuantThreads, 0, stream>>>(p);
-  FOURBIT_CUDA_CHECK_LAUNCH();
-  quantize_x_kernel<<<quantize_ctas(p), kQuantThreads, 0, stream>>>(p, amax_ctas);
-  FOURBIT_CUDA_CHECK_LAUNCH();
+  launch_ex(amax_partial_kernel, dim3((unsigned)amax_ctas), kQuantThreads, 0, 1u, stream, p);
+  launch_ex(quantize_x_kernel, dim3((unsigned)quantize_ctas(p)), kQuantThreads, 0, 1u, stream, p, amax_ctas);
 }
 
 }  // namespace fourbit::gemm::kernels

@@ -34,6 +34,7 @@
 // split order, so the result does not depend on which CTA finished last.
 #include "ops/attention_kernels.h"
 
+#include "core/pdl.cuh"
 #include "core/error.h"
 
 #include <cuda_bf16.h>
@@ -636,6 +637,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Attent
                                                                     int keys_per_split) {
   __shared__ DecodeSmem<D> sm;
   __shared__ bool is_last;
+  core::pdl_allow_dependents();  // a PDL-launched consumer (the decode GEMV) may start loading its weights
   const AttentionDims& d = a.dims;
   const int Tq = d.seq;
   const int group = d.heads / d.kv_heads;

@@ -6,6 +6,7 @@
 // round to nearest even, NaN -> canonical 0x7FFF, so a cast gives the same bits on both sides.
 #pragma once
 
+#include "core/pdl.cuh"
 #include "formats/element.h"
 #include "ops/kernel_types.h"
 

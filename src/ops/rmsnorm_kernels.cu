@@ -39,6 +39,7 @@ __global__ void __launch_bounds__(1024)
                            int cols, float eps) {
   constexpr bool kCacheWeight = J == 1;
   __shared__ float scratch[32];
+  core::pdl_allow_dependents();  // a PDL-launched consumer (the decode GEMV) may start loading its weights
   const bool w_vec = is_aligned16(w);
   float wv[8];
   if (kCacheWeight) load8(w, (int64_t)threadIdx.x * 8, cols, w_vec, wv);

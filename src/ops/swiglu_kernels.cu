@@ -17,6 +17,7 @@ __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-
 template <typename T>
 __global__ void swiglu_forward_kernel(T* __restrict__ out, const T* __restrict__ gate_up,
                                       int64_t n_rows, int64_t hidden) {
+  core::pdl_allow_dependents();  // a PDL-launched consumer (the decode GEMV) may start loading its weights
   const int64_t groups = (hidden + 7) / 8;
   const int64_t items = n_rows * groups;
   for (int64_t it = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; it < items;
