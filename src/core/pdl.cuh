@@ -8,10 +8,64 @@
 // Invariant: a kernel launched with the attribute calls pdl_wait_for_producer() on every path
 // before it exits, so completion stays transitive along the stream. pdl_allow_dependents() is
 // only a hint and is safe in any kernel. Both compile to nothing below sm_90.
+//
+// Host side: launch_pdl() launches a kernel with the attribute, unless the environment sets
+// FOURBIT_PDL=0 (read once per process; for A/B measurements and for ruling PDL out when
+// debugging). Kernels launched through it must follow the invariant above.
 #pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <string_view>
+#include <utility>
 
 namespace fourbit::core {
 
+inline bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("FOURBIT_PDL");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return enabled;
+}
+
+// The launch attributes of a PDL launch (none when disabled) plus, with cluster_y > 1, clusters of
+// (1, cluster_y, 1) CTAs; returns the count filled in `attrs` (room for 2).
+inline unsigned pdl_launch_attributes(cudaLaunchAttribute (&attrs)[2], unsigned cluster_y = 1) {
+  unsigned n = 0;
+  if (cluster_y > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = 1;
+    attrs[n].val.clusterDim.y = cluster_y;
+    attrs[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (pdl_enabled()) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  return n;
+}
+
+// kernel<<<grid, block, smem_bytes, stream>>>(args...) with the PDL attribute; returns the launch's
+// error (check it with FOURBIT_CUDA_CHECK).
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_bytes,
+                       cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  config.numAttrs = pdl_launch_attributes(attrs);
+  config.attrs = attrs;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+#if defined(__CUDACC__)
 __device__ __forceinline__ void pdl_wait_for_producer() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -23,5 +77,6 @@ __device__ __forceinline__ void pdl_allow_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+#endif  // __CUDACC__
 
 }  // namespace fourbit::core

@@ -49,8 +49,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <string_view>
 #include <utility>
 
 namespace fourbit::gemm::kernels {
@@ -574,17 +572,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
   }
 }
 
-// Programmatic dependent launch of the decode kernels (core/pdl.cuh): on unless the environment
-// sets FOURBIT_DECODE_PDL=0 (read once; for A/B measurements).
-bool pdl_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("FOURBIT_DECODE_PDL");
-    return v == nullptr || std::string_view(v) != "0";
-  }();
-  return enabled;
-}
-
-// Launches `kernel` with the PDL attribute (when enabled) and, with cluster_y > 1, as clusters of
+// Launches `kernel` with the PDL attribute (core/pdl.cuh) and, with cluster_y > 1, as clusters of
 // (1, cluster_y, 1) CTAs.
 template <typename... KernelArgs, typename... Args>
 void launch_ex(void (*kernel)(KernelArgs...), dim3 grid, int threads, int smem_bytes, unsigned cluster_y,
@@ -594,22 +582,9 @@ void launch_ex(void (*kernel)(KernelArgs...), dim3 grid, int threads, int smem_b
   config.blockDim = dim3((unsigned)threads);
   config.dynamicSmemBytes = (size_t)smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute[2];
-  int n = 0;
-  if (cluster_y > 1) {
-    attribute[n].id = cudaLaunchAttributeClusterDimension;
-    attribute[n].val.clusterDim.x = 1;
-    attribute[n].val.clusterDim.y = cluster_y;
-    attribute[n].val.clusterDim.z = 1;
-    ++n;
-  }
-  if (pdl_enabled()) {
-    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  config.attrs = attribute;
-  config.numAttrs = (unsigned)n;
+  cudaLaunchAttribute attrs[2];
+  config.numAttrs = core::pdl_launch_attributes(attrs, cluster_y);
+  config.attrs = attrs;
   FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 

@@ -638,6 +638,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Attent
   __shared__ DecodeSmem<D> sm;
   __shared__ bool is_last;
   core::pdl_allow_dependents();  // a PDL-launched consumer (the decode GEMV) may start loading its weights
+  core::pdl_wait_for_producer();  // launched with PDL (core/pdl.cuh): nothing is read before this
   const AttentionDims& d = a.dims;
   const int Tq = d.seq;
   const int group = d.heads / d.kv_heads;
@@ -896,7 +897,8 @@ void decode_d(const AttentionDecodeArgs& a, cudaStream_t stream) {
   if (splits > 1) splits = (tiles + tiles_per_split - 1) / tiles_per_split;
   const int keys_per_split = tiles_per_split * kDecodeKeys;
   const dim3 grid(row_blocks, d.kv_heads, (unsigned)(d.batch * splits));
-  attention_decode_kernel<D><<<grid, kThreads, 0, stream>>>(a, splits, keys_per_split);
+  FOURBIT_CUDA_CHECK(core::launch_pdl(attention_decode_kernel<D>, grid, dim3(kThreads), 0, stream, a, splits,
+                                      keys_per_split));
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 

@@ -41,6 +41,8 @@ template <typename TO, typename TT>
 __global__ void embedding_forward_kernel(TO* __restrict__ out, const int32_t* __restrict__ ids,
                                          const TT* __restrict__ table, int64_t n_tokens,
                                          int64_t vocab, int64_t cols, int* error_flag) {
+  core::pdl_allow_dependents();
+  core::pdl_wait_for_producer();  // launched with PDL (core/pdl.cuh): nothing is read before this
   for (int64_t n = blockIdx.x; n < n_tokens; n += gridDim.x) {
     const int32_t id = ids[n];
     TO* o = out + n * cols;
@@ -115,9 +117,9 @@ void launch_embedding_forward(const EmbeddingForwardArgs& a, cudaStream_t stream
     with_float_type(a.table_type, [&](auto tt) {
       using TO = decltype(to);
       using TT = decltype(tt);
-      embedding_forward_kernel<TO, TT><<<grid, threads, 0, stream>>>(
-          static_cast<TO*>(a.out), a.ids, static_cast<const TT*>(a.table), a.n_tokens, a.vocab,
-          a.cols, a.error_flag);
+      FOURBIT_CUDA_CHECK(core::launch_pdl(embedding_forward_kernel<TO, TT>, dim3(grid), dim3((unsigned)threads), 0,
+                                          stream, static_cast<TO*>(a.out), a.ids, static_cast<const TT*>(a.table),
+                                          a.n_tokens, a.vocab, a.cols, a.error_flag));
     });
   });
   FOURBIT_CUDA_CHECK_LAUNCH();

@@ -40,6 +40,7 @@ __global__ void __launch_bounds__(1024)
   constexpr bool kCacheWeight = J == 1;
   __shared__ float scratch[32];
   core::pdl_allow_dependents();  // a PDL-launched consumer (the decode GEMV) may start loading its weights
+  core::pdl_wait_for_producer();  // launched with PDL (core/pdl.cuh): nothing is read before this
   const bool w_vec = is_aligned16(w);
   float wv[8];
   if (kCacheWeight) load8(w, (int64_t)threadIdx.x * 8, cols, w_vec, wv);
@@ -172,9 +173,10 @@ void launch_rmsnorm_forward(const RmsnormForwardArgs& a, cudaStream_t stream) {
       with_groups(rs.groups, [&](auto j) {
         using TX = decltype(tx);
         using TW = decltype(tw);
-        rmsnorm_forward_kernel<TX, TW, decltype(j)::value><<<grid, rs.threads, 0, stream>>>(
-            static_cast<TX*>(a.y), a.rstd, static_cast<const TX*>(a.x),
-            static_cast<const TW*>(a.weight), a.n_rows, a.cols, a.eps);
+        FOURBIT_CUDA_CHECK(core::launch_pdl(rmsnorm_forward_kernel<TX, TW, decltype(j)::value>, dim3(grid),
+                                            dim3((unsigned)rs.threads), 0, stream, static_cast<TX*>(a.y), a.rstd,
+                                            static_cast<const TX*>(a.x), static_cast<const TW*>(a.weight),
+                                            a.n_rows, a.cols, a.eps));
       });
     });
   });

@@ -15,6 +15,8 @@ constexpr int kThreads = 128;
 template <typename T>
 __global__ void rope_kernel(RopeArgs a) {
   __shared__ float cos_s[kRopeMaxHeadDim / 2], sin_s[kRopeMaxHeadDim / 2];
+  core::pdl_allow_dependents();
+  core::pdl_wait_for_producer();  // launched with PDL (core/pdl.cuh): nothing is read before this
   const int half = a.head_dim / 2;
   const int groups = (half + 7) / 8;
   const int heads = a.q_in.heads + a.k_in.heads;
@@ -64,7 +66,7 @@ void launch_rope(const RopeArgs& a, cudaStream_t stream) {
   const unsigned grid = grid_for(a.n_rows, 1);
   with_float_type(a.type, [&](auto t) {
     using T = decltype(t);
-    rope_kernel<T><<<grid, kThreads, 0, stream>>>(a);
+    FOURBIT_CUDA_CHECK(core::launch_pdl(rope_kernel<T>, dim3(grid), dim3(kThreads), 0, stream, a));
   });
   FOURBIT_CUDA_CHECK_LAUNCH();
 }

@@ -18,6 +18,7 @@ template <typename T>
 __global__ void swiglu_forward_kernel(T* __restrict__ out, const T* __restrict__ gate_up,
                                       int64_t n_rows, int64_t hidden) {
   core::pdl_allow_dependents();  // a PDL-launched consumer (the decode GEMV) may start loading its weights
+  core::pdl_wait_for_producer();  // launched with PDL (core/pdl.cuh): nothing is read before this
   const int64_t groups = (hidden + 7) / 8;
   const int64_t items = n_rows * groups;
   for (int64_t it = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; it < items;
@@ -77,8 +78,9 @@ void launch_swiglu_forward(void* out, const void* gate_up, FloatType type, int64
   if (items == 0) return;
   with_float_type(type, [&](auto t) {
     using T = decltype(t);
-    swiglu_forward_kernel<T><<<grid_for(items, kThreads), kThreads, 0, stream>>>(
-        static_cast<T*>(out), static_cast<const T*>(gate_up), n_rows, hidden);
+    FOURBIT_CUDA_CHECK(core::launch_pdl(swiglu_forward_kernel<T>, dim3(grid_for(items, kThreads)), dim3(kThreads), 0,
+                                        stream, static_cast<T*>(out), static_cast<const T*>(gate_up), n_rows,
+                                        hidden));
   });
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
