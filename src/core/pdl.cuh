@@ -11,7 +11,8 @@
 //
 // Host side: launch_pdl() launches a kernel with the attribute, unless the environment sets
 // FOURBIT_PDL=0 (read once per process; for A/B measurements and for ruling PDL out when
-// debugging). Kernels launched through it must follow the invariant above.
+// debugging). FOURBIT_PDL=no-quant keeps it on except for the decode activation quantizer (a
+// diagnostic: decode_gemv_kernels.cu). Kernels launched through it must follow the invariant above.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,17 +23,21 @@
 
 namespace fourbit::core {
 
-inline bool pdl_enabled() {
-  static const bool enabled = [] {
+// FOURBIT_PDL, read once: unset or anything but "0" means on.
+inline std::string_view pdl_setting() {
+  static const std::string_view setting = [] {
     const char* v = std::getenv("FOURBIT_PDL");
-    return v == nullptr || std::string_view(v) != "0";
+    return std::string_view(v == nullptr ? "1" : v);
   }();
-  return enabled;
+  return setting;
 }
+
+inline bool pdl_enabled() { return pdl_setting() != "0"; }
 
 // The launch attributes of a PDL launch (none when disabled) plus, with cluster_y > 1, clusters of
 // (1, cluster_y, 1) CTAs; returns the count filled in `attrs` (room for 2).
-inline unsigned pdl_launch_attributes(cudaLaunchAttribute (&attrs)[2], unsigned cluster_y = 1) {
+inline unsigned pdl_launch_attributes(cudaLaunchAttribute (&attrs)[2], unsigned cluster_y = 1,
+                                      bool pdl = pdl_enabled()) {
   unsigned n = 0;
   if (cluster_y > 1) {
     attrs[n].id = cudaLaunchAttributeClusterDimension;
@@ -41,7 +46,7 @@ inline unsigned pdl_launch_attributes(cudaLaunchAttribute (&attrs)[2], unsigned 
     attrs[n].val.clusterDim.z = 1;
     ++n;
   }
-  if (pdl_enabled()) {
+  if (pdl) {
     attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;

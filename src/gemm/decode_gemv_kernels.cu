@@ -576,14 +576,14 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
 // (1, cluster_y, 1) CTAs.
 template <typename... KernelArgs, typename... Args>
 void launch_ex(void (*kernel)(KernelArgs...), dim3 grid, int threads, int smem_bytes, unsigned cluster_y,
-               cudaStream_t stream, Args&&... args) {
+               bool pdl, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3((unsigned)threads);
   config.dynamicSmemBytes = (size_t)smem_bytes;
   config.stream = stream;
   cudaLaunchAttribute attrs[2];
-  config.numAttrs = core::pdl_launch_attributes(attrs, cluster_y);
+  config.numAttrs = core::pdl_launch_attributes(attrs, cluster_y, pdl);
   config.attrs = attrs;
   FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
@@ -592,7 +592,7 @@ void launch_ex(void (*kernel)(KernelArgs...), dim3 grid, int threads, int smem_b
 template <DecodeWeightFormat F, bool kXF16, int NT>
 void launch_staged(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   launch_ex(decode_gemv_staged_kernel<F, kXF16, NT>, dim3((unsigned)plan.row_blocks, (unsigned)plan.splits),
-            kThreads, plan.x_smem_bytes, plan.cluster ? (unsigned)plan.splits : 1u, stream, p, plan.chunks,
+            kThreads, plan.x_smem_bytes, plan.cluster ? (unsigned)plan.splits : 1u, core::pdl_enabled(), stream, p, plan.chunks,
             plan.chunks_per_split, plan.splits, plan.cluster);
 }
 
@@ -611,7 +611,7 @@ void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStr
                 : plan.n_tiles == 2 ? decode_gemv_kernel<F, kXF16, 2>
                 : plan.n_tiles == 4 ? decode_gemv_kernel<F, kXF16, 4>
                                     : decode_gemv_kernel<F, kXF16, 8>;
-  launch_ex(kernel, grid, kThreads, 0, 1u, stream, p, plan.chunks, plan.chunks_per_split, plan.splits);
+  launch_ex(kernel, grid, kThreads, 0, 1u, core::pdl_enabled(), stream, p, plan.chunks, plan.chunks_per_split, plan.splits);
 }
 
 // ---- activation quantization -------------------------------------------------------------------
@@ -797,14 +797,15 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream) {
   const int64_t n = (int64_t)p.B * p.K;
+  const bool pdl = core::pdl_enabled() && core::pdl_setting() != "no-quant";
   if (n <= kRedundantAmaxElements) {
-    launch_ex(quantize_x_redundant_amax_kernel, dim3((unsigned)quantize_ctas(p)), kQuantThreads, 0, 1u, stream, p);
+    launch_ex(quantize_x_redundant_amax_kernel, dim3((unsigned)quantize_ctas(p)), kQuantThreads, 0, 1u, pdl, stream, p);
     return;
   }
   const int amax_ctas = (int)std::clamp<int64_t>((n + kQuantThreads * 8 - 1) / (kQuantThreads * 8), 1,
                                                   kDecodeAmaxPartials);
-  launch_ex(amax_partial_kernel, dim3((unsigned)amax_ctas), kQuantThreads, 0, 1u, stream, p);
-  launch_ex(quantize_x_kernel, dim3((unsigned)quantize_ctas(p)), kQuantThreads, 0, 1u, stream, p, amax_ctas);
+  launch_ex(amax_partial_kernel, dim3((unsigned)amax_ctas), kQuantThreads, 0, 1u, pdl, stream, p);
+  launch_ex(quantize_x_kernel, dim3((unsigned)quantize_ctas(p)), kQuantThreads, 0, 1u, pdl, stream, p, amax_ctas);
 }
 
 }  // namespace fourbit::gemm::kernels
