@@ -650,6 +650,28 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Attent
   const int len = min(max(a.cache_lengths[b], 0), a.cache_capacity);
   const float sl2 = d.scale * kLog2e;
 
+  // The K/V tiles go through registers: this thread's 16-byte pieces of a tile are loaded one tile
+  // ahead (the first one before q is staged, so that the two loads overlap), then stored to shared
+  // memory when the tile's turn comes. Keys at or past len read as zeros (and are masked).
+  static_assert(kDecodeKeys * D / 8 % kThreads == 0, "decode tile chunks must divide evenly");
+  constexpr int kTileLoads = kDecodeKeys * D / 8 / kThreads;
+  const uint16_t* k_base = a.k_cache + b * a.k_stride.b + hk * a.k_stride.h;
+  const uint16_t* v_base = a.v_cache + b * a.v_stride.b + hk * a.v_stride.h;
+  uint4 k_next[kTileLoads], v_next[kTileLoads];
+  auto load_tile = [&](int c0) {
+#pragma unroll
+    for (int it = 0; it < kTileLoads; ++it) {
+      const int i = tid + it * kThreads;
+      const int c = i / (D / 8), col = (i % (D / 8)) * 8;
+      k_next[it] = v_next[it] = make_uint4(0, 0, 0, 0);
+      if (c0 + c < len) {
+        k_next[it] = *reinterpret_cast<const uint4*>(k_base + (int64_t)(c0 + c) * a.k_stride.t + col);
+        v_next[it] = *reinterpret_cast<const uint4*>(v_base + (int64_t)(c0 + c) * a.v_stride.t + col);
+      }
+    }
+  };
+  load_tile(key_begin);
+
   if (tid < kDecodeRows) {
     const int flat = row_begin + tid;
     const int pos = len - Tq + flat / group;
@@ -678,8 +700,6 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Attent
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) acc[i][0] = acc[i][1] = 0.0f;
 
-  const uint16_t* k_base = a.k_cache + b * a.k_stride.b + hk * a.k_stride.h;
-  const uint16_t* v_base = a.v_cache + b * a.v_stride.b + hk * a.v_stride.h;
   __syncthreads();
   int max_pos = -1;
 #pragma unroll
@@ -687,20 +707,16 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Attent
   const int last_key = min(max_pos, key_begin + keys_per_split - 1);  // keys_per_split: multiple of 64
 
   for (int c0 = key_begin; c0 <= last_key; c0 += kDecodeKeys) {
-    static_assert(kDecodeKeys * D / 8 % kThreads == 0, "decode tile chunks must divide evenly");
-#pragma unroll  // all of this thread's 16-byte loads in flight before the first shared store
-    for (int it = 0; it < kDecodeKeys * D / 8 / kThreads; ++it) {
+#pragma unroll
+    for (int it = 0; it < kTileLoads; ++it) {
       const int i = tid + it * kThreads;
       const int c = i / (D / 8), col = (i % (D / 8)) * 8;
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-      if (c0 + c < len) {
-        kv = *reinterpret_cast<const uint4*>(k_base + (int64_t)(c0 + c) * a.k_stride.t + col);
-        vv = *reinterpret_cast<const uint4*>(v_base + (int64_t)(c0 + c) * a.v_stride.t + col);
-      }
+      const uint4 kv = k_next[it];
       uint32_t* kd = &sm.k[c][col / 2];
       kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
-      *reinterpret_cast<uint4*>(&sm.v[c][col / 2]) = vv;
+      *reinterpret_cast<uint4*>(&sm.v[c][col / 2]) = v_next[it];
     }
+    if (c0 + kDecodeKeys <= last_key) load_tile(c0 + kDecodeKeys);  // in flight during this tile
     __syncthreads();
     // Scores (already in log2 units): thread -> key c, rows rr, rr + 2, ... Every row's dot product
     // runs as one FMA chain in element order; the rows' chains are interleaved (independent, and
