@@ -10,6 +10,7 @@
 #include "formats/element.h"
 #include "gemm/decode_gemv.h"
 #include "gemm_test_util.h"
+#include "ops/rmsnorm.h"
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
@@ -365,6 +366,107 @@ TEST(DecodeGemvCuda, QuantizeActivationMatchesCpuQuantizer) {
         FOURBIT_CUDA_CHECK(cudaMemcpy(&amax_host, amax.data(), 4, cudaMemcpyDeviceToHost));
         ASSERT_EQ(amax_host, *q.rowwise->amax.ptr<const float>()) << what;
       }
+}
+
+// The fused RMSNorm of the activation quantizer against ops::rmsnorm_forward followed by the
+// unfused quantizer: the same scaled-domain values and amax, bit for bit. Shapes cover one and two
+// 8-column groups per thread of the norm's block (K 10240: 640 threads, two groups), strided rows
+// (a misaligned row start takes the scalar loads), both scale rules, rows of very different scales.
+TEST(DecodeGemvCuda, FusedRmsnormMatchesRmsnormThenQuantize) {
+  struct Shape {
+    int B;
+    int64_t K, pad;
+  };
+  const Shape shapes[] = {{1, 2048, 0}, {3, 2048, 0}, {8, 2048, 0}, {5, 768, 4}, {1, 10240, 0}, {2, 4096, 8},
+                          {64, 256, 0}, {1, 8, 0}};
+  uint64_t seed = 900;
+  for (const Shape& sh : shapes)
+    for (int rule = 0; rule < 2; ++rule) {
+      ASSERT_TRUE(decode_quantize_can_fuse_norm(sh.B, sh.K));
+      Tensor x = random_matrix(sh.B, sh.K, seed++, DType::kBF16);
+      uint16_t* xv = x.ptr<uint16_t>();
+      for (int64_t i = 0; i < x.numel(); ++i) {  // row r scaled by 4^(r % 5 - 2)
+        const float scale = std::ldexp(1.0f, 2 * (int)(i / sh.K % 5) - 4);
+        xv[i] = formats::encode_bf16_rn(formats::decode_bf16(xv[i]) * scale);
+      }
+      Tensor w = Tensor::empty({sh.K}, DType::kF32, Device::kCpu);
+      std::mt19937 rng((uint32_t)seed);
+      std::uniform_real_distribution<float> u(0.5f, 1.5f);
+      for (int64_t i = 0; i < sh.K; ++i) w.ptr<float>()[i] = i % 7 == 3 ? -u(rng) : u(rng);
+      const Tensor wd = w.to(Device::kCuda);
+      Strided xd = strided(sh.B, sh.K, sh.K + sh.pad, DType::kBF16);
+      FOURBIT_CUDA_CHECK(cudaMemcpy2D(xd.view.data, (size_t)(2 * (sh.K + sh.pad)), x.data(), (size_t)(2 * sh.K),
+                                      (size_t)(2 * sh.K), (size_t)sh.B, cudaMemcpyHostToDevice));
+      const float eps = 1e-5f;
+      const quant::QuantConfig cfg = nvfp4(rule > 0);
+      // Unfused: the norm's bf16 output, then the quantizer.
+      Tensor y = Tensor::empty({sh.B, sh.K}, DType::kBF16, Device::kCuda);
+      Tensor rstd = Tensor::empty({sh.B}, DType::kF32, Device::kCuda);
+      const Tensor xc = x.to(Device::kCuda);  // the norm takes contiguous rows
+      ops::rmsnorm_forward(y.view(), rstd.view(), xc.view(), wd.view(), eps, nullptr);
+      auto run = [&](const TensorView& in, bool fused, Tensor& xs, float& amax_host) {
+        xs = Tensor::empty({sh.B, sh.K}, DType::kBF16, Device::kCuda);
+        poison(xs.view());
+        Tensor amax = Tensor::empty({1}, DType::kF32, Device::kCuda), flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+        DecodeWorkspace ws;
+        DecodeQuantizeArgs qa;
+        qa.x = in;
+        qa.config = cfg;
+        qa.xs = xs.view();
+        qa.amax = amax.ptr<float>();
+        qa.workspace = &ws;
+        qa.error_flag = flag.ptr<int>();
+        if (fused) {
+          qa.norm_weight = wd.view();
+          qa.norm_eps = eps;
+        }
+        decode_quantize_nvfp4(qa);
+        FOURBIT_CUDA_CHECK(cudaMemcpy(&amax_host, amax.data(), 4, cudaMemcpyDeviceToHost));
+        int bits = 1;
+        FOURBIT_CUDA_CHECK(cudaMemcpy(&bits, flag.data(), 4, cudaMemcpyDeviceToHost));
+        EXPECT_EQ(bits, 0);
+      };
+      Tensor xs_want, xs_got;
+      float amax_want = 0, amax_got = 0;
+      run(y.view(), false, xs_want, amax_want);
+      run(xd.view, true, xs_got, amax_got);
+      const std::string what = fmt::format("B {} K {} pad {} rule {}", sh.B, sh.K, sh.pad, rule);
+      ASSERT_EQ(amax_got, amax_want) << what;
+      ASSERT_GT(amax_want, 0.0f) << what;
+      const Tensor want = xs_want.to(Device::kCpu), got = xs_got.to(Device::kCpu);
+      for (int64_t i = 0; i < want.numel(); ++i)
+        ASSERT_EQ(got.ptr<const uint16_t>()[i], want.ptr<const uint16_t>()[i]) << what << ": element " << i;
+    }
+  // A non-finite input of the norm is flagged, and shapes outside the fused path are refused.
+  Tensor x = random_matrix(2, 256, 990, DType::kBF16);
+  x.ptr<uint16_t>()[300] = 0x7FC0;  // NaN in row 1
+  const Tensor xd = x.to(Device::kCuda);
+  const Tensor wd = Tensor::zeros({256}, DType::kF32, Device::kCuda);
+  Tensor xs = Tensor::empty({2, 256}, DType::kBF16, Device::kCuda), amax = Tensor::empty({1}, DType::kF32, Device::kCuda);
+  Tensor flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+  DecodeWorkspace ws;
+  DecodeQuantizeArgs qa;
+  qa.x = xd.view();
+  qa.config = nvfp4();
+  qa.xs = xs.view();
+  qa.amax = amax.ptr<float>();
+  qa.workspace = &ws;
+  qa.error_flag = flag.ptr<int>();
+  qa.norm_weight = wd.view();
+  decode_quantize_nvfp4(qa);
+  int bits = 0;
+  FOURBIT_CUDA_CHECK(cudaMemcpy(&bits, flag.data(), 4, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(bits & quant::kDeviceErrNonFinite, quant::kDeviceErrNonFinite);
+  EXPECT_FALSE(decode_quantize_can_fuse_norm(16, 2048 + 8));
+  EXPECT_FALSE(decode_quantize_can_fuse_norm(1, 1000 + 4));
+  const Tensor big = random_matrix(16, 2048 + 8, 991, DType::kBF16).to(Device::kCuda);
+  const Tensor wbig = Tensor::zeros({2048 + 8}, DType::kF32, Device::kCuda);
+  Tensor xs_big = Tensor::empty({16, 2048 + 8}, DType::kBF16, Device::kCuda);
+  qa.x = big.view();
+  qa.xs = xs_big.view();
+  qa.norm_weight = wbig.view();
+  qa.name = "blocks.0.qkv";
+  expect_error([&] { decode_quantize_nvfp4(qa); }, {"blocks.0.qkv", "cannot fuse the RMSNorm"});
 }
 
 TEST(DecodeGemvCuda, NonFiniteActivationIsFlagged) {

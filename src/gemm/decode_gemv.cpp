@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -287,7 +288,32 @@ void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
   p.amax_out = a.amax;
   p.partials = a.workspace->amax_partials();
   p.error_flags = a.error_flag;
+  if (a.norm_weight.data != nullptr) {
+    const TensorView& w = a.norm_weight;
+    FOURBIT_CHECK(decode_quantize_can_fuse_norm(x.shape[0], x.shape[1]),
+                  "decode_quantize_nvfp4: activation '{}' [{}, {}] cannot fuse the RMSNorm (needs B * K <= {} and "
+                  "K % 8 == 0); run ops::rmsnorm_forward first and pass its output", where, x.shape[0], x.shape[1],
+                  kernels::kDecodeFusedNormElements);
+    FOURBIT_CHECK(w.device == Device::kCuda && w.dtype == DType::kF32 && w.shape.ndim == 1 &&
+                      w.shape[0] == x.shape[1] && w.is_contiguous(),
+                  "decode_quantize_nvfp4: the RMSNorm weight of '{}' must be a contiguous f32 [{}] on cuda, got {}",
+                  where, x.shape[1], w.describe());
+    // ops::rmsnorm_forward's block shape for K columns (ops/rmsnorm_kernels.cu, row_shape): the
+    // fused kernel replays that block's summation order. A GPU test checks the two agree bit for bit.
+    const int64_t chunks = (x.shape[1] + 7) / 8;
+    const int groups = chunks <= 1024 ? 1 : 2;
+    int64_t threads = (chunks + groups - 1) / groups;
+    threads = std::max<int64_t>(32, (threads + 31) / 32 * 32);
+    p.norm_weight = w.ptr<const float>();
+    p.norm_eps = a.norm_eps;
+    p.norm_threads = (int)threads;
+    p.norm_groups = groups;
+  }
   kernels::launch_decode_quantize_x(p, (cudaStream_t)a.stream);
+}
+
+bool decode_quantize_can_fuse_norm(int64_t B, int64_t K) {
+  return B >= 1 && B <= kDecodeMaxTokens && K >= 8 && K % 8 == 0 && B * K <= kernels::kDecodeFusedNormElements;
 }
 
 #else  // no CUDA
@@ -310,6 +336,8 @@ void decode_gemv(const DecodeGemvArgs& a) {
 void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
   throw Error(fmt::format("decode_quantize_nvfp4: activation '{}': this build has no CUDA", a.name));
 }
+
+bool decode_quantize_can_fuse_norm(int64_t, int64_t) { return false; }
 
 #endif
 

@@ -108,8 +108,16 @@ struct DecodeQuantizeArgs {
   int* error_flag = nullptr;  // device int: NaN/Inf in x ORs quant::kDeviceErrNonFinite; required
   void* stream = nullptr;
   std::string_view name = "activation";
+  // Fused RMSNorm (optional): with norm_weight (f32 [K] on CUDA) given, x is the norm's input and
+  // the quantizer reads ops::rmsnorm_forward(x, norm_weight, norm_eps)'s bf16 output, bit for bit,
+  // without it being written: one kernel instead of two. Needs decode_quantize_can_fuse_norm(B, K).
+  TensorView norm_weight;
+  float norm_eps = 0.0f;
 };
 void decode_quantize_nvfp4(const DecodeQuantizeArgs& args);
+// Whether decode_quantize_nvfp4 can fuse the RMSNorm for a [B, K] activation (B * K <= 16384,
+// K % 8 == 0, B <= kDecodeMaxTokens).
+bool decode_quantize_can_fuse_norm(int64_t B, int64_t K);
 
 // ---- CPU reference -------------------------------------------------------------------------------
 // Naive loops: float64 sums of x_k * w_k over the exactly dequantized scaled-domain weights

@@ -667,7 +667,21 @@ __global__ void __launch_bounds__(kQuantThreads) amax_partial_kernel(const Decod
 // round; rounds advance by gridDim.x such groups.
 constexpr int kQuantBlocksPerCta = kQuantThreads / 16;
 
-__device__ void quantize_x_elements(const DecodeQuantizeParams& p, float amax) {
+// Element (r, c) as the quantizer sees it: x itself, or (kNorm) the RMSNorm output
+// bf16(f32(x * rstd[r]) * w[c]), computed as ops::rmsnorm_forward computes it.
+template <bool kNorm>
+__device__ __forceinline__ float quantizer_input(const DecodeQuantizeParams& p, int64_t r, int64_t c,
+                                                 const float* rstd) {
+  const float x = formats::decode_bf16(p.x[r * p.ldx + c]);
+  if constexpr (!kNorm) {
+    return x;
+  } else {
+    return formats::decode_bf16(formats::encode_bf16_rn(x * rstd[r] * p.norm_weight[c]));
+  }
+}
+
+template <bool kNorm>
+__device__ void quantize_x_elements(const DecodeQuantizeParams& p, float amax, const float* rstd) {
   const quant::Nvfp4TensorScales ts = quant::nvfp4_tensor_scales(amax, p.scale_constant, p.element_constant);
   const quant::FourOverSixTensorScales ts46 =
       quant::four_over_six_tensor_scales(amax, p.scale_constant, p.element_constant);
@@ -682,7 +696,7 @@ __device__ void quantize_x_elements(const DecodeQuantizeParams& p, float amax) {
     const int64_t r = i / n_blocks, c0 = (i % n_blocks) * 16;
     const int n = i < total ? (int)min((int64_t)16, p.K - c0) : 0;
     const bool valid = e < n;
-    const float v = valid ? formats::decode_bf16(p.x[r * p.ldx + c0 + e]) : 0.0f;
+    const float v = valid ? quantizer_input<kNorm>(p, r, c0 + e, rstd) : 0.0f;
     float block_amax = formats::abs_f32(v);
 #pragma unroll
     for (int off = 8; off > 0; off >>= 1) {
@@ -740,7 +754,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQ
     }
   }
   __syncthreads();
-  quantize_x_elements(p, s_amax);
+  quantize_x_elements<false>(p, s_amax, nullptr);
 }
 
 // Small activations (B * K <= kRedundantAmaxElements): one launch. Every CTA reduces the global
@@ -748,13 +762,67 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQ
 // thread) and then quantizes its own blocks. The amax is a max: the same value in every CTA,
 // whatever the order.
 constexpr int64_t kRedundantAmaxElements = 16384;
+static_assert(kDecodeFusedNormElements <= kRedundantAmaxElements, "the fused norm runs in the single launch");
 
+// kNorm: the RMSNorm of every row first. Warp w takes rows w, w + 8, ...; it replays the block
+// reduction of ops::rmsnorm_forward: virtual thread t = 32 v + lane of a norm_threads-thread block
+// sums the squares of its groups j * norm_threads + t (8 columns each) in one FMA chain, a warp
+// sums by the same xor tree (ops::kernels::warp_sum), and the virtual warps' sums are added in
+// order from zero (ops::kernels::block_sum). Then the row's outputs for the amax.
+__device__ void norm_rows(const DecodeQuantizeParams& p, float* rstd, float& m, bool& bad) {
+  const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+  const int T = p.norm_threads, J = p.norm_groups;
+  for (int r = warp; r < p.B; r += kQuantThreads / 32) {
+    const uint16_t* xr = p.x + (int64_t)r * p.ldx;
+    const bool aligned = (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
+    float total = 0.0f;
+    for (int v = 0; v < T / 32; ++v) {
+      const int t = 32 * v + lane;
+      float ss = 0.0f;
+      for (int j = 0; j < J; ++j) {
+        const int64_t c = (int64_t)(j * T + t) * 8;
+        if (c >= p.K) continue;  // K % 8 == 0: a group is whole or absent (absent: zeros)
+        uint16_t e[8];
+        if (aligned) {
+          const uint4 w = __ldg(reinterpret_cast<const uint4*>(xr + c));
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            e[2 * k] = (uint16_t)(word(w, k) & 0xFFFFu);
+            e[2 * k + 1] = (uint16_t)(word(w, k) >> 16);
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) e[k] = xr[c + k];
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const float v = formats::decode_bf16(e[k]);
+          ss = fmaf(v, v, ss);
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+      total += ss;
+    }
+    const float rs = 1.0f / sqrtf(total / (float)p.K + p.norm_eps);
+    if (lane == 0) rstd[r] = rs;
+    for (int64_t c = lane; c < p.K; c += 32) {
+      const float x = formats::decode_bf16(xr[c]);
+      accumulate_amax(m, bad, formats::encode_bf16_rn(x * rs * p.norm_weight[c]));
+    }
+  }
+}
+
+template <bool kNorm>
 __global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kernel(const DecodeQuantizeParams p) {
+  __shared__ float rstd[kNorm ? kDecodeMaxTokens : 1];
   core::pdl_allow_dependents();
   core::pdl_wait_for_producer();
   float m = 0.0f;
   bool bad = false;
-  if (p.K % 8 == 0 && p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0) {
+  if (kNorm) {
+    norm_rows(p, rstd, m, bad);  // cta_amax's barrier publishes rstd
+  } else if (p.K % 8 == 0 && p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0) {
     const int64_t per_row = p.K / 8, total = (int64_t)p.B * per_row;
     for (int64_t i0 = threadIdx.x; i0 < total; i0 += 4 * kQuantThreads) {
       uint4 v[4];
@@ -780,7 +848,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kerne
   }
   const float amax = cta_amax(p, m, bad, blockIdx.x == 0);  // every CTA saw the same x: one report
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.amax_out = amax;
-  quantize_x_elements(p, amax);
+  quantize_x_elements<kNorm>(p, amax, rstd);
 }
 
 }  // namespace
@@ -798,8 +866,14 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream) {
   const int64_t n = (int64_t)p.B * p.K;
   const bool pdl = core::pdl_enabled() && core::pdl_setting() != "no-quant";
+  if (p.norm_weight != nullptr) {  // decode_gemv.cpp checked the fused norm's conditions
+    launch_ex(quantize_x_redundant_amax_kernel<true>, dim3((unsigned)quantize_ctas(p)), kQuantThreads, 0, 1u, pdl,
+              stream, p);
+    return;
+  }
   if (n <= kRedundantAmaxElements) {
-    launch_ex(quantize_x_redundant_amax_kernel, dim3((unsigned)quantize_ctas(p)), kQuantThreads, 0, 1u, pdl, stream, p);
+    launch_ex(quantize_x_redundant_amax_kernel<false>, dim3((unsigned)quantize_ctas(p)), kQuantThreads, 0, 1u, pdl,
+              stream, p);
     return;
   }
   const int amax_ctas = (int)std::clamp<int64_t>((n + kQuantThreads * 8 - 1) / (kQuantThreads * 8), 1,

@@ -133,7 +133,16 @@ struct DecodeQuantizeParams {
   float* amax_out = nullptr;         // device float
   float* partials = nullptr;         // device float[kDecodeAmaxPartials]
   int* error_flags = nullptr;        // device int
+  // Fused RMSNorm (optional). With norm_weight set, x is the norm's input and the quantizer reads
+  // y = bf16(f32(x * rstd) * w) with rstd = 1 / sqrt(sum(x^2) / K + eps), the sum taken in
+  // ops::rmsnorm_forward's order for a block of norm_threads threads with norm_groups 8-column
+  // groups each: ops::rmsnorm_forward's output bit for bit. Only the single-launch path
+  // (B * K <= kDecodeFusedNormElements, K % 8 == 0).
+  const float* norm_weight = nullptr;  // f32 [K]
+  float norm_eps = 0.0f;
+  int norm_threads = 0, norm_groups = 0;
 };
+inline constexpr int64_t kDecodeFusedNormElements = 16384;
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream);
 
 }  // namespace fourbit::gemm::kernels

@@ -348,8 +348,10 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     return L;
   };
   // One dense linear layer: y = x W^T under the rl_sampler recipe through the decode GEMV.
+  // norm_param >= 0: x is the input of that RMSNorm, fused into the activation quantizer
+  // (norm_fusable); the normalized activation is never written.
   auto decode_linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
-                           const TensorView& residual) {
+                           const TensorView& residual, int norm_param) {
     const SamplerWeights::Layer& L = check_layer(l, kind, param);
     const gemm::LinearRecipe& r = im.linear_recipe(l, kind);
     const std::string name = layer_name(l, kind);
@@ -368,6 +370,10 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       q.error_flag = im.flag();
       q.stream = stream;
       q.name = name;
+      if (norm_param >= 0) {
+        q.norm_weight = im.master(norm_param);
+        q.norm_eps = (float)c.norm_eps;
+      }
       gemm::decode_quantize_nvfp4(q);
       g.x = q.xs;
       g.x_nvfp4_amax = sw->amax.ptr<const float>();
@@ -385,10 +391,17 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   // The decode GEMV adds a block's residual in its epilogue (the same bits as ops::add_inplace after
   // it), except for an observer, which must see the GEMM's own output.
   const bool fuse_residual = sw != nullptr && !gemm_observer_;
+  // Whether the RMSNorm before layer (l, kind) runs inside its activation quantizer (decode path,
+  // NVFP4 activations, a small enough activation; not under an observer, which must see the norm's
+  // output as the GEMM's input).
+  auto norm_fusable = [&](int l, LinearKind kind, int64_t rows) {
+    return sw != nullptr && !gemm_observer_ && im.linear_recipe(l, kind).fprop_x.quant.has_value() &&
+           gemm::decode_quantize_can_fuse_norm(rows, c.d_model);
+  };
   auto linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
-                    bool bf16_output, const TensorView& residual = TensorView{}) {
+                    bool bf16_output, const TensorView& residual = TensorView{}, int norm_param = -1) {
     if (sw != nullptr) {
-      decode_linear(sec, l, kind, x, param, y, fuse_residual ? residual : TensorView{});
+      decode_linear(sec, l, kind, x, param, y, fuse_residual ? residual : TensorView{}, norm_param);
     } else {
       im.fprop(sec, l, kind, x, im.w(param), y, bf16_output);
     }
@@ -420,12 +433,16 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     for (int l = 0; l < c.n_layers; ++l) {
       const detail::BlockParams& p = im.bp[(size_t)l];
       const TensorView x = a.resid[(size_t)(l % 2)], out = a.resid[(size_t)((l + 1) % 2)];
-      {
-        Scope s(im, Section::kAttention, Work::kOther);
-        ops::rmsnorm_forward(b.ln1, b.ln1_rstd, x, im.master(p.attn_norm), eps, st);
-        im.bf16(b.ln1);
+      if (norm_fusable(l, LinearKind::kQkv, N)) {
+        linear(Section::kAttention, l, LinearKind::kQkv, x, p.qkv, b.qkv, true, {}, p.attn_norm);
+      } else {
+        {
+          Scope s(im, Section::kAttention, Work::kOther);
+          ops::rmsnorm_forward(b.ln1, b.ln1_rstd, x, im.master(p.attn_norm), eps, st);
+          im.bf16(b.ln1);
+        }
+        linear(Section::kAttention, l, LinearKind::kQkv, b.ln1, p.qkv, b.qkv, true);
       }
-      linear(Section::kAttention, l, LinearKind::kQkv, b.ln1, p.qkv, b.qkv, true);
       {
         Scope s(im, Section::kAttention, Work::kOther);
         ops::rope_forward_inplace(detail::qkv_part3(b.qkv, 0, H, D), detail::qkv_part3(b.qkv, H * D, Hkv, D),
@@ -462,15 +479,20 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
         ops::add_inplace(mid, x, st);
         im.bf16(mid);
       }
-      {
+      const bool decode_mlp = sw != nullptr && !c.is_moe_block(l);  // the dense MLP on the decode GEMV
+      const bool fuse_ln2 = decode_mlp && norm_fusable(l, LinearKind::kMlpUp, N);
+      if (!fuse_ln2) {
         Scope s(im, ffn, Work::kOther);
         ops::rmsnorm_forward(b.ln2, b.ln2_rstd, mid, im.master(p.mlp_norm), eps, st);
         im.bf16(b.ln2);
       }
-      const bool decode_mlp = sw != nullptr && !c.is_moe_block(l);  // the dense MLP on the decode GEMV
       if (decode_mlp) {
         const TensorView gu = prefix(b.gate_up, N, 2 * c.d_ff), act = prefix(b.act, N, c.d_ff);
-        linear(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, p.mlp_up, gu, true);
+        if (fuse_ln2) {
+          linear(Section::kMlp, l, LinearKind::kMlpUp, mid, p.mlp_up, gu, true, {}, p.mlp_norm);
+        } else {
+          linear(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, p.mlp_up, gu, true);
+        }
         {
           Scope s(im, Section::kMlp, Work::kOther);
           ops::swiglu_forward(act, gu, st);
@@ -493,6 +515,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       }
     }
     const TensorView final_resid = a.resid[(size_t)(c.n_layers % 2)];
+    TensorView final_norm_input;  // set when the final norm runs inside the lm_head's quantizer
     {
       Scope s(im, Section::kLmHead, Work::kOther);
       TensorView x = final_resid;
@@ -500,11 +523,20 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
         detail::gather_rows(a.last_rows, final_resid, Tq - 1, Tq, st);
         x = a.last_rows;
       }
-      ops::rmsnorm_forward(a.lnf, a.lnf_rstd, x, im.master(im.final_norm), eps, st);
-      im.bf16(a.lnf);
+      if (norm_fusable(c.n_layers, LinearKind::kLmHead, x.shape[0])) {
+        final_norm_input = x;
+      } else {
+        ops::rmsnorm_forward(a.lnf, a.lnf_rstd, x, im.master(im.final_norm), eps, st);
+        im.bf16(a.lnf);
+      }
     }
     // FP32 logits (for sampling), not rounded.
-    linear(Section::kLmHead, c.n_layers, LinearKind::kLmHead, a.lnf, im.lm_head, a.logits, false);
+    if (final_norm_input.data != nullptr) {
+      linear(Section::kLmHead, c.n_layers, LinearKind::kLmHead, final_norm_input, im.lm_head, a.logits, false, {},
+             im.final_norm);
+    } else {
+      linear(Section::kLmHead, c.n_layers, LinearKind::kLmHead, a.lnf, im.lm_head, a.logits, false);
+    }
   };
 
   // Dense models on the decode path replay a CUDA graph of the body (one launch instead of a few
