@@ -11,6 +11,7 @@
 #include "gemm/decode_gemv.h"
 #include "gemm_test_util.h"
 #include "ops/rmsnorm.h"
+#include "ops/swiglu.h"
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
@@ -467,6 +468,49 @@ TEST(DecodeGemvCuda, FusedRmsnormMatchesRmsnormThenQuantize) {
   qa.norm_weight = wbig.view();
   qa.name = "blocks.0.qkv";
   expect_error([&] { decode_quantize_nvfp4(qa); }, {"blocks.0.qkv", "cannot fuse the RMSNorm"});
+}
+
+// The fused SwiGLU of the activation quantizer against ops::swiglu_forward followed by the unfused
+// quantizer, bit for bit, on the one-launch (B K <= 16384) and the two-launch paths.
+TEST(DecodeGemvCuda, FusedSwigluMatchesSwigluThenQuantize) {
+  const std::pair<int, int64_t> shapes[] = {{1, 5632}, {2, 5632}, {16, 5632}, {64, 256}, {3, 36}, {64, 1000}};
+  uint64_t seed = 950;
+  for (auto [B, K] : shapes)
+    for (int rule = 0; rule < 2; ++rule) {
+      Tensor gu = random_matrix(B, 2 * K, seed++, DType::kBF16);
+      uint16_t* g = gu.ptr<uint16_t>();
+      for (int64_t i = 0; i < gu.numel(); ++i)  // gates over [-12, 12]: both tails of the sigmoid
+        if (i % (2 * K) < K) g[i] = formats::encode_bf16_rn(formats::decode_bf16(g[i]) * 4.0f);
+      const Tensor gud = gu.to(Device::kCuda);
+      Tensor act = Tensor::empty({B, K}, DType::kBF16, Device::kCuda);
+      ops::swiglu_forward(act.view(), gud.view(), nullptr);
+      const quant::QuantConfig cfg = nvfp4(rule > 0);
+      auto run = [&](const TensorView& in, bool fused, Tensor& xs, float& amax_host) {
+        xs = Tensor::empty({B, K}, DType::kBF16, Device::kCuda);
+        poison(xs.view());
+        Tensor amax = Tensor::empty({1}, DType::kF32, Device::kCuda), flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+        DecodeWorkspace ws;
+        DecodeQuantizeArgs qa;
+        qa.x = in;
+        qa.config = cfg;
+        qa.xs = xs.view();
+        qa.amax = amax.ptr<float>();
+        qa.workspace = &ws;
+        qa.error_flag = flag.ptr<int>();
+        qa.swiglu = fused;
+        decode_quantize_nvfp4(qa);
+        FOURBIT_CUDA_CHECK(cudaMemcpy(&amax_host, amax.data(), 4, cudaMemcpyDeviceToHost));
+      };
+      Tensor xs_want, xs_got;
+      float amax_want = 0, amax_got = 0;
+      run(act.view(), false, xs_want, amax_want);
+      run(gud.view(), true, xs_got, amax_got);
+      const std::string what = fmt::format("B {} K {} rule {}", B, K, rule);
+      ASSERT_EQ(amax_got, amax_want) << what;
+      const Tensor want = xs_want.to(Device::kCpu), got = xs_got.to(Device::kCpu);
+      for (int64_t i = 0; i < want.numel(); ++i)
+        ASSERT_EQ(got.ptr<const uint16_t>()[i], want.ptr<const uint16_t>()[i]) << what << ": element " << i;
+    }
 }
 
 TEST(DecodeGemvCuda, NonFiniteActivationIsFlagged) {

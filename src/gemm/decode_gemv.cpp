@@ -267,11 +267,17 @@ void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
                     x.shape[1] >= 1,
                 "decode_quantize_nvfp4: activation '{}' must be a bf16 [B, K] matrix (1 <= B <= {}) with unit "
                 "column stride on cuda, got {}", where, kDecodeMaxTokens, x.describe());
+  FOURBIT_CHECK(!a.swiglu || a.norm_weight.data == nullptr,
+                "decode_quantize_nvfp4: activation '{}': fuse the RMSNorm or the SwiGLU, not both", where);
+  FOURBIT_CHECK(!a.swiglu || x.shape[1] % 2 == 0,
+                "decode_quantize_nvfp4: the fused SwiGLU of '{}' needs a [B, 2K] gate/up input, got {}", where,
+                x.describe());
+  const int64_t K = a.swiglu ? x.shape[1] / 2 : x.shape[1];  // the quantized activation's width
   const TensorView& xs = a.xs;
   FOURBIT_CHECK(xs.device == Device::kCuda && xs.dtype == DType::kBF16 && xs.shape.ndim == 2 &&
-                    xs.shape[0] == x.shape[0] && xs.shape[1] == x.shape[1] && xs.is_contiguous(),
+                    xs.shape[0] == x.shape[0] && xs.shape[1] == K && xs.is_contiguous(),
                 "decode_quantize_nvfp4: the scaled-domain output of '{}' must be a contiguous bf16 [{}, {}] on "
-                "cuda, got {}", where, x.shape[0], x.shape[1], xs.describe());
+                "cuda, got {}", where, x.shape[0], K, xs.describe());
   FOURBIT_CHECK(a.amax != nullptr && a.workspace != nullptr && a.error_flag != nullptr,
                 "decode_quantize_nvfp4: activation '{}' needs an amax output, a workspace and an error flag", where);
   a.workspace->reserve(0, 0);
@@ -279,7 +285,8 @@ void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
   p.x = x.ptr<const uint16_t>();
   p.ldx = x.strides[0];
   p.B = (int)x.shape[0];
-  p.K = x.shape[1];
+  p.K = K;
+  p.swiglu = a.swiglu;
   p.four_over_six = a.config.nvfp4_scale_rule == quant::Nvfp4ScaleRule::kFourOverSix;
   p.four_over_six_metric = (uint8_t)a.config.four_over_six_metric;
   p.scale_constant = a.config.nvfp4_scale_constant();

@@ -113,6 +113,10 @@ struct DecodeQuantizeArgs {
   // without it being written: one kernel instead of two. Needs decode_quantize_can_fuse_norm(B, K).
   TensorView norm_weight;
   float norm_eps = 0.0f;
+  // Fused SwiGLU (optional, not with the norm): x is the [B, 2K] gate/up buffer (gate columns
+  // 0..K-1, up K..2K-1) and the quantizer reads ops::swiglu_forward's bf16 output [B, K], bit for
+  // bit, without it being written. Any B <= kDecodeMaxTokens.
+  bool swiglu = false;
 };
 void decode_quantize_nvfp4(const DecodeQuantizeArgs& args);
 // Whether decode_quantize_nvfp4 can fuse the RMSNorm for a [B, K] activation (B * K <= 16384,

@@ -646,14 +646,42 @@ __device__ float cta_amax(const DecodeQuantizeParams& p, float m, bool bad, bool
   return result;
 }
 
+// What produces the quantizer's input from x (DecodeQuantizeParams::norm_weight / swiglu).
+enum class Producer { kNone, kNorm, kSwiglu };
+
+// Element (r, c) as the quantizer sees it: x itself; (kNorm) the RMSNorm output
+// bf16(f32(x * rstd[r]) * w[c]); or (kSwiglu) bf16(g * sigmoid(g) * u) with g = x[r, c] and
+// u = x[r, K + c], sigmoid(g) = 1 / (1 + exp(-g)). Each computed as ops::rmsnorm_forward /
+// ops::swiglu_forward compute it (same operations in the same order, no contraction possible).
+template <Producer P>
+__device__ __forceinline__ float quantizer_input(const DecodeQuantizeParams& p, int64_t r, int64_t c,
+                                                 const float* rstd) {
+  const float x = formats::decode_bf16(p.x[r * p.ldx + c]);
+  if constexpr (P == Producer::kNone) {
+    return x;
+  } else if constexpr (P == Producer::kNorm) {
+    return formats::decode_bf16(formats::encode_bf16_rn(x * rstd[r] * p.norm_weight[c]));
+  } else {
+    const float u = formats::decode_bf16(p.x[r * p.ldx + p.K + c]);
+    const float sig = 1.0f / (1.0f + expf(-x));
+    return formats::decode_bf16(formats::encode_bf16_rn(x * sig * u));
+  }
+}
+
+template <Producer P>
 __global__ void __launch_bounds__(kQuantThreads) amax_partial_kernel(const DecodeQuantizeParams p) {
+  static_assert(P != Producer::kNorm, "the fused norm runs in the single launch only");
   core::pdl_allow_dependents();
   core::pdl_wait_for_producer();
   const int64_t n = (int64_t)p.B * p.K;
   float m = 0.0f;
   bool bad = false;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    accumulate_amax(m, bad, p.x[(i / p.K) * p.ldx + i % p.K]);
+    if constexpr (P == Producer::kNone) {
+      accumulate_amax(m, bad, p.x[(i / p.K) * p.ldx + i % p.K]);
+    } else {
+      accumulate_amax(m, bad, formats::encode_bf16_rn(quantizer_input<P>(p, i / p.K, i % p.K, nullptr)));
+    }
   }
   const float b = cta_amax(p, m, bad, true);
   if (threadIdx.x == 0) p.partials[blockIdx.x] = b;
@@ -667,20 +695,7 @@ __global__ void __launch_bounds__(kQuantThreads) amax_partial_kernel(const Decod
 // round; rounds advance by gridDim.x such groups.
 constexpr int kQuantBlocksPerCta = kQuantThreads / 16;
 
-// Element (r, c) as the quantizer sees it: x itself, or (kNorm) the RMSNorm output
-// bf16(f32(x * rstd[r]) * w[c]), computed as ops::rmsnorm_forward computes it.
-template <bool kNorm>
-__device__ __forceinline__ float quantizer_input(const DecodeQuantizeParams& p, int64_t r, int64_t c,
-                                                 const float* rstd) {
-  const float x = formats::decode_bf16(p.x[r * p.ldx + c]);
-  if constexpr (!kNorm) {
-    return x;
-  } else {
-    return formats::decode_bf16(formats::encode_bf16_rn(x * rstd[r] * p.norm_weight[c]));
-  }
-}
-
-template <bool kNorm>
+template <Producer P>
 __device__ void quantize_x_elements(const DecodeQuantizeParams& p, float amax, const float* rstd) {
   const quant::Nvfp4TensorScales ts = quant::nvfp4_tensor_scales(amax, p.scale_constant, p.element_constant);
   const quant::FourOverSixTensorScales ts46 =
@@ -696,7 +711,7 @@ __device__ void quantize_x_elements(const DecodeQuantizeParams& p, float amax, c
     const int64_t r = i / n_blocks, c0 = (i % n_blocks) * 16;
     const int n = i < total ? (int)min((int64_t)16, p.K - c0) : 0;
     const bool valid = e < n;
-    const float v = valid ? quantizer_input<kNorm>(p, r, c0 + e, rstd) : 0.0f;
+    const float v = valid ? quantizer_input<P>(p, r, c0 + e, rstd) : 0.0f;
     float block_amax = formats::abs_f32(v);
 #pragma unroll
     for (int off = 8; off > 0; off >>= 1) {
@@ -740,6 +755,7 @@ inline int quantize_ctas(const DecodeQuantizeParams& p) {
   return (int)std::clamp<int64_t>((blocks + kQuantBlocksPerCta - 1) / kQuantBlocksPerCta, 1, 1024);
 }
 
+template <Producer P>
 __global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQuantizeParams p, int n_partials) {
   __shared__ float s_amax;
   core::pdl_allow_dependents();
@@ -754,7 +770,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQ
     }
   }
   __syncthreads();
-  quantize_x_elements<false>(p, s_amax, nullptr);
+  quantize_x_elements<P>(p, s_amax, nullptr);
 }
 
 // Small activations (B * K <= kRedundantAmaxElements): one launch. Every CTA reduces the global
@@ -813,15 +829,19 @@ __device__ void norm_rows(const DecodeQuantizeParams& p, float* rstd, float& m, 
   }
 }
 
-template <bool kNorm>
+template <Producer P>
 __global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kernel(const DecodeQuantizeParams p) {
-  __shared__ float rstd[kNorm ? kDecodeMaxTokens : 1];
+  __shared__ float rstd[P == Producer::kNorm ? kDecodeMaxTokens : 1];
   core::pdl_allow_dependents();
   core::pdl_wait_for_producer();
   float m = 0.0f;
   bool bad = false;
-  if (kNorm) {
+  if constexpr (P == Producer::kNorm) {
     norm_rows(p, rstd, m, bad);  // cta_amax's barrier publishes rstd
+  } else if constexpr (P == Producer::kSwiglu) {
+    for (int64_t i = threadIdx.x; i < (int64_t)p.B * p.K; i += kQuantThreads) {
+      accumulate_amax(m, bad, formats::encode_bf16_rn(quantizer_input<P>(p, i / p.K, i % p.K, nullptr)));
+    }
   } else if (p.K % 8 == 0 && p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0) {
     const int64_t per_row = p.K / 8, total = (int64_t)p.B * per_row;
     for (int64_t i0 = threadIdx.x; i0 < total; i0 += 4 * kQuantThreads) {
@@ -848,7 +868,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kerne
   }
   const float amax = cta_amax(p, m, bad, blockIdx.x == 0);  // every CTA saw the same x: one report
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.amax_out = amax;
-  quantize_x_elements<kNorm>(p, amax, rstd);
+  quantize_x_elements<P>(p, amax, rstd);
 }
 
 }  // namespace
@@ -866,20 +886,23 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream) {
   const int64_t n = (int64_t)p.B * p.K;
   const bool pdl = core::pdl_enabled() && core::pdl_setting() != "no-quant";
+  const dim3 grid((unsigned)quantize_ctas(p));
   if (p.norm_weight != nullptr) {  // decode_gemv.cpp checked the fused norm's conditions
-    launch_ex(quantize_x_redundant_amax_kernel<true>, dim3((unsigned)quantize_ctas(p)), kQuantThreads, 0, 1u, pdl,
-              stream, p);
+    launch_ex(quantize_x_redundant_amax_kernel<Producer::kNorm>, grid, kQuantThreads, 0, 1u, pdl, stream, p);
     return;
   }
+  const bool swiglu = p.swiglu;
   if (n <= kRedundantAmaxElements) {
-    launch_ex(quantize_x_redundant_amax_kernel<false>, dim3((unsigned)quantize_ctas(p)), kQuantThreads, 0, 1u, pdl,
-              stream, p);
+    launch_ex(swiglu ? quantize_x_redundant_amax_kernel<Producer::kSwiglu> : quantize_x_redundant_amax_kernel<Producer::kNone>,
+              grid, kQuantThreads, 0, 1u, pdl, stream, p);
     return;
   }
   const int amax_ctas = (int)std::clamp<int64_t>((n + kQuantThreads * 8 - 1) / (kQuantThreads * 8), 1,
                                                   kDecodeAmaxPartials);
-  launch_ex(amax_partial_kernel, dim3((unsigned)amax_ctas), kQuantThreads, 0, 1u, pdl, stream, p);
-  launch_ex(quantize_x_kernel, dim3((unsigned)quantize_ctas(p)), kQuantThreads, 0, 1u, pdl, stream, p, amax_ctas);
+  launch_ex(swiglu ? amax_partial_kernel<Producer::kSwiglu> : amax_partial_kernel<Producer::kNone>,
+            dim3((unsigned)amax_ctas), kQuantThreads, 0, 1u, pdl, stream, p);
+  launch_ex(swiglu ? quantize_x_kernel<Producer::kSwiglu> : quantize_x_kernel<Producer::kNone>, grid, kQuantThreads,
+            0, 1u, pdl, stream, p, amax_ctas);
 }
 
 }  // namespace fourbit::gemm::kernels

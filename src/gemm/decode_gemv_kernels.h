@@ -141,6 +141,10 @@ struct DecodeQuantizeParams {
   const float* norm_weight = nullptr;  // f32 [K]
   float norm_eps = 0.0f;
   int norm_threads = 0, norm_groups = 0;
+  // Fused SwiGLU (optional, not with the norm): x holds [gate | up] rows (gate at columns 0..K-1,
+  // up at K..2K-1 of each row of stride ldx) and the quantizer reads ops::swiglu_forward's bf16
+  // output, bit for bit.
+  bool swiglu = false;
 };
 inline constexpr int64_t kDecodeFusedNormElements = 16384;
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream);

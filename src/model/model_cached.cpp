@@ -351,12 +351,12 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   // norm_param >= 0: x is the input of that RMSNorm, fused into the activation quantizer
   // (norm_fusable); the normalized activation is never written.
   auto decode_linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
-                           const TensorView& residual, int norm_param) {
+                           const TensorView& residual, int norm_param, bool swiglu) {
     const SamplerWeights::Layer& L = check_layer(l, kind, param);
     const gemm::LinearRecipe& r = im.linear_recipe(l, kind);
     const std::string name = layer_name(l, kind);
     const TensorView& wt = im.w(param);
-    if (profiler_ != nullptr) profiler_->linear_call({sec, recipe::Gemm::kFprop, &r, x.shape[0], wt.shape[0], x.shape[1], 1});
+    if (profiler_ != nullptr) profiler_->linear_call({sec, recipe::Gemm::kFprop, &r, x.shape[0], wt.shape[0], wt.shape[1], 1});
     Scope scope(im, sec, Work::kLinear);
     gemm::DecodeGemvArgs g;
     g.x = x;
@@ -364,7 +364,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       gemm::DecodeQuantizeArgs q;
       q.x = x;
       q.config = *r.fprop_x.quant;
-      q.xs = prefix(sw->xs.view(), x.shape[0], x.shape[1]);
+      q.xs = prefix(sw->xs.view(), x.shape[0], swiglu ? x.shape[1] / 2 : x.shape[1]);
       q.amax = sw->amax.ptr<float>();
       q.workspace = &sw->workspace;
       q.error_flag = im.flag();
@@ -374,6 +374,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
         q.norm_weight = im.master(norm_param);
         q.norm_eps = (float)c.norm_eps;
       }
+      q.swiglu = swiglu;
       gemm::decode_quantize_nvfp4(q);
       g.x = q.xs;
       g.x_nvfp4_amax = sw->amax.ptr<const float>();
@@ -399,9 +400,10 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
            gemm::decode_quantize_can_fuse_norm(rows, c.d_model);
   };
   auto linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
-                    bool bf16_output, const TensorView& residual = TensorView{}, int norm_param = -1) {
+                    bool bf16_output, const TensorView& residual = TensorView{}, int norm_param = -1,
+                    bool swiglu = false) {
     if (sw != nullptr) {
-      decode_linear(sec, l, kind, x, param, y, fuse_residual ? residual : TensorView{}, norm_param);
+      decode_linear(sec, l, kind, x, param, y, fuse_residual ? residual : TensorView{}, norm_param, swiglu);
     } else {
       im.fprop(sec, l, kind, x, im.w(param), y, bf16_output);
     }
@@ -493,11 +495,16 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
         } else {
           linear(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, p.mlp_up, gu, true);
         }
-        {
-          Scope s(im, Section::kMlp, Work::kOther);
-          ops::swiglu_forward(act, gu, st);
+        // The SwiGLU runs inside mlp_down's activation quantizer where there is one (as norm_fusable).
+        if (!gemm_observer_ && im.linear_recipe(l, LinearKind::kMlpDown).fprop_x.quant.has_value()) {
+          linear(Section::kMlp, l, LinearKind::kMlpDown, gu, p.mlp_down, out, true, mid, -1, true);
+        } else {
+          {
+            Scope s(im, Section::kMlp, Work::kOther);
+            ops::swiglu_forward(act, gu, st);
+          }
+          linear(Section::kMlp, l, LinearKind::kMlpDown, act, p.mlp_down, out, true, mid);
         }
-        linear(Section::kMlp, l, LinearKind::kMlpDown, act, p.mlp_down, out, true, mid);
       } else {
         im.forward_ffn(l, a, b, out, o.forced_expert_ids);
       }
