@@ -138,6 +138,55 @@ void run_case(const Case& cs) {
     EXPECT_TRUE(got_q == oq.values()) << "in-place strided q differs from the out-of-place result";
     EXPECT_TRUE(got_k == ok.values()) << "in-place strided k differs from the out-of-place result";
     EXPECT_TRUE(got_v == xv) << "the v slice of the fused buffer was modified";
+    if (inverse) continue;
+
+    // The fused KV-cache append (rope_forward_inplace_append): the same in-place rotation, and the
+    // rotated keys and the values in the cache rows write_pos names. R rows per sequence at
+    // positions 2 .. R + 1; one row at position -1 and one at t_max append nothing; positions 0
+    // and 1 are never written and must keep the poison.
+    const int64_t R = N % 3 == 0 ? 3 : 1, Bc = N / R, t_max = R + 3;
+    std::vector<int32_t> wpos((size_t)N);
+    for (int64_t n = 0; n < N; ++n) wpos[(size_t)n] = (int32_t)(n % R + 2);
+    if (N > 2) wpos[1] = -1;
+    if (N > 3) wpos[3] = (int32_t)t_max;
+    const Tensor dwpos = host_ints({N}, wpos).to(Device::kCuda);
+    const Guarded buf2 = Guarded::copy_of(host_tensor({N, W}, cs.dt, fused), kPoison);
+    TensorView q2 = qv, k2 = kv, v2 = kv;
+    q2.data = buf2.view.data;
+    k2.data = static_cast<char*>(buf2.view.data) + dtype_bytes(cs.dt, H * D);
+    v2.data = static_cast<char*>(buf2.view.data) + dtype_bytes(cs.dt, (H + Hkv) * D);
+    const Guarded kc = Guarded::make({Bc, t_max, Hkv, D}, cs.dt, kPoison);
+    const Guarded vc = Guarded::make({Bc, t_max, Hkv, D}, cs.dt, kPoison);
+    RopeCacheAppend ap;
+    ap.v = v2;
+    ap.k_cache = kc.view;
+    ap.v_cache = vc.view;
+    ap.write_pos = dwpos.view();
+    ap.rows_per_seq = R;
+    rope_forward_inplace_append(q2, k2, dpos, theta, ap);
+    EXPECT_EQ(buf2.damaged_guard_bytes() + kc.damaged_guard_bytes() + vc.damaged_guard_bytes(), 0)
+        << "append: wrote outside a buffer";
+    EXPECT_TRUE(buf2.values() == after) << "append: the in-place rotation differs from rope_forward_inplace";
+    const std::vector<double> kcv = kc.values(), vcv = vc.values();
+    const std::vector<double> poison = Guarded::make({1}, cs.dt, kPoison).values();
+    int64_t wrong = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const int32_t p = wpos[(size_t)n];
+      if (p < 0 || p >= t_max) continue;
+      for (int64_t e = 0; e < Hkv * D; ++e) {
+        const size_t at = (size_t)(((n / R) * t_max + p) * Hkv * D + e);
+        wrong += kcv[at] != got_k[(size_t)(n * Hkv * D + e)];
+        wrong += vcv[at] != xv[(size_t)(n * Hkv * D + e)];
+      }
+    }
+    for (int64_t b = 0; b < Bc; ++b)
+      for (int64_t p = 0; p < 2; ++p)
+        for (int64_t e = 0; e < Hkv * D; ++e) {
+          const size_t at = (size_t)((b * t_max + p) * Hkv * D + e);
+          wrong += !(kcv[at] == poison[0] || (std::isnan(kcv[at]) && std::isnan(poison[0])));
+          wrong += !(vcv[at] == poison[0] || (std::isnan(vcv[at]) && std::isnan(poison[0])));
+        }
+    EXPECT_EQ(wrong, 0) << "append: cache entries differ from the rotated keys / the values / the poison";
   }
 }
 

@@ -25,8 +25,6 @@
 #include "ops/swiglu.h"
 
 #if defined(FOURBIT_WITH_CUDA)
-#include "model/kv_cache_kernels.h"
-
 #include <cuda_runtime_api.h>
 #endif
 
@@ -447,20 +445,21 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       }
       {
         Scope s(im, Section::kAttention, Work::kOther);
-        ops::rope_forward_inplace(detail::qkv_part3(b.qkv, 0, H, D), detail::qkv_part3(b.qkv, H * D, Hkv, D),
-                                  a.positions, theta, st);
-        im.bf16(b.qkv);
+        const TensorView q3 = detail::qkv_part3(b.qkv, 0, H, D), k3 = detail::qkv_part3(b.qkv, H * D, Hkv, D);
         const Tensor& kc = cache.k_[(size_t)l];
         const Tensor& vc = cache.v_[(size_t)l];
         if (options_.device == Device::kCpu) {
+          ops::rope_forward_inplace(q3, k3, a.positions, theta, st);
+          im.bf16(b.qkv);
           kv_append_cpu(b.qkv, H * D, (H + Hkv) * D, Hkv * D, write_pos, Tq, kc, vc, cache.max_len());
-        } else {
-  #if defined(FOURBIT_WITH_CUDA)
-          kernels::launch_kv_cache_append(b.qkv.ptr<const uint16_t>(), b.qkv.shape[1], H * D, (H + Hkv) * D,
-                                          Hkv * D, a.write_pos.ptr<const int32_t>(), N, Tq,
-                                          kc.ptr<uint16_t>(), vc.ptr<uint16_t>(), cache.max_len(),
-                                          (cudaStream_t)st);
-  #endif
+        } else {  // one kernel: the rotation writes the new keys and values into the cache as well
+          ops::RopeCacheAppend ap;
+          ap.v = detail::qkv_part3(b.qkv, (H + Hkv) * D, Hkv, D);
+          ap.k_cache = kc.view();
+          ap.v_cache = vc.view();
+          ap.write_pos = a.write_pos;
+          ap.rows_per_seq = Tq;
+          ops::rope_forward_inplace_append(q3, k3, a.positions, theta, ap, st);
         }
       }
       {

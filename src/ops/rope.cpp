@@ -72,7 +72,7 @@ kernels::RopeTensor rope_tensor(const TensorView& t) {
 
 void run(std::string_view op, const TensorView& q_out, const TensorView& k_out, const TensorView& q,
          const TensorView& k, const TensorView& positions, float theta, bool inverse, bool inplace,
-         void* stream) {
+         void* stream, const RopeCacheAppend* append = nullptr) {
   const Device dev = detail::common_device(
       op, {{"q", &q}, {"k", &k}, {"q_out", &q_out}, {"k_out", &k_out}, {"positions", &positions}});
   FOURBIT_CHECK(q.shape.ndim == 3 && q.shape[2] >= 2 && q.shape[2] % 2 == 0,
@@ -105,6 +105,31 @@ void run(std::string_view op, const TensorView& q_out, const TensorView& k_out, 
   FOURBIT_CHECK(std::isfinite(theta) && theta > 0, "{}: theta must be finite and > 0, got {}", op,
                 theta);
 
+  if (append != nullptr) {
+    FOURBIT_CHECK(dev == Device::kCuda, "{}: the fused KV-cache append runs on CUDA; on the CPU rotate, then copy", op);
+    FOURBIT_CHECK(present(k), "{}: the KV-cache append needs k", op);
+    const int64_t Hkv = k.shape[1];
+    check_view(op, "v", append->v, N, D);
+    FOURBIT_CHECK(append->v.shape == k.shape && append->v.dtype == q.dtype,
+                  "{}: v must match k's shape {} and q's dtype, got {}", op, k.shape.str(), append->v.describe());
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"k_cache", &append->k_cache},
+                                  {"v_cache", &append->v_cache}}) {
+      FOURBIT_CHECK(t->device == Device::kCuda && t->dtype == q.dtype && t->shape.ndim == 4 && t->shape[2] == Hkv &&
+                        t->shape[3] == D && t->is_contiguous(),
+                    "{}: {} must be a contiguous [B, t_max, {}, {}] {} tensor on cuda, got {}", op, name, Hkv, D,
+                    dtype_name(q.dtype), t->describe());
+    }
+    FOURBIT_CHECK(append->v_cache.shape == append->k_cache.shape, "{}: v_cache {} and k_cache {} differ", op,
+                  append->v_cache.shape.str(), append->k_cache.shape.str());
+    FOURBIT_CHECK(append->rows_per_seq >= 1 && N % append->rows_per_seq == 0 &&
+                      N / append->rows_per_seq <= append->k_cache.shape[0],
+                  "{}: {} rows at {} per sequence do not fit the cache's {} sequences", op, N, append->rows_per_seq,
+                  append->k_cache.shape[0]);
+    FOURBIT_CHECK(append->write_pos.device == Device::kCuda && append->write_pos.dtype == DType::kI32 &&
+                      append->write_pos.shape.ndim == 1 && append->write_pos.shape[0] == N &&
+                      append->write_pos.is_contiguous(),
+                  "{}: write_pos must be a contiguous i32 [{}] on cuda, got {}", op, N, append->write_pos.describe());
+  }
   if (dev == Device::kCpu) {
     const DType dt = detail::cpu_float_dtype(
         op, {{"q", &q}, {"k", &k}, {"q output", &q_out}, {"k output", &k_out}});
@@ -141,6 +166,14 @@ void run(std::string_view op, const TensorView& q_out, const TensorView& k_out, 
   a.head_dim = (int)D;
   for (int64_t i = 0; i < D / 2; ++i) a.inv_freq[i] = (float)inv_freq_f64(theta, i, D);
   a.inverse = inverse;
+  if (append != nullptr) {
+    a.k_cache = append->k_cache.data;
+    a.v_cache = append->v_cache.data;
+    a.v_in = rope_tensor(append->v);
+    a.write_pos = append->write_pos.ptr<const int32_t>();
+    a.rows_per_seq = append->rows_per_seq;
+    a.t_max = append->k_cache.shape[1];
+  }
   kernels::launch_rope(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;
@@ -158,6 +191,11 @@ void rope_forward(const TensorView& q_rot, const TensorView& k_rot, const Tensor
 void rope_forward_inplace(const TensorView& q, const TensorView& k, const TensorView& positions,
                           float theta, void* stream) {
   run("rope_forward_inplace", q, k, q, k, positions, theta, false, true, stream);
+}
+
+void rope_forward_inplace_append(const TensorView& q, const TensorView& k, const TensorView& positions,
+                                 float theta, const RopeCacheAppend& append, void* stream) {
+  run("rope_forward_inplace_append", q, k, q, k, positions, theta, false, true, stream, &append);
 }
 
 void rope_backward(const TensorView& dq, const TensorView& dk, const TensorView& dq_rot,

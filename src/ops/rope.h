@@ -51,6 +51,19 @@ void rope_forward(const TensorView& q_rot, const TensorView& k_rot, const Tensor
 void rope_forward_inplace(const TensorView& q, const TensorView& k, const TensorView& positions,
                           float theta, void* stream = nullptr);
 
+// The decode step's KV-cache append fused into the in-place forward rotation (CUDA only): besides
+// rotating q and k in place exactly as rope_forward_inplace does, token n's rotated k heads and its
+// v heads are written to k_cache and v_cache at batch n / rows_per_seq, position write_pos[n]
+// (rows whose write_pos lies outside [0, t_max) append nothing). One kernel instead of two.
+struct RopeCacheAppend {
+  TensorView v;                 // [N, Hkv, D] (a strided view is fine), q's dtype
+  TensorView k_cache, v_cache;  // [B, t_max, Hkv, D] contiguous, q's dtype, on the device
+  TensorView write_pos;         // [N] i32 on the device
+  int64_t rows_per_seq = 1;     // token rows per sequence: B = N / rows_per_seq
+};
+void rope_forward_inplace_append(const TensorView& q, const TensorView& k, const TensorView& positions,
+                                 float theta, const RopeCacheAppend& append, void* stream = nullptr);
+
 // dq = R(-angle) dq_rot, dk = R(-angle) dk_rot: the gradients w.r.t. the forward's inputs.
 // dq:     [N, H, D]    OVERWRITTEN (activation gradient)
 // dk:     [N, Hkv, D]  OVERWRITTEN (absent iff dk_rot is absent)

@@ -22,6 +22,10 @@ __global__ void rope_kernel(RopeArgs a) {
   const int heads = a.q_in.heads + a.k_in.heads;
   for (int64_t n = blockIdx.x; n < a.n_rows; n += gridDim.x) {
     const float pos = (float)a.positions[n];
+    // The cache row of token n (append only): batch n / rows_per_seq at position write_pos[n].
+    const int32_t wp = a.k_cache != nullptr ? a.write_pos[n] : -1;
+    const bool append = wp >= 0 && wp < a.t_max;
+    const int64_t cache_row = append ? ((n / a.rows_per_seq) * a.t_max + wp) * (int64_t)a.k_in.heads * a.head_dim : 0;
     __syncthreads();  // the previous token's items are done with cos_s / sin_s
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
       float s, c;
@@ -55,6 +59,25 @@ __global__ void rope_kernel(RopeArgs a) {
       }
       store8(out_lo, c, half, vec, lo);
       store8(out_hi, c, half, vec, hi);
+      if (!is_q && append) {  // the rotated key into the cache as well
+        T* cache_lo = static_cast<T*>(a.k_cache) + cache_row + (int64_t)hh * a.head_dim;
+        T* cache_hi = cache_lo + half;
+        const bool cvec = is_aligned16(cache_lo) && is_aligned16(cache_hi);
+        store8(cache_lo, c, half, cvec, lo);
+        store8(cache_hi, c, half, cvec, hi);
+      }
+    }
+    if (append) {  // the values, copied
+      const int vgroups = (a.head_dim + 7) / 8;
+      for (int it = threadIdx.x; it < a.v_in.heads * vgroups; it += blockDim.x) {
+        const int h = it / vgroups, c = (it % vgroups) * 8;
+        const T* src = static_cast<const T*>(a.v_in.data) + n * a.v_in.stride_n + h * a.v_in.stride_h;
+        T* dst = static_cast<T*>(a.v_cache) + cache_row + (int64_t)h * a.head_dim;
+        const bool vvec = is_aligned16(src) && is_aligned16(dst);
+        float v[8];
+        load8(src, c, a.head_dim, vvec, v);
+        store8(dst, c, a.head_dim, vvec, v);
+      }
     }
   }
 }

@@ -29,6 +29,12 @@ struct RopeArgs {
   // inv_freq[i] = f32(pow(f64(theta), -2i / D)) for i < D / 2, computed on the host by the CPU
   // reference's own function (rope.cpp), so the kernel evaluates no pow per token.
   float inv_freq[kRopeMaxHeadDim / 2];
+  // KV-cache append (optional; rope.h rope_forward_inplace_append): k_cache null means none.
+  void* k_cache = nullptr;          // [B, t_max, k heads, D] contiguous, the type of q
+  void* v_cache = nullptr;          // same shape
+  RopeTensor v_in;                  // [N, k heads, D]
+  const int32_t* write_pos = nullptr;  // [N]
+  int64_t rows_per_seq = 1, t_max = 0;
 };
 void launch_rope(const RopeArgs& a, cudaStream_t stream);
 
