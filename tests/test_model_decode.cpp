@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 namespace fourbit::model {
@@ -48,6 +49,9 @@ TEST(ModelDecode, SamplerWeightsAreANoOpOnTheCpu) {
   m.refresh_sampler_weights();
   EXPECT_FALSE(m.has_sampler_weights());
   EXPECT_EQ(m.sampler_weight_bytes(), 0);
+  std::string why;
+  EXPECT_FALSE(m.sampler_weights_supported(&why));
+  EXPECT_NE(why.find("no sampler weights"), std::string::npos) << why;
   KvCache b = m.make_kv_cache(3, 8, 4);
   const std::vector<double> after = values(m.forward_cached(b, tokens, n_new));
   EXPECT_EQ(before, after);

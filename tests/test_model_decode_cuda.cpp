@@ -231,7 +231,9 @@ TEST_F(ModelDecodeCuda, NoTokenTileOnTheDecodePath) {
 TEST_F(ModelDecodeCuda, RefreshAfterWeightChangesAndRecipeChecks) {
   const ModelConfig c = decode_config();
   auto fast = make_model(c, "e2e4"), slow = make_model(c, "e2e4");
+  EXPECT_FALSE(fast->sampler_weights_supported());
   fast->refresh_sampler_weights();
+  EXPECT_TRUE(fast->sampler_weights_supported());
   // New master weights (another seed's initialization), as after a trainer update.
   auto other = make_model(c, "e2e4", 43);
   for (Model* m : {fast.get(), slow.get()}) {
@@ -256,6 +258,9 @@ TEST_F(ModelDecodeCuda, RefreshAfterWeightChangesAndRecipeChecks) {
   // A sampler format the decode GEMV does not read (MXFP8): an error that names the way out.
   fast->set_recipe(testing::resolved(c, "mxfp8"));
   fast->refresh_sampler_weights();
+  std::string why;
+  EXPECT_FALSE(fast->sampler_weights_supported(&why));
+  EXPECT_NE(why.find("weight quantizer"), std::string::npos) << why;
   try {
     run(*fast, 64, 1, 0, 23);
     ADD_FAILURE() << "expected the unsupported-format error";

@@ -3,7 +3,9 @@
 // stop tokens, max_new_tokens and the cache length; determinism of the draws; the sampler's
 // log-probabilities against the trainer's recomputation (Model::forward + token_losses) with the
 // bf16 recipe (float tolerance) and with the quantized presets (measured and printed); routing
-// replay of the sampler's experts in the trainer's forward (MoE); refresh().
+// replay of the sampler's experts in the trainer's forward (MoE); refresh(); chunked prefill
+// (SamplerOptions::prefill_chunk_len) against one pass, and its log-probabilities against the
+// trainer's.
 #include "rl/sampler.h"
 
 #include "rl/rl_trainer.h"
@@ -327,38 +329,91 @@ Recomputed recompute(model::Model& trainer, const std::vector<std::vector<int32_
 // activations: the KV-cache forward quantizes the activations of each step (per-tensor NVFP4
 // scale of that step's rows) while the training forward quantizes all rows at once, so the two
 // differ by more; measured and printed (and bounded loosely: the same model, not another).
+// Chunked prefill (prefill_chunk_len 4 over prompts of 2 to 6 tokens: a first chunk of 2 columns
+// in which the 2-token prompts have no rows, then 4) is held to the same bounds.
 TEST(RlSampler, LogprobsMatchTheTrainersRecomputation) {
   for (bool moe : {false, true}) {
     const ModelConfig c = sampler_config(moe);
     for (std::string_view preset : {"bf16", "mxfp8", "nvfp4", "e2e4", "e2e4-w4a16"}) {
-      SCOPED_TRACE(::testing::Message() << c.name << " " << preset);
-      SamplerOptions so;
-      so.max_batch = 5;
-      so.max_len = 24;
-      Sampler s(c, resolved(c, preset), so);
-      model::ModelOptions mo;
-      mo.seed = 99;  // other weights than the sampler's: refresh() must copy them
-      mo.max_batch = 5;
-      mo.max_seq = 24;
-      model::Model trainer(c, resolved(c, preset), mo);
-      s.refresh(trainer);
-      const auto prompts = prompts_for(5, c.vocab);
-      SamplingOptions o;
-      o.max_new_tokens = 12;
-      o.seed = 11;
-      const std::vector<Rollout> r = s.generate(prompts, o, 4);
-      const Recomputed d = recompute(trainer, prompts, r, true);
-      std::printf("[ sampler vs trainer ] %-10s %-10s tokens %3lld  max |dlogp| %.3e  mean %.3e\n",
-                  c.name.c_str(), std::string(preset).c_str(), (long long)d.n, d.max_abs, d.mean_abs);
-      if (preset == "bf16" || preset == "mxfp8" || preset == "e2e4-w4a16") {
-        // No per-tensor activation scale: every row quantizes alike in any pass (measured: f32
-        // rounding, <= 5e-7).
-        EXPECT_LT(d.max_abs, 2e-5);
-      } else {
-        EXPECT_LT(d.mean_abs, 0.2);
+      for (int chunk : {0, 4}) {
+        SCOPED_TRACE(::testing::Message() << c.name << " " << preset << " prefill_chunk_len " << chunk);
+        SamplerOptions so;
+        so.max_batch = 5;
+        so.max_len = 24;
+        so.prefill_chunk_len = chunk;
+        Sampler s(c, resolved(c, preset), so);
+        model::ModelOptions mo;
+        mo.seed = 99;  // other weights than the sampler's: refresh() must copy them
+        mo.max_batch = 5;
+        mo.max_seq = 24;
+        model::Model trainer(c, resolved(c, preset), mo);
+        s.refresh(trainer);
+        const auto prompts = prompts_for(5, c.vocab);
+        SamplingOptions o;
+        o.max_new_tokens = 12;
+        o.seed = 11;
+        const std::vector<Rollout> r = s.generate(prompts, o, 4);
+        EXPECT_EQ(s.last_stats().prefill_passes, chunk == 0 ? 1 : 2);
+        const Recomputed d = recompute(trainer, prompts, r, true);
+        std::printf("[ sampler vs trainer ] %-10s %-10s chunk %d tokens %3lld  max |dlogp| %.3e  mean %.3e\n",
+                    c.name.c_str(), std::string(preset).c_str(), chunk, (long long)d.n, d.max_abs, d.mean_abs);
+        if (preset == "bf16" || preset == "mxfp8" || preset == "e2e4-w4a16") {
+          // No per-tensor activation scale: every row quantizes alike in any pass (measured: f32
+          // rounding, <= 5e-7).
+          EXPECT_LT(d.max_abs, 2e-5);
+        } else {
+          EXPECT_LT(d.mean_abs, 0.2);
+        }
       }
     }
   }
+}
+
+// Chunked prefill against one pass on the same weights, in f64 (bf16 recipe): the chunks feed the
+// same tokens at the same positions, so the logits agree to f64 summation order and the draws
+// give the same tokens, log-probabilities and experts. Chunk widths 1 (a decode-like pass per
+// column), 3 (uneven: the first chunk takes the remainder) and >= L (one pass).
+TEST(RlSampler, ChunkedPrefillMatchesOnePass) {
+  for (bool moe : {false, true}) {
+    const ModelConfig c = sampler_config(moe);
+    SamplerOptions so;
+    so.max_batch = 6;
+    so.max_len = 20;
+    so.cpu_dtype = DType::kF64;
+    Sampler one(c, resolved(c, "bf16"), so);
+    EXPECT_FALSE(one.fast_decode()) << "no decode GEMV on the cpu";
+    std::vector<std::vector<int32_t>> prompts = prompts_for(6, c.vocab);
+    prompts[2].clear();  // L = 9: prompts of 2 to 9 tokens
+    for (int i = 0; i < 9; ++i) prompts[2].push_back((i * 11 + 3) % c.vocab);
+    const int L = 9;
+    SamplingOptions o;
+    o.max_new_tokens = 6;
+    o.seed = 17;
+    const std::vector<Rollout> ref = one.generate(prompts, o, 3);
+    EXPECT_EQ(one.last_stats().prefill_passes, 1);
+    EXPECT_EQ(one.last_stats().fast_passes, 0);
+    const int decode_steps = one.last_stats().decode_steps;
+    for (int chunk : {1, 3, 9, 50}) {
+      SCOPED_TRACE(::testing::Message() << c.name << " prefill_chunk_len " << chunk);
+      so.prefill_chunk_len = chunk;
+      Sampler chunked(c, resolved(c, "bf16"), so);
+      const std::vector<Rollout> r = chunked.generate(prompts, o, 3);
+      EXPECT_EQ(chunked.last_stats().prefill_passes, (L + chunk - 1) / chunk);
+      EXPECT_EQ(chunked.last_stats().decode_steps, decode_steps);
+      ASSERT_EQ(r.size(), ref.size());
+      for (size_t b = 0; b < r.size(); ++b) {
+        EXPECT_EQ(r[b].tokens, ref[b].tokens) << "sequence " << b;
+        ASSERT_EQ(r[b].logprobs.size(), ref[b].logprobs.size());
+        for (size_t i = 0; i < r[b].logprobs.size(); ++i)
+          EXPECT_NEAR(r[b].logprobs[i], ref[b].logprobs[i], 2e-6) << "sequence " << b << " token " << i;
+        EXPECT_EQ(r[b].expert_ids, ref[b].expert_ids) << "sequence " << b;
+      }
+    }
+  }
+  SamplerOptions bad;
+  bad.prefill_chunk_len = -1;
+  const ModelConfig c = sampler_config(false);
+  EXPECT_THROW(Sampler(c, resolved(c, "bf16"), bad), Error);
 }
 
 // Where the quantized mismatch comes from: a KV-cache prefill of whole sequences (the same rows

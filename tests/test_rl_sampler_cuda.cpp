@@ -4,7 +4,11 @@
 // CUDA and CPU logits differ by rounding only, so almost every first token agrees), the CUDA
 // sampler's log-probabilities against the CUDA trainer's recomputation (bf16, e2e4; dense and
 // MoE; printed), quantized-recipe batch padding to the 128-row tile, and a tiny RL run on the GPU
-// with the NVFP4 (e2e4) sampler that must raise the reward of an easy task.
+// with the NVFP4 (e2e4) sampler that must raise the reward of an easy task. Fast decode (sampler.h):
+// which recipes and models keep sampler weights, that batches of <= 64 run their passes through
+// the decode GEMV (a 3-sequence e2e4 batch runs at all only there: the emulated path takes whole
+// 64-token tiles), the trainer's recomputation of those rollouts (48 sequences: chunked prefill
+// under the quantized recipes), and long prompts prefilled in chunks against the CPU sampler.
 //
 // Tolerances. bf16 recipe: the sampler reads f32 logits of the KV-cache forward, the trainer's
 // cross-entropy reads the bf16 logits of the training forward: a logit of magnitude |x| < 8
@@ -21,6 +25,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <tuple>
 #include <utility>
 
 namespace fourbit::rl {
@@ -153,22 +158,29 @@ TEST_F(RlCuda, CudaAndCpuSamplersDrawTheSameTokens) {
 }
 
 // One RL step on the GPU from a fresh model: the metrics of the trainer's recomputation of the
-// sampler's tokens (K3, max / mean |dlogp|), printed per recipe; 128 sequences (a whole 128-row
-// tile, as the quantized recipes need).
-StepMetrics one_step(const model::ModelConfig& c, std::string_view preset, const Task& task) {
+// sampler's tokens (K3, max / mean |dlogp|), printed per recipe; 8 completions of each of
+// `prompts` prompts (16: 128 sequences, a whole 128-row tile, the emulated path; <= 8: at most 64,
+// the fast path where fast_decode()). `sampler`: the sampler's stats of the step and fast_decode().
+struct SamplerUse {
+  SamplerStats stats;
+  bool fast_decode = false;
+};
+StepMetrics one_step(const model::ModelConfig& c, std::string_view preset, const Task& task, int prompts = 16,
+                     SamplerUse* sampler = nullptr) {
   RlModelOptions mo;
   mo.device = Device::kCuda;
   mo.init_seed = 5;
   RlConfig rl;
-  rl.prompts_per_step = 16;
+  rl.prompts_per_step = prompts;
   rl.group_size = 8;
   rl.max_new_tokens = 8;
   rl.max_len = 32;
   rl.seed = 3;
   RlTrainer t(c, resolved(c, preset), mo, task, rl);
   const StepMetrics m = t.step();
-  std::printf("[ %-11s %-10s ] %s | mean|dlogp| %.3e\n", c.name.c_str(), std::string(preset).c_str(),
-              progress_line(m).c_str(), m.mean_abs_logp_diff);
+  std::printf("[ %-11s %-10s B %3d fast %d ] %s | mean|dlogp| %.3e\n", c.name.c_str(), std::string(preset).c_str(),
+              prompts * rl.group_size, (int)t.sampler().fast_decode(), progress_line(m).c_str(), m.mean_abs_logp_diff);
+  if (sampler != nullptr) *sampler = {t.sampler().last_stats(), t.sampler().fast_decode()};
   return m;
 }
 
@@ -187,6 +199,148 @@ TEST_F(RlCuda, TrainerRecomputesTheSamplersLogprobs) {
     const StepMetrics w4 = one_step(c, "e2e4-w4a16", task);
     EXPECT_LT(w4.max_abs_logp_diff, 0.05);
     EXPECT_LT(w4.k3, 1e-3);
+  }
+}
+
+// Which samplers keep sampler weights (fast_decode), and that their passes of <= 64 tokens run:
+// dense models under bf16, e2e4 (NVFP4 weights and activations) and NVFP4 weights with BF16
+// activations; MoE models only without a quantizing rl_sampler stage (the expert GEMMs keep the
+// 128-token passes); MXFP8 not at all (the decode GEMV reads BF16 or NVFP4 weights). B = 3 under
+// e2e4 runs only on the decode GEMV (the emulated path rejects 3-token passes); B = 65 pads to
+// 128 sequences and runs the emulated path.
+TEST_F(RlCuda, FastDecodeRunsBatchesOfAtMost64OnTheDecodeGemv) {
+  struct Case {
+    bool moe;
+    const char* preset;
+    bool fast;
+  };
+  for (const Case& k : {Case{false, "bf16", true}, Case{false, "e2e4", true}, Case{false, "e2e4-w4a16", true},
+                        Case{false, "mxfp8", false}, Case{true, "bf16", true}, Case{true, "e2e4", false}}) {
+    const model::ModelConfig c = cuda_config(k.moe);
+    SCOPED_TRACE(::testing::Message() << c.name << " " << k.preset);
+    model::ModelOptions mo;
+    mo.seed = 3;
+    model::Model weights(c, resolved(c, k.preset), mo);
+    SamplerOptions so;
+    so.device = Device::kCuda;
+    so.max_batch = 65;
+    so.max_len = 32;
+    Sampler s(c, resolved(c, k.preset), so);
+    EXPECT_EQ(s.fast_decode(), k.fast);
+    s.refresh(weights);
+    EXPECT_EQ(s.fast_decode(), k.fast) << "refresh() rebuilds the sampler weights";
+    SamplingOptions o;
+    o.max_new_tokens = 6;
+    o.seed = 2;
+    for (int B : {3, 64, 65}) {
+      const std::vector<Rollout> r = s.generate(prompts_for(B), o, (uint64_t)B);
+      const SamplerStats& st = s.last_stats();
+      std::printf("[ fast decode ] %-11s %-10s B %2d fast %d: prefill passes %d, decode steps %d, decode-GEMV passes "
+                  "%d\n", c.name.c_str(), k.preset, B, (int)s.fast_decode(), st.prefill_passes, st.decode_steps,
+                  st.fast_passes);
+      EXPECT_EQ(st.decode_steps, 5);
+      if (k.fast && B <= 64) {
+        EXPECT_GE(st.fast_passes, st.decode_steps);  // every decode step; the prefill too where it fits
+        if (B == 3) {
+          EXPECT_EQ(st.fast_passes, st.prefill_passes + st.decode_steps);
+        }
+      } else {
+        EXPECT_EQ(st.fast_passes, 0);
+      }
+      for (const Rollout& x : r) {
+        ASSERT_EQ(x.tokens.size(), 6u);
+        for (float lp : x.logprobs) EXPECT_TRUE(std::isfinite(lp) && lp <= 0);
+      }
+    }
+  }
+}
+
+// The trainer's recomputation of rollouts sampled on the fast path: 48 sequences (6 prompts x 8) of
+// 4-token prompts: decode steps of 48 tokens on the decode GEMV; prefill in one pass (bf16: no
+// token tile) or in 4 chunks of one column (quantized: 48 x 4 is no whole 128-token tile). Held to
+// the bounds of the 128-sequence test above.
+TEST_F(RlCuda, TrainerRecomputesTheFastSamplersLogprobs) {
+  const auto task = testing::make_ascii_task();
+  for (bool moe : {false, true}) {
+    const model::ModelConfig c = cuda_config(moe);
+    SamplerUse use;
+    const StepMetrics bf16 = one_step(c, "bf16", task, 6, &use);
+    EXPECT_TRUE(use.fast_decode);
+    EXPECT_GE(use.stats.fast_passes, use.stats.decode_steps);
+    EXPECT_GT(use.stats.decode_steps, 0);
+    EXPECT_LT(bf16.max_abs_logp_diff, 0.05);
+    EXPECT_LT(bf16.mean_abs_logp_diff, 0.01);
+    EXPECT_LT(bf16.k3, 1e-3);
+    const StepMetrics e2e4 = one_step(c, "e2e4", task, 6, &use);
+    EXPECT_EQ(use.fast_decode, !moe);
+    if (!moe) {
+      EXPECT_EQ(use.stats.fast_passes, use.stats.prefill_passes + use.stats.decode_steps);
+      EXPECT_GT(use.stats.prefill_passes, 1) << "48 x 4 prompt tokens: chunked prefill";
+    }
+    EXPECT_TRUE(std::isfinite(e2e4.k3) && std::isfinite(e2e4.loss) && e2e4.applied);
+    EXPECT_LT(e2e4.mean_abs_logp_diff, 0.2);
+    const StepMetrics w4 = one_step(c, "e2e4-w4a16", task, 6, &use);
+    EXPECT_EQ(use.fast_decode, !moe);
+    EXPECT_LT(w4.max_abs_logp_diff, 0.05);
+    EXPECT_LT(w4.k3, 1e-3);
+  }
+}
+
+// Long prompts (12 to 20 tokens, 5 sequences: a [5, 20] prefill of 100 tokens, neither <= 64 nor a whole
+// tile) prefill in chunks of 64 / 5 = 12 columns (8, then 12) on the fast path under NVFP4 weights
+// with BF16 activations, and in forced chunks of 3 columns under bf16; against the CPU sampler's
+// one-pass prefill on the same weights: the same tokens and log-probs up to rounding (as the
+// CUDA-vs-CPU test above).
+TEST_F(RlCuda, LongPromptsPrefillInChunksLikeOnePass) {
+  const model::ModelConfig c = cuda_config(false);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int b = 0; b < 5; ++b) {
+    std::vector<int32_t> q;
+    for (int t = 0; t < 12 + 2 * b; ++t) q.push_back((b * 31 + t * 17 + 5) % c.vocab);
+    prompts.push_back(q);
+  }
+  for (const auto& [preset, chunk, passes] : {std::tuple<const char*, int, int>{"e2e4-w4a16", 0, 2},
+                                              std::tuple<const char*, int, int>{"bf16", 3, 7}}) {
+    SCOPED_TRACE(::testing::Message() << preset << " prefill_chunk_len " << chunk);
+    model::ModelOptions mo;
+    mo.seed = 4;
+    model::Model weights(c, resolved(c, preset), mo);
+    SamplerOptions so;
+    so.max_batch = 5;
+    so.max_len = 40;
+    so.cpu_bf16_rounding = true;
+    Sampler cpu(c, resolved(c, preset), so);
+    cpu.refresh(weights);
+    so.device = Device::kCuda;
+    so.cpu_bf16_rounding = false;
+    so.prefill_chunk_len = chunk;
+    Sampler gpu(c, resolved(c, preset), so);
+    gpu.refresh(weights);
+    ASSERT_TRUE(gpu.fast_decode());
+    SamplingOptions o;
+    o.max_new_tokens = 8;
+    o.seed = 13;
+    const std::vector<Rollout> a = cpu.generate(prompts, o, 0), b = gpu.generate(prompts, o, 0);
+    const SamplerStats& st = gpu.last_stats();
+    EXPECT_EQ(cpu.last_stats().prefill_passes, 1);
+    EXPECT_EQ(st.prefill_passes, passes);
+    EXPECT_EQ(st.fast_passes, st.prefill_passes + st.decode_steps);
+    // Log-probs compared along each sequence up to its first differing token (the decode steps
+    // read the keys and values the chunks wrote).
+    int same_first = 0, compared = 0;
+    double max_lp = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      same_first += a[i].tokens[0] == b[i].tokens[0];
+      for (size_t t = 0; t < a[i].tokens.size() && t < b[i].tokens.size() && a[i].tokens[t] == b[i].tokens[t]; ++t) {
+        max_lp = std::max(max_lp, (double)std::fabs(a[i].logprobs[t] - b[i].logprobs[t]));
+        ++compared;
+      }
+    }
+    std::printf("[ chunked prefill vs cpu ] %-10s chunks %d: first tokens equal %d / 5, %d of 40 tokens compared, "
+                "max |dlogp| %.3e\n", preset, st.prefill_passes, same_first, compared, max_lp);
+    EXPECT_GE(same_first, 4);
+    EXPECT_GE(compared, 20);
+    EXPECT_LT(max_lp, 0.05);
   }
 }
 

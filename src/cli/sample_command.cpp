@@ -114,8 +114,9 @@ void run_sample(SampleArgs& a) {
                 out[i].tokens.size(), lp, out[i].stopped ? ", stopped" : "");
   }
   const rl::SamplerStats& st = sampler.last_stats();
-  std::printf("%lld tokens in %.3f s: %.0f tokens/s (%d decode steps, batch %lld)\n", (long long)st.generated_tokens,
-              st.seconds, st.tokens_per_second(), st.decode_steps, (long long)st.sequences);
+  std::printf("%lld tokens in %.3f s: %.0f tokens/s (%d decode steps, batch %lld; %d of %d passes on the decode "
+              "GEMV)\n", (long long)st.generated_tokens, st.seconds, st.tokens_per_second(), st.decode_steps,
+              (long long)st.sequences, st.fast_passes, st.prefill_passes + st.decode_steps);
   if (!a.csv.empty()) {
     std::FILE* f = std::fopen(a.csv.c_str(), "w");
     FOURBIT_CHECK(f != nullptr, "sample: cannot write --csv '{}'", a.csv);

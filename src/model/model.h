@@ -259,9 +259,14 @@ class Model {
   // emulated path up to FP32 summation order, with no 64-token tile; dense models replay each step
   // layout as a CUDA graph (unless a profiler or a GEMM observer is attached). Refresh after the
   // master weights change (params_changed() does not) and after set_recipe (a stale copy is an error).
+  // sampler_weights_supported: whether the decode GEMV implements every layer of the copy (weights
+  // BF16 or NVFP4 round-to-nearest, activations BF16 or NVFP4 1x16 round-to-nearest); false without
+  // a copy. `why` receives the first layer it does not implement and the reason (or that there is
+  // no copy). An unsupported copy makes forward_cached throw on the decode path: release it.
   void refresh_sampler_weights();
   void release_sampler_weights() { sampler_.reset(); }
   bool has_sampler_weights() const { return sampler_ != nullptr; }
+  bool sampler_weights_supported(std::string* why = nullptr) const;
   int64_t sampler_weight_bytes() const;  // packed data + scales of the NVFP4 copies
   struct SamplerWeights;  // model_cached.cpp
 

@@ -261,6 +261,15 @@ void Model::refresh_sampler_weights() {
 
 int64_t Model::sampler_weight_bytes() const { return sampler_ ? sampler_->packed_bytes : 0; }
 
+bool Model::sampler_weights_supported(std::string* why) const {
+  if (sampler_ == nullptr) {
+    if (why != nullptr) *why = "no sampler weights (refresh_sampler_weights() builds them, on CUDA only)";
+    return false;
+  }
+  if (why != nullptr) *why = sampler_->unsupported;
+  return sampler_->all_supported;
+}
+
 TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::span<const int32_t> n_new,
                                  const CachedForwardOptions& o) {
   Impl& im = *impl_;

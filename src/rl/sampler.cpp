@@ -1,9 +1,11 @@
 // The RL sampler (sampler.h): the sampling distribution (temperature, top-k, top-p) on the host,
-// Philox draws, and the prefill + decode loop over Model::forward_cached.
+// Philox draws, and the prefill (one pass or chunks) + decode loop over Model::forward_cached.
 #include "rl/sampler.h"
 
 #include "core/check.h"
+#include "core/log.h"
 #include "core/rng.h"
+#include "gemm/decode_gemv.h"
 
 #include <fmt/format.h>
 
@@ -12,6 +14,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <string>
 
 #if defined(FOURBIT_WITH_CUDA)
 #include "rl/sampling_kernels.h"
@@ -215,12 +218,42 @@ Sampler::Sampler(model::ModelConfig config, recipe::ResolvedRecipe recipe, const
   max_len_ = options.max_len > 0 ? options.max_len : config.max_seq;
   FOURBIT_CHECK(max_len_ >= 2 && max_len_ <= config.max_seq,
                 "Sampler: max_len {} must lie in [2, config.max_seq = {}]", max_len_, config.max_seq);
+  FOURBIT_CHECK(options.prefill_chunk_len >= 0, "Sampler: prefill_chunk_len must be >= 0 (0 = one pass where "
+                "possible), got {}", options.prefill_chunk_len);
   if (options.device == Device::kCuda && sampler_quantizes(config, recipe)) row_tile_ = 128;
   const model::ModelOptions mo = model_options(config, options, max_len_);
   model_ = std::make_unique<model::Model>(std::move(config), std::move(recipe), mo);
+  if (options.device != Device::kCuda) return;
+  // Fast decode (see the top of sampler.h): keep the sampler weights only where passes can use them.
+  model_->refresh_sampler_weights();
+  std::string why;
+  if (!model_->sampler_weights_supported(&why)) {
+    model_->release_sampler_weights();
+    log_info("sampler: the decode GEMV does not implement the rl_sampler recipe '{}' ({}); generation runs the "
+             "emulated path{}", model_->recipe().recipe().name, why,
+             row_tile_ > 1 ? fmt::format(" with the cache batch padded to a multiple of {}", row_tile_) : "");
+  } else if (model_->config().is_moe() && row_tile_ > 1) {
+    model_->release_sampler_weights();
+    log_info("sampler: the MoE blocks' expert GEMMs under the quantizing rl_sampler recipe '{}' take passes of "
+             "whole {}-token tiles, more than the decode GEMV's {}; generation runs the emulated path",
+             model_->recipe().recipe().name, row_tile_, gemm::kDecodeMaxTokens);
+  }
 }
 
-int Sampler::cache_batch(int batch) const { return (batch + row_tile_ - 1) / row_tile_ * row_tile_; }
+int Sampler::cache_batch(int batch) const {
+  if (fast_decode() && batch <= gemm::kDecodeMaxTokens) return batch;
+  return (batch + row_tile_ - 1) / row_tile_ * row_tile_;
+}
+
+int Sampler::prefill_chunk(int Bc, int L) const {
+  int t = options_.prefill_chunk_len > 0 ? std::min(L, options_.prefill_chunk_len) : L;
+  if (Bc % row_tile_ == 0) return t;  // every width takes whole tiles (or there is no tile)
+  // Here fast decode is on and Bc <= 64 (cache_batch pads otherwise): a pass must take the fast
+  // path (Bc * t <= 64) unless it is the one pass over L columns and Bc * L is a whole tile.
+  const int64_t n = (int64_t)Bc * L;
+  if (t == L && (n <= gemm::kDecodeMaxTokens || n % row_tile_ == 0)) return L;
+  return std::min(t, gemm::kDecodeMaxTokens / Bc);
+}
 
 void Sampler::refresh(const model::Model& trainer) {
   const model::ParamBuffer& src = trainer.params();
@@ -235,6 +268,7 @@ void Sampler::refresh(const model::Model& trainer) {
                 "models with the same device and cpu_dtype", dtype_name(src.dtype()), dtype_name(dst.dtype()));
   copy_tensor(dst.flat(), src.flat());
   model_->params_changed();
+  if (model_->has_sampler_weights()) model_->refresh_sampler_weights();  // else a stale copy
 }
 
 std::vector<Rollout> Sampler::generate(std::span<const std::vector<int32_t>> prompts,
@@ -265,6 +299,7 @@ std::vector<Rollout> Sampler::generate(std::span<const std::vector<int32_t>> pro
   }
   model::KvCache& cache = *cache_;
   cache.reset();
+  const bool fast = fast_decode();
 
   const int n_moe = c.n_moe_layers();
   const int k = c.is_moe() ? c.moe.top_k : 0;
@@ -275,14 +310,7 @@ std::vector<Rollout> Sampler::generate(std::span<const std::vector<int32_t>> pro
     if (c.is_moe()) out[(size_t)b].expert_ids.reserve((size_t)((prompts[(size_t)b].size() + so.max_new_tokens) * route_row));
   }
 
-  // Prefill: prompts right-aligned in [Bc, longest]; idle sequences (padding) get no rows.
-  const int Tq = longest;
-  std::vector<int32_t> tokens((size_t)Bc * Tq, 0), n_new((size_t)Bc, 0);
-  for (int b = 0; b < B; ++b) {
-    const std::vector<int32_t>& p = prompts[(size_t)b];
-    std::copy(p.begin(), p.end(), tokens.begin() + (ptrdiff_t)((size_t)b * Tq + (Tq - p.size())));
-    n_new[(size_t)b] = (int32_t)p.size();
-  }
+  std::vector<int32_t> tokens, n_new((size_t)Bc, 0);
   std::vector<int32_t> routes;
   model::CachedForwardOptions fo;
   fo.stage = recipe::Stage::kRlSampler;
@@ -290,7 +318,7 @@ std::vector<Rollout> Sampler::generate(std::span<const std::vector<int32_t>> pro
   std::vector<double> row;
   TokenDistribution dist;
   int64_t generated = 0;
-  int steps = 0;
+  int passes = 0, fast_passes = 0;
   // The rollout case samples on the GPU (see the top of sampler.h).
   const bool on_gpu = options_.device == Device::kCuda && so.temperature > 0 && so.top_p >= 1 &&
                       (so.top_k == 0 || so.top_k >= c.vocab);
@@ -345,8 +373,8 @@ std::vector<Rollout> Sampler::generate(std::span<const std::vector<int32_t>> pro
     }
     return n_active;
   };
-  // Runs one forward and samples every active sequence; returns how many are still active.
-  auto forward_and_sample = [&](int tq) {
+  // One forward of tokens [Bc, tq] with n_new; keeps the routing of the real rows (MoE).
+  auto forward = [&](int tq) {
     TensorView tv = TensorView::contiguous(tokens.data(), DType::kI32, Shape{Bc, tq}, Device::kCpu);
     if (c.is_moe()) {
       routes.assign((size_t)((int64_t)Bc * tq * route_row), 0);
@@ -362,14 +390,42 @@ std::vector<Rollout> Sampler::generate(std::span<const std::vector<int32_t>> pro
         }
       }
     }
-    ++steps;
+    ++passes;
+    if (fast && (int64_t)Bc * tq <= gemm::kDecodeMaxTokens) ++fast_passes;
+    return logits;
+  };
+  // Samples every active sequence from the logits of a pass; returns how many are still active.
+  auto sample = [&](const TensorView& logits) {
     if (logits.device == Device::kCpu || on_gpu) return sample_all(logits);
     Tensor host = Tensor::empty(logits.shape, logits.dtype, Device::kCpu);
     copy_tensor(host.view(), logits);
     return sample_all(host.view());
   };
 
-  int n_active = forward_and_sample(Tq);
+  // Prefill: the prompts right-aligned in [Bc, L] (idle sequences get no rows), in chunks of
+  // columns [c0, c0 + w): the first chunk takes the remainder so that the last is whole.
+  const int L = longest;
+  const int chunk = prefill_chunk(Bc, L);
+  const int n_chunks = (L + chunk - 1) / chunk;
+  int n_active = 0;
+  for (int i = 0, c0 = 0; i < n_chunks; ++i) {
+    const int w = i == 0 ? L - (n_chunks - 1) * chunk : chunk;
+    tokens.assign((size_t)Bc * w, 0);
+    std::fill(n_new.begin(), n_new.end(), 0);
+    for (int b = 0; b < B; ++b) {
+      const std::vector<int32_t>& p = prompts[(size_t)b];
+      const int first = L - (int)p.size();  // the column of its first token
+      const int from = std::max(c0, first);  // its real columns in this chunk: [from, c0 + w)
+      if (from >= c0 + w) continue;
+      n_new[(size_t)b] = c0 + w - from;
+      std::copy(p.begin() + (from - first), p.end() - (L - (c0 + w)),
+                tokens.begin() + (ptrdiff_t)((size_t)b * w + (from - c0)));
+    }
+    const TensorView logits = forward(w);
+    c0 += w;
+    if (i == n_chunks - 1) n_active = sample(logits);
+  }
+  const int prefill_passes = passes;
   while (n_active > 0) {
     tokens.assign((size_t)Bc, 0);
     std::fill(n_new.begin(), n_new.end(), 0);
@@ -378,13 +434,15 @@ std::vector<Rollout> Sampler::generate(std::span<const std::vector<int32_t>> pro
       tokens[(size_t)b] = out[(size_t)b].tokens.back();
       n_new[(size_t)b] = 1;
     }
-    n_active = forward_and_sample(1);
+    n_active = sample(forward(1));
   }
 
   stats_.sequences = B;
   stats_.prompt_tokens = prompt_tokens;
   stats_.generated_tokens = generated;
-  stats_.decode_steps = steps - 1;
+  stats_.prefill_passes = prefill_passes;
+  stats_.decode_steps = passes - prefill_passes;
+  stats_.fast_passes = fast_passes;
   stats_.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return out;
 }

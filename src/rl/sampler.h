@@ -30,12 +30,32 @@
 // sampled token is never fed), exactly the rows the trainer's forward sees as inputs, for routing
 // replay (ForwardOptions::forced_expert_ids).
 //
-// CUDA. Quantized recipes need the token count of a pass to be a multiple of the quantizers'
-// row tile (model.h): the KV cache batch is padded with idle sequences (n_new = 0) to a multiple
-// of 128 on CUDA when the rl_sampler stage quantizes any linear layer. The rollout case
-// (temperature > 0, top_p = 1, no top-k) samples on the GPU (sample_rows_cuda: the host's draws
-// u, FP64, the same inverse CDF), so only B tokens and log-probs cross PCIe per step; top-k,
-// top-p and greedy copy the [B, V] logits to the host and sample there.
+// CUDA. Fast decode: at construction the sampler builds the model's sampler weights
+// (Model::refresh_sampler_weights; rebuilt by every refresh()), so that passes of at most
+// gemm::kDecodeMaxTokens (64) tokens run the dense linear layers through the decode GEMV, with no
+// token tile and, in dense models, as one CUDA graph per step. Where the decode GEMV does not
+// implement the rl_sampler recipe (e.g. MXFP8), or in an MoE model whose rl_sampler stage quantizes
+// (its grouped expert GEMMs keep the 128-token passes below), the copy is released, the reason is
+// logged once, and every pass takes the emulated path (fast_decode() is false).
+// The cache batch Bc: B, when fast decode is on and B <= 64 (decode steps: B <= 64 tokens, the
+// fast path), or without a quantizing rl_sampler stage; otherwise B padded with idle sequences
+// (n_new = 0) to a multiple of the row tile 128, because the emulated path's quantize kernels take
+// whole tiles of token rows (model.h).
+// Prefill of the right-aligned [Bc, L] prompt matrix (L = longest prompt): one pass when it can
+// run (Bc * L <= 64: fast path; or Bc * L a multiple of the row tile, or no tile: emulated);
+// otherwise (fast decode, Bc = B not a whole tile) in chunks of t = 64 / Bc columns, each a fast
+// pass of Bc * t <= 64 tokens (the first chunk takes the remainder, so the last is whole). In a
+// chunk, sequence b's real tokens are a suffix of the chunk's columns (n_new[b] may be 0); every
+// sequence's last prompt token lies in the last column, so only the last chunk's logits are
+// sampled. Chunking was chosen over padding Tq up to a whole tile: it needs no extra rows and fits
+// any cache length. SamplerOptions::prefill_chunk_len forces chunks (any device), which lets the
+// CPU tests compare chunked and one-pass prefill.
+// The draws do not depend on Bc or on the chunking (they are keyed by (seed, call, b, t)); the
+// logits do only through summation order and, with NVFP4 activations, the per-pass activation
+// scale (which already differs between the sampler's passes and the trainer's forward).
+// The rollout case (temperature > 0, top_p = 1, no top-k) samples on the GPU (sample_rows_cuda:
+// the host's draws u, FP64, the same inverse CDF), so only B tokens and log-probs cross PCIe per
+// step; top-k, top-p and greedy copy the [B, V] logits to the host and sample there.
 #pragma once
 
 #include "model/model.h"
@@ -105,6 +125,10 @@ struct SamplerOptions {
   int max_len = 0;     // positions per sequence (prompt + completion); 0: config.max_seq
   void* stream = nullptr;
   bool cpu_bf16_rounding = false;  // ModelOptions::cpu_bf16_rounding of the sampler's model
+  // > 0: prefill in chunks of at most this many prompt columns (see the top of the file), on any
+  // device; 0: one pass where it can run. On CUDA a chunk that needs it is narrowed to the fast
+  // path's 64 / Bc columns.
+  int prefill_chunk_len = 0;
 };
 
 // Timing and counts of the last generate().
@@ -112,7 +136,11 @@ struct SamplerStats {
   int64_t sequences = 0;
   int64_t prompt_tokens = 0;
   int64_t generated_tokens = 0;
+  int prefill_passes = 0;  // forward passes of the prefill (> 1: chunked)
   int decode_steps = 0;
+  // Passes (prefill and decode) of at most gemm::kDecodeMaxTokens tokens with fast_decode() on:
+  // the passes forward_cached runs through the decode GEMV (model.h).
+  int fast_passes = 0;
   double seconds = 0;  // wall clock of the whole call (prefill, decode, sampling)
   double tokens_per_second() const { return seconds > 0 ? (double)generated_tokens / seconds : 0; }
 };
@@ -120,16 +148,21 @@ struct SamplerStats {
 class Sampler {
  public:
   // A model of `config` under `recipe` (resolved for config.recipe_shape()); its weights are the
-  // seeded initialization until refresh() or load().
+  // seeded initialization until refresh(). On CUDA, builds the sampler weights (fast_decode()).
   Sampler(model::ModelConfig config, recipe::ResolvedRecipe recipe, const SamplerOptions& options);
 
   model::Model& model() { return *model_; }
   const model::Model& model() const { return *model_; }
   int max_len() const { return max_len_; }
 
-  // Copies the trainer's master weights (same config; any device) and refreshes the compute copy;
-  // the next generate() quantizes them under the rl_sampler stage.
+  // Copies the trainer's master weights (same config; any device) and refreshes the compute copy
+  // and, with fast decode, the sampler weights; the next generate() quantizes the activations under
+  // the rl_sampler stage.
   void refresh(const model::Model& trainer);
+  // Whether the model holds sampler weights (CUDA, a recipe the decode GEMV implements; see the top
+  // of the file): passes of at most 64 tokens then run the decode GEMV. After changing the model's
+  // weights or recipe through model(), call model().refresh_sampler_weights() (or refresh()).
+  bool fast_decode() const { return model_->has_sampler_weights(); }
 
   // B = prompts.size() completions; call = the index of this call (keys the random draws; use the
   // RL step). Every prompt non-empty, of at most max_len - 1 tokens.
@@ -140,11 +173,13 @@ class Sampler {
 
  private:
   int cache_batch(int batch) const;
+  // Prefill chunk width (columns) for cache batch Bc and longest prompt L: L = one pass.
+  int prefill_chunk(int Bc, int L) const;
 
   SamplerOptions options_;
   std::unique_ptr<model::Model> model_;
   int max_len_ = 0;
-  int row_tile_ = 1;  // the cache batch is a multiple of this
+  int row_tile_ = 1;  // the emulated path's passes take multiples of this many tokens
   std::optional<model::KvCache> cache_;
   SamplerStats stats_;
 };
