@@ -45,12 +45,12 @@ benches=(
   "moe bench moe"
   "model bench model"
   "decode bench decode"
-  "sample-bf16 sample --preset gpt2-124m --device cuda --sampler-recipe bf16 --n 128 --max-new-tokens 64 --stop none --quiet --prompt 12+34="
-  "sample-nvfp4 sample --preset gpt2-124m --device cuda --sampler-recipe nvfp4 --n 128 --max-new-tokens 64 --stop none --quiet --prompt 12+34="
-  "rl-bf16 rl --device cuda --sampler-recipe bf16 --task add:digits=1 --steps 8 --prompts 16 --group 8 --eval-prompts 0 --out /tmp/fourbit-rl-bench"
-  "rl-nvfp4 rl --device cuda --sampler-recipe nvfp4 --task add:digits=1 --steps 8 --prompts 16 --group 8 --eval-prompts 0 --out /tmp/fourbit-rl-bench"
-  "sample-nvfp4w sample --preset gpt2-124m --device cuda --sampler-recipe nvfp4-weights --n 128 --max-new-tokens 64 --stop none --quiet --prompt 12+34="
-  "rl-nvfp4w rl --device cuda --sampler-recipe nvfp4-weights --task add:digits=1 --steps 8 --prompts 16 --group 8 --eval-prompts 0 --out /tmp/fourbit-rl-bench"
+  "sample-bf16 sample --preset gpt2-124m --device cuda --sampler-recipe bf16 --n 64 --max-new-tokens 64 --stop none --quiet --prompt 12+34="
+  "sample-nvfp4 sample --preset gpt2-124m --device cuda --sampler-recipe nvfp4 --n 64 --max-new-tokens 64 --stop none --quiet --prompt 12+34="
+  "rl-bf16 rl --device cuda --sampler-recipe bf16 --task add:digits=1 --steps 8 --prompts 8 --group 8 --eval-prompts 0 --out /tmp/fourbit-rl-bench"
+  "rl-nvfp4 rl --device cuda --sampler-recipe nvfp4 --task add:digits=1 --steps 8 --prompts 8 --group 8 --eval-prompts 0 --out /tmp/fourbit-rl-bench"
+  "sample-nvfp4w sample --preset gpt2-124m --device cuda --sampler-recipe nvfp4-weights --n 64 --max-new-tokens 64 --stop none --quiet --prompt 12+34="
+  "rl-nvfp4w rl --device cuda --sampler-recipe nvfp4-weights --task add:digits=1 --steps 8 --prompts 8 --group 8 --eval-prompts 0 --out /tmp/fourbit-rl-bench"
   "train bench train"
 )
 
