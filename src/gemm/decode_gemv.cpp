@@ -255,6 +255,21 @@ void decode_gemv(const DecodeGemvArgs& a) {
   kernels::launch_decode_gemv(p, plan, (cudaStream_t)a.stream);
 }
 
+// ops::rmsnorm_forward's block shape for K columns (ops/rmsnorm_kernels.cu, row_shape): the fused
+// norm replays that block's summation order. A GPU test checks the two agree bit for bit.
+namespace {
+struct NormBlock {
+  int threads, groups;
+};
+NormBlock norm_block(int64_t K) {
+  const int64_t chunks = (K + 7) / 8;
+  const int groups = chunks <= 1024 ? 1 : 2;
+  int64_t threads = (chunks + groups - 1) / groups;
+  threads = std::max<int64_t>(32, (threads + 31) / 32 * 32);
+  return {(int)threads, groups};
+}
+}  // namespace
+
 void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
   const std::string_view where = a.name;
   std::string why;
@@ -305,22 +320,21 @@ void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
                       w.shape[0] == x.shape[1] && w.is_contiguous(),
                   "decode_quantize_nvfp4: the RMSNorm weight of '{}' must be a contiguous f32 [{}] on cuda, got {}",
                   where, x.shape[1], w.describe());
-    // ops::rmsnorm_forward's block shape for K columns (ops/rmsnorm_kernels.cu, row_shape): the
-    // fused kernel replays that block's summation order. A GPU test checks the two agree bit for bit.
-    const int64_t chunks = (x.shape[1] + 7) / 8;
-    const int groups = chunks <= 1024 ? 1 : 2;
-    int64_t threads = (chunks + groups - 1) / groups;
-    threads = std::max<int64_t>(32, (threads + 31) / 32 * 32);
+    const NormBlock nb = norm_block(x.shape[1]);
     p.norm_weight = w.ptr<const float>();
     p.norm_eps = a.norm_eps;
-    p.norm_threads = (int)threads;
-    p.norm_groups = groups;
+    p.norm_threads = nb.threads;
+    p.norm_groups = nb.groups;
   }
   kernels::launch_decode_quantize_x(p, (cudaStream_t)a.stream);
 }
 
 bool decode_quantize_can_fuse_norm(int64_t B, int64_t K) {
-  return B >= 1 && B <= kDecodeMaxTokens && K >= 8 && K % 8 == 0 && B * K <= kernels::kDecodeFusedNormElements;
+  if (!(B >= 1 && B <= kDecodeMaxTokens && K >= 8 && K % 8 == 0 && B * K <= kernels::kDecodeFusedNormElements)) {
+    return false;
+  }
+  const NormBlock nb = norm_block(K);
+  return B * nb.threads <= kernels::kDecodeFusedNormPairs;  // every (row, thread) pair's loads at once
 }
 
 #else  // no CUDA

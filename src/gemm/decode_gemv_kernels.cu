@@ -649,6 +649,13 @@ __device__ float cta_amax(const DecodeQuantizeParams& p, float m, bool bad, bool
 // What produces the quantizer's input from x (DecodeQuantizeParams::norm_weight / swiglu).
 enum class Producer { kNone, kNorm, kSwiglu };
 
+// ops::swiglu_forward's output for gate g and up u: bf16(g * sigmoid(g) * u), sigmoid(g) =
+// 1 / (1 + exp(-g)), in that order.
+__device__ __forceinline__ uint16_t swiglu_bits(float g, float u) {
+  const float sig = 1.0f / (1.0f + expf(-g));
+  return formats::encode_bf16_rn(g * sig * u);
+}
+
 // Element (r, c) as the quantizer sees it: x itself; (kNorm) the RMSNorm output
 // bf16(f32(x * rstd[r]) * w[c]); or (kSwiglu) bf16(g * sigmoid(g) * u) with g = x[r, c] and
 // u = x[r, K + c], sigmoid(g) = 1 / (1 + exp(-g)). Each computed as ops::rmsnorm_forward /
@@ -662,9 +669,7 @@ __device__ __forceinline__ float quantizer_input(const DecodeQuantizeParams& p, 
   } else if constexpr (P == Producer::kNorm) {
     return formats::decode_bf16(formats::encode_bf16_rn(x * rstd[r] * p.norm_weight[c]));
   } else {
-    const float u = formats::decode_bf16(p.x[r * p.ldx + p.K + c]);
-    const float sig = 1.0f / (1.0f + expf(-x));
-    return formats::decode_bf16(formats::encode_bf16_rn(x * sig * u));
+    return formats::decode_bf16(swiglu_bits(x, formats::decode_bf16(p.x[r * p.ldx + p.K + c])));
   }
 }
 
@@ -780,51 +785,82 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_kernel(const DecodeQ
 constexpr int64_t kRedundantAmaxElements = 16384;
 static_assert(kDecodeFusedNormElements <= kRedundantAmaxElements, "the fused norm runs in the single launch");
 
-// kNorm: the RMSNorm of every row first. Warp w takes rows w, w + 8, ...; it replays the block
-// reduction of ops::rmsnorm_forward: virtual thread t = 32 v + lane of a norm_threads-thread block
-// sums the squares of its groups j * norm_threads + t (8 columns each) in one FMA chain, a warp
-// sums by the same xor tree (ops::kernels::warp_sum), and the virtual warps' sums are added in
-// order from zero (ops::kernels::block_sum). Then the row's outputs for the amax.
-__device__ void norm_rows(const DecodeQuantizeParams& p, float* rstd, float& m, bool& bad) {
-  const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-  const int T = p.norm_threads, J = p.norm_groups;
-  for (int r = warp; r < p.B; r += kQuantThreads / 32) {
-    const uint16_t* xr = p.x + (int64_t)r * p.ldx;
-    const bool aligned = (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
-    float total = 0.0f;
-    for (int v = 0; v < T / 32; ++v) {
-      const int t = 32 * v + lane;
-      float ss = 0.0f;
-      for (int j = 0; j < J; ++j) {
-        const int64_t c = (int64_t)(j * T + t) * 8;
-        if (c >= p.K) continue;  // K % 8 == 0: a group is whole or absent (absent: zeros)
-        uint16_t e[8];
-        if (aligned) {
-          const uint4 w = __ldg(reinterpret_cast<const uint4*>(xr + c));
+// kNorm: the RMSNorm of every row first, replaying ops::rmsnorm_forward's block reduction. That
+// kernel runs a block of T = norm_threads threads per row; its thread t sums the squares of its
+// groups j * T + t (8 columns each, j < norm_groups) in one FMA chain from zero, each warp sums by
+// an xor tree (ops::kernels::warp_sum), and the T / 32 warp sums are added in order from zero
+// (ops::kernels::block_sum). Here the (row, t) pairs are spread over the CTA, pair P = r * T + t
+// on thread P % kQuantThreads: T is a multiple of 32, so each warp holds whole virtual warps and
+// its xor tree is theirs. Every thread issues all its loads first (at most kNormPairsPerThread
+// pairs: decode_quantize_can_fuse_norm), then sums; thread r < B adds row r's warp sums.
+constexpr int kNormPairsPerThread = 8;
+static_assert(kNormPairsPerThread * kQuantThreads == kDecodeFusedNormPairs, "decode_quantize_can_fuse_norm's bound");
+
+__device__ __forceinline__ uint4 load_x8(const uint16_t* at) {
+  if ((reinterpret_cast<uintptr_t>(at) & 15) == 0) return __ldg(reinterpret_cast<const uint4*>(at));
+  uint4 v;
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            e[2 * k] = (uint16_t)(word(w, k) & 0xFFFFu);
-            e[2 * k + 1] = (uint16_t)(word(w, k) >> 16);
-          }
-        } else {
+  for (int k = 0; k < 4; ++k) word(v, k) = (uint32_t)at[2 * k] | ((uint32_t)at[2 * k + 1] << 16);
+  return v;
+}
+
+__device__ __forceinline__ float element_of(const uint4& v, int e) {
+  const uint32_t w = word(v, e / 2);
+  return formats::decode_bf16((uint16_t)(e % 2 ? w >> 16 : w & 0xFFFFu));
+}
+
+__device__ void norm_rows(const DecodeQuantizeParams& p, float* rstd, float* warp_sums, float& m, bool& bad) {
+  const int T = p.norm_threads, J = p.norm_groups, tid = (int)threadIdx.x, lane = tid % 32;
+  const int pairs = p.B * T;
+  uint4 xv[kNormPairsPerThread][2];
 #pragma unroll
-          for (int k = 0; k < 8; ++k) e[k] = xr[c + k];
-        }
+  for (int i = 0; i < kNormPairsPerThread; ++i) {
+    const int P = tid + i * kQuantThreads;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const float v = formats::decode_bf16(e[k]);
-          ss = fmaf(v, v, ss);
-        }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
-      total += ss;
+    for (int j = 0; j < 2; ++j) {
+      xv[i][j] = make_uint4(0, 0, 0, 0);
+      const int64_t c = (int64_t)(j * T + P % T) * 8;
+      if (P < pairs && j < J && c < p.K) xv[i][j] = load_x8(p.x + (int64_t)(P / T) * p.ldx + c);
     }
-    const float rs = 1.0f / sqrtf(total / (float)p.K + p.norm_eps);
-    if (lane == 0) rstd[r] = rs;
-    for (int64_t c = lane; c < p.K; c += 32) {
-      const float x = formats::decode_bf16(xr[c]);
-      accumulate_amax(m, bad, formats::encode_bf16_rn(x * rs * p.norm_weight[c]));
+  }
+#pragma unroll
+  for (int i = 0; i < kNormPairsPerThread; ++i) {
+    const int P = tid + i * kQuantThreads;
+    if (i * kQuantThreads >= pairs) break;  // uniform over the CTA
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (j >= J) break;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float v = element_of(xv[i][j], e);
+        ss = fmaf(v, v, ss);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+    if (lane == 0 && P < pairs) warp_sums[P / 32] = ss;
+  }
+  __syncthreads();
+  if (tid < p.B) {
+    float total = 0.0f;
+    for (int v = 0; v < T / 32; ++v) total += warp_sums[tid * (T / 32) + v];
+    rstd[tid] = 1.0f / sqrtf(total / (float)p.K + p.norm_eps);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kNormPairsPerThread; ++i) {
+    const int P = tid + i * kQuantThreads;
+    if (P >= pairs) break;
+    const float rs = rstd[P / T];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int64_t c = (int64_t)(j * T + P % T) * 8;
+      if (j >= J || c >= p.K) break;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        accumulate_amax(m, bad, formats::encode_bf16_rn(element_of(xv[i][j], e) * rs * p.norm_weight[c + e]));
+      }
     }
   }
 }
@@ -832,15 +868,38 @@ __device__ void norm_rows(const DecodeQuantizeParams& p, float* rstd, float& m, 
 template <Producer P>
 __global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kernel(const DecodeQuantizeParams p) {
   __shared__ float rstd[P == Producer::kNorm ? kDecodeMaxTokens : 1];
+  __shared__ float warp_sums[P == Producer::kNorm ? kNormPairsPerThread * kQuantThreads / 32 : 1];
   core::pdl_allow_dependents();
   core::pdl_wait_for_producer();
   float m = 0.0f;
   bool bad = false;
   if constexpr (P == Producer::kNorm) {
-    norm_rows(p, rstd, m, bad);  // cta_amax's barrier publishes rstd
+    norm_rows(p, rstd, warp_sums, m, bad);
   } else if constexpr (P == Producer::kSwiglu) {
-    for (int64_t i = threadIdx.x; i < (int64_t)p.B * p.K; i += kQuantThreads) {
-      accumulate_amax(m, bad, formats::encode_bf16_rn(quantizer_input<P>(p, i / p.K, i % p.K, nullptr)));
+    if (p.K % 8 == 0 && p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0) {
+      // Gate and up as 16-byte loads, four pairs in flight per thread.
+      const int64_t per_row = p.K / 8, total = (int64_t)p.B * per_row;
+      for (int64_t i0 = threadIdx.x; i0 < total; i0 += 4 * kQuantThreads) {
+        uint4 g[4], u[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int64_t i = i0 + k * kQuantThreads;
+          g[k] = u[k] = make_uint4(0, 0, 0, 0);  // swiglu(0, 0) = 0 leaves the amax as it is
+          if (i < total) {
+            const uint16_t* row = p.x + (i / per_row) * p.ldx + (i % per_row) * 8;
+            g[k] = __ldg(reinterpret_cast<const uint4*>(row));
+            u[k] = __ldg(reinterpret_cast<const uint4*>(row + p.K));
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) accumulate_amax(m, bad, swiglu_bits(element_of(g[k], e), element_of(u[k], e)));
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < (int64_t)p.B * p.K; i += kQuantThreads) {
+        accumulate_amax(m, bad, formats::encode_bf16_rn(quantizer_input<P>(p, i / p.K, i % p.K, nullptr)));
+      }
     }
   } else if (p.K % 8 == 0 && p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0) {
     const int64_t per_row = p.K / 8, total = (int64_t)p.B * per_row;

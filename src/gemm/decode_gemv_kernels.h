@@ -147,6 +147,7 @@ struct DecodeQuantizeParams {
   bool swiglu = false;
 };
 inline constexpr int64_t kDecodeFusedNormElements = 16384;
+inline constexpr int64_t kDecodeFusedNormPairs = 8 * 256;  // B * norm_threads (8 per thread of the CTA)
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream);
 
 }  // namespace fourbit::gemm::kernels
