@@ -369,6 +369,38 @@ TEST(DecodeGemvCuda, QuantizeActivationMatchesCpuQuantizer) {
       }
 }
 
+// One decode_quantize_nvfp4 call: its arguments over poisoned outputs [B, K], a zeroed flag and
+// its own workspace (set the fused-producer fields of `args`, then run()).
+struct QuantizeCall {
+  Tensor xs, amax, flag;
+  DecodeWorkspace ws;
+  DecodeQuantizeArgs args;
+  QuantizeCall(const TensorView& x, const quant::QuantConfig& cfg, int64_t B, int64_t K)
+      : xs(Tensor::empty({B, K}, DType::kBF16, Device::kCuda)),
+        amax(Tensor::empty({1}, DType::kF32, Device::kCuda)),
+        flag(Tensor::zeros({1}, DType::kI32, Device::kCuda)) {
+    poison(xs.view());
+    args.x = x;
+    args.config = cfg;
+    args.xs = xs.view();
+    args.amax = amax.ptr<float>();
+    args.workspace = &ws;
+    args.error_flag = flag.ptr<int>();
+  }
+  QuantizeCall(const QuantizeCall&) = delete;
+  void run() { decode_quantize_nvfp4(args); }
+  float amax_host() const {
+    float v = 0;
+    FOURBIT_CUDA_CHECK(cudaMemcpy(&v, amax.data(), 4, cudaMemcpyDeviceToHost));
+    return v;
+  }
+  int flag_host() const {
+    int v = 0;
+    FOURBIT_CUDA_CHECK(cudaMemcpy(&v, flag.data(), 4, cudaMemcpyDeviceToHost));
+    return v;
+  }
+};
+
 // The fused RMSNorm of the activation quantizer against ops::rmsnorm_forward followed by the
 // unfused quantizer: the same scaled-domain values and amax, bit for bit. Shapes cover one and two
 // 8-column groups per thread of the norm's block (K 10240: 640 threads, two groups), strided rows
@@ -405,32 +437,16 @@ TEST(DecodeGemvCuda, FusedRmsnormMatchesRmsnormThenQuantize) {
       Tensor rstd = Tensor::empty({sh.B}, DType::kF32, Device::kCuda);
       const Tensor xc = x.to(Device::kCuda);  // the norm takes contiguous rows
       ops::rmsnorm_forward(y.view(), rstd.view(), xc.view(), wd.view(), eps, nullptr);
-      auto run = [&](const TensorView& in, bool fused, Tensor& xs, float& amax_host) {
-        xs = Tensor::empty({sh.B, sh.K}, DType::kBF16, Device::kCuda);
-        poison(xs.view());
-        Tensor amax = Tensor::empty({1}, DType::kF32, Device::kCuda), flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
-        DecodeWorkspace ws;
-        DecodeQuantizeArgs qa;
-        qa.x = in;
-        qa.config = cfg;
-        qa.xs = xs.view();
-        qa.amax = amax.ptr<float>();
-        qa.workspace = &ws;
-        qa.error_flag = flag.ptr<int>();
-        if (fused) {
-          qa.norm_weight = wd.view();
-          qa.norm_eps = eps;
-        }
-        decode_quantize_nvfp4(qa);
-        FOURBIT_CUDA_CHECK(cudaMemcpy(&amax_host, amax.data(), 4, cudaMemcpyDeviceToHost));
-        int bits = 1;
-        FOURBIT_CUDA_CHECK(cudaMemcpy(&bits, flag.data(), 4, cudaMemcpyDeviceToHost));
-        EXPECT_EQ(bits, 0);
-      };
-      Tensor xs_want, xs_got;
-      float amax_want = 0, amax_got = 0;
-      run(y.view(), false, xs_want, amax_want);
-      run(xd.view, true, xs_got, amax_got);
+      QuantizeCall unfused(y.view(), cfg, sh.B, sh.K), fused(xd.view, cfg, sh.B, sh.K);
+      fused.args.norm_weight = wd.view();
+      fused.args.norm_eps = eps;
+      unfused.run();
+      fused.run();
+      EXPECT_EQ(unfused.flag_host(), 0);
+      EXPECT_EQ(fused.flag_host(), 0);
+      const float amax_want = unfused.amax_host(), amax_got = fused.amax_host();
+      const Tensor& xs_want = unfused.xs;
+      const Tensor& xs_got = fused.xs;
       const std::string what = fmt::format("B {} K {} pad {} rule {}", sh.B, sh.K, sh.pad, rule);
       ASSERT_EQ(amax_got, amax_want) << what;
       ASSERT_GT(amax_want, 0.0f) << what;
@@ -443,31 +459,18 @@ TEST(DecodeGemvCuda, FusedRmsnormMatchesRmsnormThenQuantize) {
   x.ptr<uint16_t>()[300] = 0x7FC0;  // NaN in row 1
   const Tensor xd = x.to(Device::kCuda);
   const Tensor wd = Tensor::zeros({256}, DType::kF32, Device::kCuda);
-  Tensor xs = Tensor::empty({2, 256}, DType::kBF16, Device::kCuda), amax = Tensor::empty({1}, DType::kF32, Device::kCuda);
-  Tensor flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
-  DecodeWorkspace ws;
-  DecodeQuantizeArgs qa;
-  qa.x = xd.view();
-  qa.config = nvfp4();
-  qa.xs = xs.view();
-  qa.amax = amax.ptr<float>();
-  qa.workspace = &ws;
-  qa.error_flag = flag.ptr<int>();
-  qa.norm_weight = wd.view();
-  decode_quantize_nvfp4(qa);
-  int bits = 0;
-  FOURBIT_CUDA_CHECK(cudaMemcpy(&bits, flag.data(), 4, cudaMemcpyDeviceToHost));
-  EXPECT_EQ(bits & quant::kDeviceErrNonFinite, quant::kDeviceErrNonFinite);
+  QuantizeCall nan_call(xd.view(), nvfp4(), 2, 256);
+  nan_call.args.norm_weight = wd.view();
+  nan_call.run();
+  EXPECT_EQ(nan_call.flag_host() & quant::kDeviceErrNonFinite, quant::kDeviceErrNonFinite);
   EXPECT_FALSE(decode_quantize_can_fuse_norm(16, 2048 + 8));
   EXPECT_FALSE(decode_quantize_can_fuse_norm(1, 1000 + 4));
   const Tensor big = random_matrix(16, 2048 + 8, 991, DType::kBF16).to(Device::kCuda);
   const Tensor wbig = Tensor::zeros({2048 + 8}, DType::kF32, Device::kCuda);
-  Tensor xs_big = Tensor::empty({16, 2048 + 8}, DType::kBF16, Device::kCuda);
-  qa.x = big.view();
-  qa.xs = xs_big.view();
-  qa.norm_weight = wbig.view();
-  qa.name = "blocks.0.qkv";
-  expect_error([&] { decode_quantize_nvfp4(qa); }, {"blocks.0.qkv", "cannot fuse the RMSNorm"});
+  QuantizeCall big_call(big.view(), nvfp4(), 16, 2048 + 8);
+  big_call.args.norm_weight = wbig.view();
+  big_call.args.name = "blocks.0.qkv";
+  expect_error([&] { big_call.run(); }, {"blocks.0.qkv", "cannot fuse the RMSNorm"});
 }
 
 // The fused SwiGLU of the activation quantizer against ops::swiglu_forward followed by the unfused
@@ -485,26 +488,13 @@ TEST(DecodeGemvCuda, FusedSwigluMatchesSwigluThenQuantize) {
       Tensor act = Tensor::empty({B, K}, DType::kBF16, Device::kCuda);
       ops::swiglu_forward(act.view(), gud.view(), nullptr);
       const quant::QuantConfig cfg = nvfp4(rule > 0);
-      auto run = [&](const TensorView& in, bool fused, Tensor& xs, float& amax_host) {
-        xs = Tensor::empty({B, K}, DType::kBF16, Device::kCuda);
-        poison(xs.view());
-        Tensor amax = Tensor::empty({1}, DType::kF32, Device::kCuda), flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
-        DecodeWorkspace ws;
-        DecodeQuantizeArgs qa;
-        qa.x = in;
-        qa.config = cfg;
-        qa.xs = xs.view();
-        qa.amax = amax.ptr<float>();
-        qa.workspace = &ws;
-        qa.error_flag = flag.ptr<int>();
-        qa.swiglu = fused;
-        decode_quantize_nvfp4(qa);
-        FOURBIT_CUDA_CHECK(cudaMemcpy(&amax_host, amax.data(), 4, cudaMemcpyDeviceToHost));
-      };
-      Tensor xs_want, xs_got;
-      float amax_want = 0, amax_got = 0;
-      run(act.view(), false, xs_want, amax_want);
-      run(gud.view(), true, xs_got, amax_got);
+      QuantizeCall unfused(act.view(), cfg, B, K), fused(gud.view(), cfg, B, K);
+      fused.args.swiglu = true;
+      unfused.run();
+      fused.run();
+      const float amax_want = unfused.amax_host(), amax_got = fused.amax_host();
+      const Tensor& xs_want = unfused.xs;
+      const Tensor& xs_got = fused.xs;
       const std::string what = fmt::format("B {} K {} rule {}", B, K, rule);
       ASSERT_EQ(amax_got, amax_want) << what;
       const Tensor want = xs_want.to(Device::kCpu), got = xs_got.to(Device::kCpu);

@@ -34,40 +34,48 @@ inline std::string_view pdl_setting() {
 
 inline bool pdl_enabled() { return pdl_setting() != "0"; }
 
-// The launch attributes of a PDL launch (none when disabled) plus, with cluster_y > 1, clusters of
-// (1, cluster_y, 1) CTAs; returns the count filled in `attrs` (room for 2).
-inline unsigned pdl_launch_attributes(cudaLaunchAttribute (&attrs)[2], unsigned cluster_y = 1,
-                                      bool pdl = pdl_enabled()) {
+// How launch_pdl launches: the PDL attribute unless `pdl` is false (default: pdl_enabled()), and
+// with cluster_y > 1 clusters of (1, cluster_y, 1) CTAs.
+struct PdlLaunch {
+  dim3 grid, block;
+  size_t smem_bytes = 0;
+  unsigned cluster_y = 1;
+  bool pdl = pdl_enabled();
+};
+
+// kernel<<<grid, block, smem_bytes, stream>>>(args...) with the attributes of `how`; returns the
+// launch's error (check it with FOURBIT_CUDA_CHECK).
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_pdl(const PdlLaunch& how, cudaStream_t stream, void (*kernel)(KernelArgs...), Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = how.grid;
+  config.blockDim = how.block;
+  config.dynamicSmemBytes = how.smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attrs[2];
   unsigned n = 0;
-  if (cluster_y > 1) {
+  if (how.cluster_y > 1) {
     attrs[n].id = cudaLaunchAttributeClusterDimension;
     attrs[n].val.clusterDim.x = 1;
-    attrs[n].val.clusterDim.y = cluster_y;
+    attrs[n].val.clusterDim.y = how.cluster_y;
     attrs[n].val.clusterDim.z = 1;
     ++n;
   }
-  if (pdl) {
+  if (how.pdl) {
     attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;
   }
-  return n;
+  config.attrs = attrs;
+  config.numAttrs = n;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-// kernel<<<grid, block, smem_bytes, stream>>>(args...) with the PDL attribute; returns the launch's
-// error (check it with FOURBIT_CUDA_CHECK).
+// The common case: kernel<<<grid, block, smem_bytes, stream>>>(args...) with the PDL attribute.
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_bytes,
                        cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  config.numAttrs = pdl_launch_attributes(attrs);
-  config.attrs = attrs;
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  return launch_pdl(PdlLaunch{grid, block, smem_bytes}, stream, kernel, std::forward<Args>(args)...);
 }
 
 #if defined(__CUDACC__)

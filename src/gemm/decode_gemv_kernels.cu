@@ -572,20 +572,13 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
   }
 }
 
-// Launches `kernel` with the PDL attribute (core/pdl.cuh) and, with cluster_y > 1, as clusters of
-// (1, cluster_y, 1) CTAs.
+// Launches `kernel` through core::launch_pdl (PDL unless `pdl` is false; with cluster_y > 1 as
+// clusters of (1, cluster_y, 1) CTAs) and checks the launch.
 template <typename... KernelArgs, typename... Args>
 void launch_ex(void (*kernel)(KernelArgs...), dim3 grid, int threads, int smem_bytes, unsigned cluster_y,
                bool pdl, cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3((unsigned)threads);
-  config.dynamicSmemBytes = (size_t)smem_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  config.numAttrs = core::pdl_launch_attributes(attrs, cluster_y, pdl);
-  config.attrs = attrs;
-  FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  const core::PdlLaunch how{grid, dim3((unsigned)threads), (size_t)smem_bytes, cluster_y, pdl};
+  FOURBIT_CUDA_CHECK(core::launch_pdl(how, stream, kernel, std::forward<Args>(args)...));
 }
 
 // A staged launch, as a cluster of plan.splits CTAs along grid.y when plan.cluster.
@@ -798,10 +791,7 @@ static_assert(kNormPairsPerThread * kQuantThreads == kDecodeFusedNormPairs, "dec
 
 __device__ __forceinline__ uint4 load_x8(const uint16_t* at) {
   if ((reinterpret_cast<uintptr_t>(at) & 15) == 0) return __ldg(reinterpret_cast<const uint4*>(at));
-  uint4 v;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) word(v, k) = (uint32_t)at[2 * k] | ((uint32_t)at[2 * k + 1] << 16);
-  return v;
+  return load_bf16x8_tail(at, 0, 8);  // misaligned row: element by element, all 8 present
 }
 
 __device__ __forceinline__ float element_of(const uint4& v, int e) {
