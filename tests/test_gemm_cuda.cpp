@@ -38,6 +38,11 @@ quant::QuantConfig config(quant::Format f, bool two_d = false, bool rht = false)
   return c;
 }
 
+quant::QuantConfig row_amax(quant::QuantConfig c) {
+  c.nvfp4_row_amax = true;
+  return c;
+}
+
 // One operand on the host and its copy on the device (both kept alive by this object).
 struct TestOperand {
   std::string name;
@@ -261,6 +266,22 @@ TEST_F(GemmCuda, EmulatedNvfp4AndMxfp8) {
     }
     TestOperand a = quant_op("x", s.m, s.k, 16, nv), b = plain_op("w bf16", s.n, s.k, 17, true);
     check_gemm(a, b, {1.0f, 0.0f, DType::kBF16, 0, Backend::kEmulated}, "nvfp4 x bf16" + shape);
+    // Per-row (per-token) amaxes on A: raw FP32 sums, then the row-scaled epilogue.
+    quant::QuantConfig nv_rows = nv;
+    nv_rows.nvfp4_row_amax = true;
+    for (bool scaled : {false, true}) {
+      TestOperand ra = quant_op("x", s.m, s.k, 40, nv_rows, Copy::kRowwise, scaled);
+      TestOperand rb = quant_op("w", s.n, s.k, 41, nv2d, Copy::kRowwise, scaled);
+      for (const GemmCase& gc : epilogue_variants(Backend::kEmulated, 0)) check_gemm(ra, rb, gc, "nvfp4 row-amax x 16x16" + shape);
+      TestOperand pb = plain_op("w bf16", s.n, s.k, 42, true);
+      check_gemm(ra, pb, {2.0f, 1.0f, DType::kBF16, 0, Backend::kEmulated}, "nvfp4 row-amax x bf16" + shape);
+    }
+  }
+  {  // Per-row amaxes on B are refused (they would scale C's columns).
+    quant::QuantConfig nv_rows = nv;
+    nv_rows.nvfp4_row_amax = true;
+    TestOperand a = quant_op("x", 32, 64, 43, nv), b = quant_op("w", 32, 64, 44, nv_rows);
+    expect_error([&] { check_gemm(a, b, {}, "row-amax B"); }, {"per-row amaxes", "only operand A"});
   }
   // The Wgrad pair: column-wise copies with RHT along the token dimension (M = 64).
   quant::QuantConfig rht = nv;
@@ -404,7 +425,9 @@ TEST_F(GemmCuda, GroupedRowSplit) {
   struct P { const char* name; std::optional<quant::QuantConfig> x, w; double tol; };
   const P cases[] = {{"bf16", std::nullopt, std::nullopt, fp32_accumulation_tolerance(k)},
                      {"fp8 1x128 x 128x128", config(quant::Format::kFp8Block), config(quant::Format::kFp8Block, true), kFp8AccumulationTolerance},
-                     {"nvfp4 1x16 x 16x16", config(quant::Format::kNvfp4), config(quant::Format::kNvfp4, true), fp32_accumulation_tolerance(k)}};
+                     {"nvfp4 1x16 x 16x16", config(quant::Format::kNvfp4), config(quant::Format::kNvfp4, true), fp32_accumulation_tolerance(k)},
+                     {"nvfp4 1x16 row-amax x 16x16", row_amax(config(quant::Format::kNvfp4)), config(quant::Format::kNvfp4, true),
+                      fp32_accumulation_tolerance(k)}};
   for (const P& p : cases) {
     TestOperand x = p.x ? quant_op("x", t, k, 30, *p.x) : plain_op("x", t, k, 30);
     std::vector<TestOperand> w;

@@ -273,6 +273,26 @@ TEST_F(QuantCuda, EveryConfigMatchesTheReferenceOnRandomData) {
   }
 }
 
+// nvfp4_row_amax (one global amax per row, the RL sampler's per-token scales): the streaming
+// kernel (round to nearest, amax to 6) and the tile kernel (Four Over Six, stochastic rounding) on
+// fills whose rows differ in scale by orders of magnitude, plus all-zero and subnormal rows.
+TEST_F(QuantCuda, PerRowAmaxMatchesTheReference) {
+  uint64_t seed = 900;
+  for (bool fos : {false, true})
+    for (bool sr : {false, true}) {
+      QuantConfig c;
+      c.nvfp4_row_amax = true;
+      c.rounding = sr ? Rounding::kStochastic : Rounding::kNearest;
+      if (fos) c.nvfp4_scale_rule = Nvfp4ScaleRule::kFourOverSix;
+      for (Fill fill : {Fill::kNormal, Fill::kRowScales, Fill::kOutliers, Fill::kZeros, Fill::kOneOutlier,
+                        Fill::kSubnormal, Fill::kNearMax})
+        for (bool bf16 : {true, false}) {
+          check_case(c, fill, 128, 256, bf16, {true, false}, seed++);
+          if (HasFatalFailure()) return;
+        }
+    }
+}
+
 TEST_F(QuantCuda, EdgeFillsMatchTheReference) {
   const Fill fills[] = {Fill::kZeros, Fill::kAllEqualBlocks, Fill::kOneOutlier, Fill::kSubnormal,
                         Fill::kNearMax, Fill::kRowScales, Fill::kOutliers};

@@ -499,5 +499,76 @@ TEST(Quantize, Bf16ScaledValuesAreExactAndTimesGlobalScaleGiveTheDequantized) {
   }
 }
 
+// nvfp4_row_amax: a row's quantization is that row quantized alone (per-tensor amax = its own
+// amax), whatever the other rows hold; the amaxes are per row, and dequantization uses them.
+TEST(Nvfp4RowAmax, EachRowIsQuantizedAsIfAlone) {
+  const int64_t rows = 12, cols = 40;  // a partial last block
+  Tensor x = make_synthetic(Distribution::kOutliers, rows, cols, 21);
+  for (int64_t c = 0; c < cols; ++c) {
+    x.ptr<float>()[3 * cols + c] *= 1e4f;   // a row far above the others
+    x.ptr<float>()[5 * cols + c] *= 1e-6f;  // and one far below
+    x.ptr<float>()[7 * cols + c] = 0.0f;    // an all-zero row
+  }
+  for (bool fos : {false, true})
+    for (bool sr : {false, true}) {
+      QuantConfig per_row;
+      per_row.nvfp4_row_amax = true;
+      per_row.rounding = sr ? Rounding::kStochastic : Rounding::kNearest;
+      if (fos) per_row.nvfp4_scale_rule = Nvfp4ScaleRule::kFourOverSix;
+      QuantConfig per_tensor = per_row;
+      per_tensor.nvfp4_row_amax = false;
+      const QuantizedTensor q = quantize(x, per_row, {true, false}, 5);
+      ASSERT_EQ(q.rowwise->amax.numel(), rows);
+      const Tensor deq = dequantize_reference(q, false);
+      for (int64_t r = 0; r < rows; ++r) {
+        SCOPED_TRACE(::testing::Message() << per_row.describe() << " row " << r);
+        // The row alone as a 1-row tensor. SR draws are keyed by element index, which differs
+        // between the two, so with SR only the amax and the global scale are compared.
+        const Tensor row = host_tensor(std::vector<float>(x.ptr<float>() + r * cols, x.ptr<float>() + (r + 1) * cols), 1, cols);
+        const QuantizedTensor alone = quantize(row, per_tensor, {true, false}, 5);
+        float want_amax = 0.0f;
+        for (int64_t c = 0; c < cols; ++c) want_amax = std::max(want_amax, std::fabs(x.ptr<float>()[r * cols + c]));
+        EXPECT_EQ(q.rowwise->amax.ptr<float>()[r], want_amax);
+        EXPECT_EQ(*alone.rowwise->amax.ptr<float>(), want_amax);
+        if (!sr) {
+          for (int64_t b = 0; b < (cols + 15) / 16; ++b) {
+            ASSERT_EQ(q.rowwise->scales.ptr<uint8_t>()[r * 3 + b], alone.rowwise->scales.ptr<uint8_t>()[b]) << "block " << b;
+          }
+          for (int64_t c = 0; c < cols; ++c) {
+            ASSERT_EQ(fp4_code(*q.rowwise, r, c), fp4_code(*alone.rowwise, 0, c)) << "column " << c;
+          }
+          const Tensor d_alone = dequantize_reference(alone, false);
+          for (int64_t c = 0; c < cols; ++c) ASSERT_EQ(deq.ptr<float>()[r * cols + c], d_alone.ptr<float>()[c]);
+        }
+        const float g = global_decode_scale(q, false, r);
+        EXPECT_EQ(g, global_decode_scale(alone, false));
+      }
+      // Per-tensor would have flushed the small row (row 5) to zero against the 1e4 row; per row keeps it.
+      if (!sr) {
+        double kept = 0;
+        for (int64_t c = 0; c < cols; ++c) kept += std::fabs(deq.ptr<float>()[5 * cols + c]);
+        EXPECT_GT(kept, 0.0);
+        const QuantizedTensor t = quantize(x, per_tensor, {true, false}, 5);
+        const Tensor dt = dequantize_reference(t, false);
+        double flushed = 0;
+        for (int64_t c = 0; c < cols; ++c) flushed += std::fabs(dt.ptr<float>()[5 * cols + c]);
+        EXPECT_EQ(flushed, 0.0) << "the test's small row should be lost under one per-tensor scale";
+      }
+    }
+}
+
+TEST(Nvfp4RowAmax, RejectedWhereItHasNoMeaning) {
+  const Tensor x = make_synthetic(Distribution::kNormal, 16, 32, 1);
+  QuantConfig c;
+  c.nvfp4_row_amax = true;
+  EXPECT_THROW(quantize(x, c, {true, true}), Error);  // the column-wise copy
+  c.block_2d = true;
+  EXPECT_THROW(c.validate(), Error);
+  QuantConfig m;
+  m.format = Format::kMxfp8;
+  m.nvfp4_row_amax = true;
+  EXPECT_THROW(m.validate(), Error);
+}
+
 }  // namespace
 }  // namespace fourbit::quant

@@ -181,6 +181,12 @@ void check_pair(const OperandInfo& a, const OperandInfo& b, std::string_view gem
                 gemm_name, a.op->describe(), b.op->describe(),
                 a.hadamard ? fmt::format("rht signs 0x{:04x}", a.hadamard_mask) : "none",
                 b.hadamard ? fmt::format("rht signs 0x{:04x}", b.hadamard_mask) : "none");
+  // A per-row amax scales the rows of C in the epilogue; on B it would scale C's columns, which no
+  // recipe needs (recipe validation allows it on the token-side A operands only).
+  FOURBIT_CHECK(!(b.quantized() && b.config.nvfp4_row_amax),
+                "{}: B {} has per-row amaxes (nvfp4_row_amax); only operand A (the token-side "
+                "row-wise copy: Fprop X, Dgrad dY) may carry them",
+                gemm_name, b.op->describe());
 }
 
 TensorView row_slice(const TensorView& v, int64_t row0, int64_t rows) {

@@ -341,7 +341,16 @@ void cuda_gemm(const CudaGemmCall& call) {
     }
     if (fp8) scale_floats = std::max(scale_floats, round_up(fp8_scale_floats(g.a), 64) + fp8_scale_floats(g.b));
   }
-  int64_t bytes = 256 + 4 * round_up(scale_floats, 64) + 256;
+  // An A with per-row NVFP4 amaxes: cuBLASLt writes raw FP32 sums here, the row-scaled epilogue
+  // applies the per-row factors (gemm_kernels.h).
+  auto row_scaled = [&](const OperandInfo& info) {
+    return emulated && info.quantized() && info.config.nvfp4_row_amax;
+  };
+  int64_t acc_floats = 0;
+  for (const CudaGroup& g : call.groups) {
+    if (row_scaled(*g.a.info)) acc_floats = std::max(acc_floats, g.a.rows * g.b.rows);
+  }
+  int64_t bytes = 256 + 4 * round_up(scale_floats, 64) + 256 + round_up(4 * acc_floats, 256);
   for (const OperandInfo* info : to_convert) bytes += round_up(2 * info->rows * info->k, 256);
   Scratch scratch(call.workspace, bytes, call.name);
 
@@ -369,6 +378,7 @@ void cuda_gemm(const CudaGemmCall& call) {
   };
   float* scales_a = fp8 ? static_cast<float*>(scratch.take(4 * round_up(scale_floats, 64), "fp8 block scales")) : nullptr;
   float* epilogue_scalars = emulated ? static_cast<float*>(scratch.take(2 * sizeof(float), "epilogue scalars")) : nullptr;
+  float* row_acc = acc_floats > 0 ? static_cast<float*>(scratch.take(4 * acc_floats, "row-scaled fp32 sums")) : nullptr;
 
   for (const CudaGroup& g : call.groups) {
     if (g.a.rows == 0 || g.b.rows == 0) continue;
@@ -396,6 +406,23 @@ void cuda_gemm(const CudaGemmCall& call) {
         auto amax_of = [](const OperandInfo& info) -> const float* {
           return info.quantized() && info.format() == quant::Format::kNvfp4 ? info.data->amax.ptr<const float>() : nullptr;
         };
+        if (row_scaled(*g.a.info)) {
+          // Raw sums, then C[m, :] = alpha_eff_m * sums[m, :] (+ beta C) with A's amax of row m.
+          static const float kOne = 1.0f, kZero = 0.0f;
+          TensorView acc;
+          acc.data = row_acc;
+          acc.dtype = DType::kF32;
+          acc.device = Device::kCuda;
+          acc.shape = Shape{g.a.rows, g.b.rows};
+          acc.strides = contiguous_strides(acc.shape);
+          run_matmul(a, b, acc, &kOne, &kZero, false, false, stream, call.name);
+          kernels::launch_row_scaled_epilogue(
+              {row_acc, g.a.rows, g.b.rows, amax_of(*g.a.info) + g.a.row0, g.a.info->config.nvfp4_global_constant(),
+               amax_of(*g.b.info), g.b.info->config.nvfp4_global_constant(), call.alpha, call.beta, g.c.data,
+               g.c.dtype == DType::kBF16, g.c.strides[0]},
+              stream);
+          break;
+        }
         kernels::launch_epilogue_scalars({call.alpha, call.beta, amax_of(*g.a.info),
                                           g.a.info->config.nvfp4_global_constant(), amax_of(*g.b.info),
                                           g.b.info->config.nvfp4_global_constant(), epilogue_scalars},

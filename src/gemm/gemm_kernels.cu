@@ -103,6 +103,26 @@ __global__ void epilogue_scalars_kernel(EpilogueScalarParams p) {
   p.out[1] = p.beta;
 }
 
+__global__ void row_scaled_epilogue_kernel(RowScaledEpilogueParams p) {
+  const float d_b = p.amax_b ? quant::nvfp4_global_decode_scale(*p.amax_b, p.constant_b) : 1.0f;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.rows * p.cols;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / p.cols, col = i % p.cols;
+    const float d_a = quant::nvfp4_global_decode_scale(p.amax_a[r], p.constant_a);
+    const float alpha_eff = formats::mul_rn(formats::mul_rn(p.alpha, d_a), d_b);
+    float y = formats::mul_rn(alpha_eff, p.acc[i]);
+    if (p.c_bf16) {
+      uint16_t* c = static_cast<uint16_t*>(p.c) + r * p.ldc + col;
+      if (p.beta != 0.0f) y = formats::add_rn(y, formats::mul_rn(p.beta, formats::decode_bf16(*c)));
+      *c = formats::encode_bf16_rn(y);
+    } else {
+      float* c = static_cast<float*>(p.c) + r * p.ldc + col;
+      if (p.beta != 0.0f) y = formats::add_rn(y, formats::mul_rn(p.beta, *c));
+      *c = y;
+    }
+  }
+}
+
 template <typename T>
 __global__ void scale_matrix_kernel(T* c, int64_t rows, int64_t cols, int64_t ld, float beta) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * cols;
@@ -132,6 +152,12 @@ void launch_fp8_block_scales(const Fp8BlockScaleSlice& slice, float* dst, cudaSt
 
 void launch_epilogue_scalars(const EpilogueScalarParams& p, cudaStream_t stream) {
   epilogue_scalars_kernel<<<1, 1, 0, stream>>>(p);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+void launch_row_scaled_epilogue(const RowScaledEpilogueParams& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.cols == 0) return;
+  row_scaled_epilogue_kernel<<<grid_for(p.rows * p.cols), kThreads, 0, stream>>>(p);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 

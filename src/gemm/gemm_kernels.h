@@ -48,6 +48,28 @@ struct EpilogueScalarParams {
 };
 void launch_epilogue_scalars(const EpilogueScalarParams& p, cudaStream_t stream);
 
+// The epilogue of an emulated GEMM whose A carries one NVFP4 global amax per row
+// (QuantConfig::nvfp4_row_amax): cuBLASLt wrote the raw FP32 sums acc [rows, cols] (alpha 1,
+// beta 0), and row m of C becomes
+//   alpha_eff_m = f32(f32(alpha * d_a[m]) * d_b),  C[m, n] = f32(alpha_eff_m * acc[m, n]) (+ beta * C)
+// with d_a[m] = nvfp4_global_decode_scale(amax_a[m], constant_a) and d_b from B's amax (1 when
+// null): the operations of the per-tensor epilogue (launch_epilogue_scalars), row by row, and those
+// of the decode GEMV (decode_gemv.h), so the sampler's decode passes and the trainer's forward
+// apply the same factor. With beta != 0, C = f32(f32(alpha_eff_m * acc) + f32(beta * C)).
+struct RowScaledEpilogueParams {
+  const float* acc;      // f32 [rows, cols], contiguous
+  int64_t rows, cols;
+  const float* amax_a;   // device, [rows] (already offset to the group's first row)
+  float constant_a;
+  const float* amax_b;   // device scalar or null
+  float constant_b;
+  float alpha, beta;
+  void* c;               // f32 or bf16 [rows, cols], row stride ldc
+  bool c_bf16;
+  int64_t ldc;
+};
+void launch_row_scaled_epilogue(const RowScaledEpilogueParams& p, cudaStream_t stream);
+
 // C <- beta * C for a bf16 or f32 matrix [rows, cols] with row stride ld (beta == 0 writes zeros
 // without reading C): the result of a GEMM over an empty reduction.
 void launch_scale_matrix(void* c, bool bf16, int64_t rows, int64_t cols, int64_t ld, float beta,

@@ -15,7 +15,8 @@
 //                    byte c/2 when c is even, high nibble when odd; an odd C pads a zero nibble.
 //             scales e4m3 [R, ceil(C/16)]: scale (r, j) covers elements 16j .. 16j+15 of row r.
 //                    2D (16x16 tiles): the tile scale is repeated in each of the tile's 16 rows.
-//             amax   f32 [1]: the global amax of what this orientation quantized (after RHT).
+//             amax   f32 [1]: the global amax of what this orientation quantized (after RHT);
+//                    with nvfp4_row_amax, f32 [R]: one global amax per stored row (row-wise only).
 //   MXFP8     data   e4m3 [R, C]; scales e8m0 [R, ceil(C/32)].
 //   FP8 block data   e4m3 [R, C]; scales f32 decode scales (1 / encode scale):
 //                    1x128: [R, ceil(C/128)]; 128x128: [ceil(R/128), ceil(C/128)].
@@ -60,6 +61,13 @@ struct QuantConfig {
   // NVFP4 with stochastic rounding: scale the elements by 16/17 (block_math.h) so that a block
   // maximum whose E4M3 scale rounded down cannot saturate (removes SR's saturation bias).
   bool sr_unbiased_scale = false;
+  // NVFP4 1x16, row-wise copy only: one global amax (and so one FP32 global scale) per row of the
+  // source instead of one per tensor, TE's "row-scaled" NVFP4 (NUMERICS.md 3.1). For token-side
+  // operands (activations X, gradients dY) a row is a token, so a token's quantization depends on
+  // that token alone: the RL sampler's decode passes and the trainer's forward then quantize it
+  // bit for bit alike, whatever else shares the pass (RL.md: per-token activation scales). The
+  // GEMMs apply the per-row decode scale to the rows of C in the FP32 epilogue.
+  bool nvfp4_row_amax = false;
   MxScaleRule mx_scale_rule = MxScaleRule::kRoundUp;
   bool fp8_pow2_scales = true;  // FP8 block / tensor: scales rounded down to powers of two
 
@@ -125,8 +133,9 @@ Tensor dequantize_to_source_reference(const QuantizedTensor& q, bool colwise);
 Tensor dequantize_bf16_scaled_reference(const QuantizedTensor& q, bool colwise);
 
 // NVFP4: A * f32(1 / C) (the factor applied after a GEMM over scaled-domain operands); 1 for the
-// other formats. Reads the amax from host memory.
-float global_decode_scale(const QuantizedTensor& q, bool colwise);
+// other formats. Reads the amax from host memory. With nvfp4_row_amax, `row` selects the row's
+// amax (for a per-tensor amax it is ignored).
+float global_decode_scale(const QuantizedTensor& q, bool colwise, int64_t row = 0);
 
 // Applies the 16-point RHT along the last dimension of an f32 [R, C] host matrix (C % 16 == 0),
 // in place, rounding to BF16 like the quantizer does; `inverse` undoes it (FP32, no rounding).
@@ -142,6 +151,7 @@ struct CudaQuantizeOptions {
   RandomStream sr{};
   // If set, the global amax (row-wise, column-wise post-RHT) is taken from these device scalars
   // instead of being computed by an extra pass over the source (e.g. produced by the previous op).
+  // Not with nvfp4_row_amax (its per-row amaxes are always computed here).
   const float* given_rowwise_amax = nullptr;
   const float* given_colwise_amax = nullptr;
   // Non-finite inputs set this device flag (int32); when null, quantize_cuda synchronizes and

@@ -120,8 +120,19 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
   bind(out.rowwise, p.row, bf16_rowwise, o.sr);
   bind(out.colwise, p.col, bf16_colwise, RandomStream{o.sr.seed, o.sr.stream ^ kColwiseStreamBit});
 
-  // Global amax (NVFP4: per orientation, column-wise after RHT; FP8 tensor: one).
-  if (cfg.format == Format::kNvfp4 || cfg.format == Format::kFp8Tensor) {
+  // Global amax (NVFP4: per orientation, column-wise after RHT, or per row; FP8 tensor: one).
+  if (cfg.nvfp4_row_amax) {
+    FOURBIT_CHECK(!out.colwise && out.rowwise && out.rowwise->amax.numel() == M,
+                  "quantize_cuda('{}'): a per-row amax (nvfp4_row_amax) needs a bundle with only the "
+                  "row-wise copy and {} amaxes (allocate_quantized makes it)", o.tensor_name, M);
+    FOURBIT_CHECK(o.given_rowwise_amax == nullptr,
+                  "quantize_cuda('{}'): per-row amaxes (nvfp4_row_amax) are computed here; do not "
+                  "pass given_rowwise_amax", o.tensor_name);
+    float* row_amax = out.rowwise->amax.ptr<float>();
+    kernels::launch_row_amax(src.data, src.dtype == DType::kBF16, M, K, row_amax, flags, stream);
+    p.row.amax = row_amax;
+    p.row.amax_per_row = true;
+  } else if (cfg.format == Format::kNvfp4 || cfg.format == Format::kFp8Tensor) {
     std::optional<QuantizedData>& any = out.rowwise ? out.rowwise : out.colwise;
     float* row_amax = out.rowwise ? out.rowwise->amax.ptr<float>() : nullptr;
     float* col_amax = out.colwise ? out.colwise->amax.ptr<float>() : nullptr;
@@ -180,6 +191,7 @@ void dequantize_cuda(const QuantizedTensor& q, bool colwise, const TensorView& o
   p.data = od->data.ptr<const uint8_t>();
   p.scales = od->scales.data();
   p.amax = od->amax.defined() ? od->amax.ptr<const float>() : nullptr;
+  p.amax_per_row = od->amax.defined() && od->amax.numel() > 1;
   p.nvfp4_constant = q.config.nvfp4_global_constant();
   p.rows = od->rows;
   p.cols = od->cols;

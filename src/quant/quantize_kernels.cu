@@ -473,7 +473,8 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
           read_row16(r, b, v);
           amax = amax16(v, bad);
         }
-        const uint2 packed = encode(v, amax, nv_row, p.row, r0 + r, c0 + b * 16, K);
+        const uint2 packed = encode(v, amax, p.row.amax_per_row ? nvfp4_tensor(p, p.row.amax + r0 + r) : nv_row,
+                                    p.row, r0 + r, c0 + b * 16, K);
         if (p.row.data) *reinterpret_cast<uint2*>(p.row.data + ((r0 + r) * K + c0 + b * 16) / 2) = packed;
       }
     }
@@ -818,8 +819,8 @@ __global__ void __launch_bounds__(kThreads) rowwise_rn_kernel(Params p) {
   for (int off = 1; off < kGroup; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
 
   if constexpr (F == Format::kNvfp4) {
-    const Nvfp4TensorScales ts =
-        nvfp4_tensor_scales(*p.row.amax, p.nvfp4_scale_constant, p.nvfp4_element_constant);
+    const float tensor_amax = p.row.amax[p.row.amax_per_row ? g / (p.cols / 16) : 0];
+    const Nvfp4TensorScales ts = nvfp4_tensor_scales(tensor_amax, p.nvfp4_scale_constant, p.nvfp4_element_constant);
     const uint8_t s = nvfp4_block_scale(amax, ts);
     const float mult = nvfp4_element_multiplier(s, ts);
     const uint2 packed = nvfp4_encode16(v, mult, false, false, Philox4x32Result{});
@@ -914,6 +915,40 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const InT* src, int64_t 
   if (bad) atomicOr(error_flags, kErrNonFinite);
 }
 
+// --- per-row amax (nvfp4_row_amax) ----------------------------------------------------------------
+
+// One warp per row: lanes stride over the row in 16-byte loads (8 bf16 or 4 f32), then a warp max.
+template <typename InT>
+__global__ void __launch_bounds__(kThreads) row_amax_kernel(const InT* src, int64_t rows, int64_t cols,
+                                                            float* row_amax, int* error_flags) {
+  constexpr int kPer = 16 / sizeof(InT);
+  const int64_t r = (int64_t)blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+  if (r >= rows) return;  // whole warps leave together
+  const int lane = threadIdx.x % 32;
+  const InT* row = src + r * cols;
+  float a = 0.0f;
+  bool bad = false;
+  for (int64_t c = (int64_t)lane * kPer; c < cols; c += 32 * kPer) {
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(row + c));
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (sizeof(InT) == 2) {
+        const float lo = abs_f32(__uint_as_float(w[i] << 16)), hi = abs_f32(__uint_as_float(w[i] & 0xFFFF0000u));
+        bad |= !(lo <= formats::kFloatMax) || !(hi <= formats::kFloatMax);
+        a = fmaxf(a, fmaxf(lo, hi));
+      } else {
+        const float x = abs_f32(__uint_as_float(w[i]));
+        bad |= !(x <= formats::kFloatMax);
+        a = fmaxf(a, x);
+      }
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
+  if (lane == 0) row_amax[r] = a;
+  if (bad) atomicOr(error_flags, kErrNonFinite);
+}
+
 // --- dequantize ------------------------------------------------------------------------------------
 
 __global__ void fill_normal_kernel(void* dst, bool bf16, int64_t n, uint64_t seed) {
@@ -941,7 +976,7 @@ __global__ void dequantize_kernel(DequantParams p) {
       case Format::kNvfp4: {
         const uint8_t code = formats::unpack_e2m1(p.data[i / 2], (int)(i & 1));
         const uint8_t s = static_cast<const uint8_t*>(p.scales)[r * (p.cols / 16) + c / 16];
-        v = nvfp4_dequantize_element(code, s, *p.amax, p.nvfp4_constant);
+        v = nvfp4_dequantize_element(code, s, p.amax[p.amax_per_row ? r : 0], p.nvfp4_constant);
         break;
       }
       case Format::kMxfp8:
@@ -1056,6 +1091,20 @@ void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, 
   } else {
     amax_kernel<float><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(src), rows, cols,
         rht, sign_mask, row_amax, col_amax, error_flags);
+  }
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+void launch_row_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, float* row_amax,
+                     int* error_flags, cudaStream_t stream) {
+  if (rows == 0) return;
+  const unsigned blocks = (unsigned)((rows + kThreads / 32 - 1) / (kThreads / 32));
+  if (bf16_source) {
+    row_amax_kernel<uint16_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(src), rows, cols,
+                                                               row_amax, error_flags);
+  } else {
+    row_amax_kernel<float><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(src), rows, cols,
+                                                            row_amax, error_flags);
   }
   FOURBIT_CUDA_CHECK_LAUNCH();
 }

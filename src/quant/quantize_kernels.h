@@ -22,6 +22,7 @@ struct OrientationOut {
   void* scales = nullptr;         // E4M3 / E8M0 bytes or f32 (layout in quantize.h)
   uint16_t* bf16 = nullptr;       // optional scaled-domain BF16, stored [R, C]
   const float* amax = nullptr;    // NVFP4 / FP8-tensor global amax of this orientation (device)
+  bool amax_per_row = false;      // NVFP4 row-wise: amax[r] for row r (QuantConfig::nvfp4_row_amax)
   RandomStream sr;
 };
 
@@ -46,6 +47,7 @@ struct DequantParams {
   const uint8_t* data;
   const void* scales;
   const float* amax;
+  bool amax_per_row;  // NVFP4: amax[r] for stored row r
   float nvfp4_constant;
   int64_t rows, cols;  // stored [R, C]
   float* out;          // f32 [R, C]
@@ -61,6 +63,10 @@ void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, 
                  uint16_t sign_mask, float* row_amax, float* col_amax, int* error_flags,
                  cudaStream_t stream);
 void launch_dequantize(const DequantParams& p, cudaStream_t stream);
+// The amax of every row of a contiguous f32 or bf16 [rows, cols] source (cols % 8 == 0) into
+// row_amax[rows] (device; no zeroing needed), one warp per row; NaN / Inf set kErrNonFinite.
+void launch_row_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, float* row_amax,
+                     int* error_flags, cudaStream_t stream);
 
 // Fills a device buffer with seeded standard-normal values (Philox + Box-Muller), as f32 or bf16:
 // benchmark inputs, generated on the GPU.

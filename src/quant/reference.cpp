@@ -70,6 +70,7 @@ std::string QuantConfig::describe() const {
   if (sr_unbiased_scale && rounding == Rounding::kStochastic && format == Format::kNvfp4) {
     s += " 16/17";
   }
+  if (nvfp4_row_amax && format == Format::kNvfp4) s += " row-amax";
   if (rht) s += rht_signs == HadamardSigns::kRandom ? " rht(random)" : " rht";
   if (format == Format::kMxfp8 && mx_scale_rule == MxScaleRule::kFloor) s += " floor";
   if ((format == Format::kFp8Block || format == Format::kFp8Tensor) && !fp8_pow2_scales) {
@@ -93,6 +94,10 @@ void QuantConfig::validate() const {
                 "quant config '{}': the Four Over Six scale rule is for nvfp4 only", describe());
   FOURBIT_CHECK(!sr_unbiased_scale || format == Format::kNvfp4,
                 "quant config '{}': sr_unbiased_scale (16/17) is for nvfp4 only", describe());
+  FOURBIT_CHECK(!nvfp4_row_amax || (format == Format::kNvfp4 && !block_2d),
+                "quant config '{}': nvfp4_row_amax (one global amax per row) is for nvfp4 1x16 "
+                "(row-wise token operands) only",
+                describe());
 }
 
 namespace {
@@ -150,7 +155,8 @@ uint8_t get_fp4(const uint8_t* row, int64_t c) { return formats::unpack_e2m1(row
 
 int64_t fp4_row_bytes(int64_t cols) { return (cols + 1) / 2; }
 
-QuantizedData make_data(const QuantConfig& cfg, int64_t rows, int64_t cols, Device device) {
+// `rowwise`: the row-wise copy (the only one that can carry per-row amaxes).
+QuantizedData make_data(const QuantConfig& cfg, int64_t rows, int64_t cols, Device device, bool rowwise) {
   QuantizedData d;
   d.rows = rows;
   d.cols = cols;
@@ -158,7 +164,7 @@ QuantizedData make_data(const QuantConfig& cfg, int64_t rows, int64_t cols, Devi
     case Format::kNvfp4:
       d.data = Tensor::empty({rows, fp4_row_bytes(cols) * 2}, DType::kE2M1x2, device);
       d.scales = Tensor::empty({rows, ceil_div(cols, 16)}, DType::kE4M3, device);
-      d.amax = Tensor::empty({1}, DType::kF32, device);
+      d.amax = Tensor::empty({cfg.nvfp4_row_amax && rowwise ? rows : 1}, DType::kF32, device);
       break;
     case Format::kMxfp8:
       d.data = Tensor::empty({rows, cols}, DType::kE4M3, device);
@@ -181,7 +187,8 @@ QuantizedData make_data(const QuantConfig& cfg, int64_t rows, int64_t cols, Devi
 
 // ---- NVFP4 ------------------------------------------------------------------------------------
 
-// 1x16 blocks along the columns of m.
+// 1x16 blocks along the columns of m; with cfg.nvfp4_row_amax each row is quantized with its own
+// global amax (the row's amax, stored in out.amax[r]) instead of `amax`.
 void nvfp4_quantize_1d(const Matrix& m, float amax, const QuantConfig& cfg,
                        const RandomStream& sr, QuantizedData& out) {
   const bool stochastic = cfg.rounding == Rounding::kStochastic;
@@ -194,10 +201,16 @@ void nvfp4_quantize_1d(const Matrix& m, float amax, const QuantConfig& cfg,
   const float scale_constant = cfg.nvfp4_scale_constant();
   const float element_constant = cfg.nvfp4_global_constant();
   const bool four_over_six = cfg.nvfp4_scale_rule == Nvfp4ScaleRule::kFourOverSix;
-  const Nvfp4TensorScales ts = nvfp4_tensor_scales(amax, scale_constant, element_constant);
-  const FourOverSixTensorScales ts46 =
-      four_over_six_tensor_scales(amax, scale_constant, element_constant);
+  Nvfp4TensorScales ts = nvfp4_tensor_scales(amax, scale_constant, element_constant);
+  FourOverSixTensorScales ts46 = four_over_six_tensor_scales(amax, scale_constant, element_constant);
   for (int64_t r = 0; r < m.rows; ++r) {
+    if (cfg.nvfp4_row_amax) {
+      float row_amax = 0.0f;
+      for (int64_t c = 0; c < m.cols; ++c) row_amax = fmax_ieee(row_amax, abs_f32(m.at(r, c)));
+      out.amax.ptr<float>()[r] = row_amax;
+      ts = nvfp4_tensor_scales(row_amax, scale_constant, element_constant);
+      ts46 = four_over_six_tensor_scales(row_amax, scale_constant, element_constant);
+    }
     uint8_t* row = data + r * row_bytes;
     for (int64_t b = 0; b < n_blocks; ++b) {
       const int64_t c0 = b * 16, c1 = std::min(m.cols, c0 + 16);
@@ -302,7 +315,7 @@ void nvfp4_quantize_2d(const Matrix& m, float amax, const QuantConfig& cfg,
 
 // The column-wise copy of a 2D-quantized tensor: the transpose of the row-wise data and scales.
 QuantizedData transpose_2d(const QuantConfig& cfg, const QuantizedData& row) {
-  QuantizedData col = make_data(cfg, row.cols, row.rows, Device::kCpu);
+  QuantizedData col = make_data(cfg, row.cols, row.rows, Device::kCpu, false);
   if (cfg.format == Format::kNvfp4) {
     std::fill_n(col.data.ptr<uint8_t>(), col.data.nbytes(), 0);
     const int64_t rb = fp4_row_bytes(row.cols), cb = fp4_row_bytes(col.cols);
@@ -411,8 +424,12 @@ QuantizedTensor allocate_quantized(const QuantConfig& config, int64_t src_rows, 
   q.rows = src_rows;
   q.cols = src_cols;
   q.device = device;
-  if (orientations.rowwise) q.rowwise = make_data(config, src_rows, src_cols, device);
-  if (orientations.colwise) q.colwise = make_data(config, src_cols, src_rows, device);
+  FOURBIT_CHECK(!config.nvfp4_row_amax || !orientations.colwise,
+                "quant config '{}': a per-row amax (nvfp4_row_amax) exists for the row-wise copy "
+                "only; quantize the column-wise copy with a per-tensor amax",
+                config.describe());
+  if (orientations.rowwise) q.rowwise = make_data(config, src_rows, src_cols, device, true);
+  if (orientations.colwise) q.colwise = make_data(config, src_cols, src_rows, device, false);
   return q;
 }
 
@@ -441,7 +458,7 @@ QuantizedTensor quantize_reference(const TensorView& src, const QuantConfig& con
   const bool two_d = config.block_2d;
   const float amax = matrix_amax(m);
   if (orientations.rowwise || (orientations.colwise && two_d)) {
-    QuantizedData row = make_data(config, m.rows, m.cols, Device::kCpu);
+    QuantizedData row = make_data(config, m.rows, m.cols, Device::kCpu, true);
     quantize_matrix(m, amax, config, row_stream, row);
     if (orientations.colwise && two_d) q.colwise = transpose_2d(config, row);
     if (orientations.rowwise) q.rowwise = std::move(row);
@@ -479,8 +496,8 @@ Tensor dequantize_reference(const QuantizedTensor& q, bool colwise) {
         case Format::kNvfp4: {
           const uint8_t code = get_fp4(data + r * fp4_row_bytes(d.cols), c);
           const uint8_t s = d.scales.ptr<const uint8_t>()[r * ceil_div(d.cols, 16) + c / 16];
-          v = nvfp4_dequantize_element(code, s, *d.amax.ptr<const float>(),
-                                       cfg.nvfp4_global_constant());
+          const float amax = d.amax.ptr<const float>()[d.amax.numel() > 1 ? r : 0];
+          v = nvfp4_dequantize_element(code, s, amax, cfg.nvfp4_global_constant());
           break;
         }
         case Format::kMxfp8:
@@ -561,13 +578,15 @@ Tensor dequantize_bf16_scaled_reference(const QuantizedTensor& q, bool colwise) 
   return out;
 }
 
-float global_decode_scale(const QuantizedTensor& q, bool colwise) {
+float global_decode_scale(const QuantizedTensor& q, bool colwise, int64_t row) {
   if (q.config.format != Format::kNvfp4) return 1.0f;
   const std::optional<QuantizedData>& od = colwise ? q.colwise : q.rowwise;
   FOURBIT_CHECK(od.has_value(), "global_decode_scale: the {} copy was not quantized",
                 colwise ? "column-wise" : "row-wise");
   FOURBIT_CHECK(od->amax.device() == Device::kCpu, "global_decode_scale reads a host amax");
-  return nvfp4_global_decode_scale(*od->amax.ptr<const float>(), q.config.nvfp4_global_constant());
+  const int64_t n = od->amax.numel();
+  FOURBIT_CHECK(n == 1 || (row >= 0 && row < n), "global_decode_scale: row {} of {} per-row amaxes", row, n);
+  return nvfp4_global_decode_scale(od->amax.ptr<const float>()[n > 1 ? row : 0], q.config.nvfp4_global_constant());
 }
 
 }  // namespace fourbit::quant

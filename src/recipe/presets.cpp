@@ -143,9 +143,14 @@ Recipe nvfp4_46_preset() {
 // except the RL trainer's backward:
 //   pretrain_forward   NVFP4 RN, X 1x16, W 16x16                         (NUMERICS 10, 4.1)
 //   pretrain_backward  NVFP4: Dgrad dY 1x16 SR, W 16x16 RN; Wgrad dY^T SR + RHT, X^T RN + RHT
-//   rl_sampler         NVFP4 RN, X 1x16, W 1x16. 1x16 weights: the 16x16 tiles exist only to make
-//                      Fprop and Dgrad see one quantized weight (NUMERICS 4.3), and this stage has
-//                      no Dgrad; finer scales give lower forward error (NUMERICS 10 allows either).
+//   rl_sampler         NVFP4 RN, X 1x16 with a per-token global amax, W 1x16. Per-token: a token's
+//                      quantization then depends on that token alone, so the sampler's decode
+//                      passes (a few tokens each) and the trainer's forward (every token at once)
+//                      quantize it bit for bit alike (RL.md: "per-token activation scales"); with
+//                      one amax per pass they differ whenever the passes' amaxes do. 1x16 weights:
+//                      the 16x16 tiles exist only to make Fprop and Dgrad see one quantized weight
+//                      (NUMERICS 4.3), and this stage has no Dgrad; finer scales give lower forward
+//                      error (NUMERICS 10 allows either).
 //   rl_trainer         forward = the sampler's exact contract (RL.md); backward MXFP8 (RCEIL) with
 //                      SR on dY and dY^T, RN on W and X^T: DESIGN offers "MXFP8 or BF16 with
 //                      stochastic rounding"; we choose MXFP8 SR, unbiased and half the bytes of
@@ -155,7 +160,9 @@ Recipe e2e4_preset() {
   Policy p;
   set_forward(p, Stage::kPretrainForward, t.fprop_x, t.fprop_w);
   set_backward(p, Stage::kPretrainBackward, t);
-  const QuantConfig x = make(Format::kNvfp4, false, kRn), w = make(Format::kNvfp4, false, kRn);
+  QuantConfig x = make(Format::kNvfp4, false, kRn);
+  x.nvfp4_row_amax = true;
+  const QuantConfig w = make(Format::kNvfp4, false, kRn);
   set_forward(p, Stage::kRlSampler, x, w);
   set_forward(p, Stage::kRlTrainer, x, w);
   const QuantConfig mx = make(Format::kMxfp8, false, kRn), mx_sr = make(Format::kMxfp8, false, kSr);

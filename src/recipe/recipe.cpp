@@ -313,6 +313,16 @@ void check_role(Slot s, const Precision& p) {
                            "column-wise copies along tokens), not to {} (NUMERICS 4.2)",
                            gemm_name(s.gemm)));
   }
+  // quant/quantize.h: a per-row global amax exists for the row-wise copy, and the GEMMs apply it
+  // to the rows of C: the token-side operand A of Fprop (X) and Dgrad (dY).
+  const bool token_rows = (s.gemm == Gemm::kFprop && s.operand == Operand::kInput) ||
+                          (s.gemm == Gemm::kDgrad && s.operand == Operand::kGradient);
+  if (p->nvfp4_row_amax && !token_rows) {
+    fail(path + ".nvfp4_row_amax",
+         fmt::format("a per-token (per-row) amax applies to the token-side row-wise operands only (fprop "
+                     "input, dgrad gradient), not to {}.{}",
+                     gemm_name(s.gemm), operand_name(s.operand)));
+  }
   // RL.md: the sampler is a deterministic function of the weights (importance ratios need it).
   if (s.stage == Stage::kRlSampler && p->rounding == quant::Rounding::kStochastic) {
     fail(path + ".rounding",
