@@ -105,12 +105,14 @@ struct Case {
   double w_scale = 1.0;          // multiplies the weight source (huge / tiny global scales)
   bool zero_blocks = false;      // zero some 16-blocks of the weight and of x, and a whole row
   bool four_over_six = false;
+  bool row_amax = false;         // per-token activation amaxes (nvfp4_row_amax)
 };
 
 std::string describe(const Case& c) {
-  return fmt::format("B={} N={} K={} w={} x={} y={} x_pad={} y_pad={} w_scale={} zero_blocks={} 4/6={}", c.B, c.N,
-                     c.K, c.w == WKind::kBf16 ? "bf16" : "nvfp4", c.x == XKind::kPlain ? "plain" : "nvfp4",
-                     c.y == DType::kF32 ? "f32" : "bf16", c.x_pad, c.y_pad, c.w_scale, c.zero_blocks, c.four_over_six);
+  return fmt::format("B={} N={} K={} w={} x={} y={} x_pad={} y_pad={} w_scale={} zero_blocks={} 4/6={} row_amax={}",
+                     c.B, c.N, c.K, c.w == WKind::kBf16 ? "bf16" : "nvfp4", c.x == XKind::kPlain ? "plain" : "nvfp4",
+                     c.y == DType::kF32 ? "f32" : "bf16", c.x_pad, c.y_pad, c.w_scale, c.zero_blocks, c.four_over_six,
+                     c.row_amax);
 }
 
 void zero_some_blocks(Tensor& t, uint64_t seed) {  // f32 or bf16 host [R, C]
@@ -134,6 +136,12 @@ void run_case(const Case& c, uint64_t seed) {
   if (c.zero_blocks) zero_some_blocks(wsrc, seed + 1);
   Tensor xsrc = random_matrix(c.B, c.K, seed + 2, DType::kBF16);
   if (c.zero_blocks) zero_some_blocks(xsrc, seed + 3);
+  if (c.row_amax) {  // rows of very different scales: a wrong row's factor cannot pass the bound
+    for (int64_t i = 0; i < xsrc.numel(); ++i) {
+      const float scale = std::ldexp(1.0f, 3 * (int)(i / c.K % 7) - 9);
+      xsrc.ptr<uint16_t>()[i] = formats::encode_bf16_rn(formats::decode_bf16(xsrc.ptr<uint16_t>()[i]) * scale);
+    }
+  }
 
   std::optional<quant::QuantizedTensor> qw, qw_dev;
   Tensor w_bf16_host, w_bf16_dev;
@@ -163,10 +171,11 @@ void run_case(const Case& c, uint64_t seed) {
   Tensor x_ref;
   TensorView x_gemv = xd.view;
   if (c.x == XKind::kNvfp4) {
-    const quant::QuantConfig xc = nvfp4(c.four_over_six);
+    quant::QuantConfig xc = nvfp4(c.four_over_six);
+    xc.nvfp4_row_amax = c.row_amax;
     xs_dev = Tensor::empty({c.B, c.K}, DType::kBF16, Device::kCuda);
     poison(xs_dev.view());
-    amax_dev = Tensor::empty({1}, DType::kF32, Device::kCuda);
+    amax_dev = Tensor::empty({c.row_amax ? c.B : 1}, DType::kF32, Device::kCuda);
     DecodeQuantizeArgs qa;
     qa.x = xd.view;
     qa.config = xc;
@@ -181,11 +190,16 @@ void run_case(const Case& c, uint64_t seed) {
     x_ref = quant::dequantize_bf16_scaled_reference(qx, false);
     const Tensor xs_host = xs_dev.to(Device::kCpu);
     ASSERT_EQ(std::memcmp(xs_host.data(), x_ref.data(), (size_t)x_ref.nbytes()), 0) << "scaled-domain x differs";
-    float amax_host = 0;
-    FOURBIT_CUDA_CHECK(cudaMemcpy(&amax_host, amax_dev.data(), 4, cudaMemcpyDeviceToHost));
-    ASSERT_EQ(amax_host, *qx.rowwise->amax.ptr<const float>());
+    const Tensor amax_host = amax_dev.to(Device::kCpu);
+    ASSERT_EQ(amax_host.numel(), qx.rowwise->amax.numel());
+    for (int64_t i = 0; i < amax_host.numel(); ++i)
+      ASSERT_EQ(amax_host.ptr<const float>()[i], qx.rowwise->amax.ptr<const float>()[i]) << "amax " << i;
     ra.x = x_ref.view();
-    ra.x_nvfp4_amax = amax_host;
+    if (c.row_amax) {
+      ra.x_nvfp4_row_amax.assign(amax_host.ptr<const float>(), amax_host.ptr<const float>() + c.B);
+    } else {
+      ra.x_nvfp4_amax = amax_host.ptr<const float>()[0];
+    }
     ra.x_global_constant = xc.nvfp4_global_constant();
     x_gemv = xs_dev.view();
   } else {
@@ -197,6 +211,7 @@ void run_case(const Case& c, uint64_t seed) {
   DecodeGemvArgs a;
   a.x = x_gemv;
   a.x_nvfp4_amax = c.x == XKind::kNvfp4 ? amax_dev.ptr<const float>() : nullptr;
+  a.x_amax_per_row = c.x == XKind::kNvfp4 && c.row_amax;
   a.x_global_constant = ra.x_global_constant;
   a.w = w_dev;
   a.y = yd.view;
@@ -274,6 +289,25 @@ TEST(DecodeGemvCuda, Nvfp4WeightsNvfp4Activations) {
     }
 }
 
+// Per-token activation amaxes (the e2e4 sampler): each token's own global scale in the quantizer
+// and in the GEMV's epilogue, on the one-split, split-K and cluster epilogues, bf16 and f32 outputs
+// (with the residual epilogue), NVFP4 and BF16 weights.
+TEST(DecodeGemvCuda, PerTokenActivationAmax) {
+  uint64_t seed = 250;
+  for (int B : {1, 3, 8, 16, 37, 64})
+    for (auto [N, K] : {std::pair<int64_t, int64_t>{512, 2048}, {131, 5632}, {77, 35}, {96, 4096}}) {
+      Case c{B, N, K, WKind::kNvfp4, XKind::kNvfp4};
+      c.row_amax = true;
+      run_case(c, seed++);
+      c.four_over_six = true;
+      c.y = DType::kBF16;
+      run_case(c, seed++);
+      c.w = WKind::kBf16;
+      c.x_pad = 8;
+      run_case(c, seed++);
+    }
+}
+
 TEST(DecodeGemvCuda, Bf16Weights) {
   uint64_t seed = 300;
   for (int B : {1, 3, 8, 13, 64})
@@ -324,13 +358,14 @@ TEST(DecodeGemvCuda, QuantizeActivationMatchesCpuQuantizer) {
     int64_t K, pad;
   };
   const Shape shapes[] = {{1, 2048, 0}, {8, 2048, 0}, {9, 2048, 8}, {2, 5632, 0}, {16, 2048, 0}, {3, 1000, 0},
-                          {5, 37, 3}, {64, 512, 0}};
+                          {5, 37, 3}, {64, 512, 0}, {2, 17008, 0}};
   const quant::FourOverSixMetric metrics[] = {quant::FourOverSixMetric::kMse, quant::FourOverSixMetric::kMae,
                                               quant::FourOverSixMetric::kAbsMax};
   uint64_t seed = 800;
   for (const Shape& sh : shapes)
-    for (int fill = 0; fill < 4; ++fill)
-      for (int rule = 0; rule < 4; ++rule) {
+    for (int fill = 0; fill < 5; ++fill)
+      for (int rule = 0; rule < 4; ++rule)
+        for (bool per_row : {false, true}) {
         Tensor x = random_matrix(sh.B, sh.K, seed++, DType::kBF16);
         uint16_t* xv = x.ptr<uint16_t>();
         for (int64_t i = 0; i < x.numel(); ++i) {
@@ -338,15 +373,17 @@ TEST(DecodeGemvCuda, QuantizeActivationMatchesCpuQuantizer) {
           if (fill == 1) xv[i] = 0;                                                       // amax = 0
           if (fill == 2) xv[i] = c == 5 ? formats::encode_bf16_rn(1e4f) : xv[i];          // one outlier per row
           if (fill == 3) xv[i] = formats::encode_bf16_rn((c / 16 % 2 ? -0.75f : 2.5f) * (1 + i % 3));  // ties, equal blocks
+          if (fill == 4) xv[i] = formats::encode_bf16_rn(formats::decode_bf16(xv[i]) * std::ldexp(1.0f, 4 * (int)(i / sh.K % 6) - 12));  // row scales
         }
         quant::QuantConfig cfg = nvfp4(rule > 0);
         if (rule > 0) cfg.four_over_six_metric = metrics[rule - 1];
+        cfg.nvfp4_row_amax = per_row;
         Strided xd = strided(sh.B, sh.K, sh.K + sh.pad, DType::kBF16);
         FOURBIT_CUDA_CHECK(cudaMemcpy2D(xd.view.data, (size_t)(2 * (sh.K + sh.pad)), x.data(), (size_t)(2 * sh.K),
                                         (size_t)(2 * sh.K), (size_t)sh.B, cudaMemcpyHostToDevice));
         Tensor xs = Tensor::empty({sh.B, sh.K}, DType::kBF16, Device::kCuda);
         poison(xs.view());
-        Tensor amax = Tensor::empty({1}, DType::kF32, Device::kCuda), flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+        Tensor amax = Tensor::empty({per_row ? sh.B : 1}, DType::kF32, Device::kCuda), flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
         DecodeWorkspace ws;
         DecodeQuantizeArgs qa;
         qa.x = xd.view;
@@ -360,12 +397,13 @@ TEST(DecodeGemvCuda, QuantizeActivationMatchesCpuQuantizer) {
         const Tensor want = quant::dequantize_bf16_scaled_reference(q, false);
         const Tensor got = xs.to(Device::kCpu);
         const std::string what = "B " + std::to_string(sh.B) + " K " + std::to_string(sh.K) + " fill " +
-                                 std::to_string(fill) + " rule " + std::to_string(rule);
+                                 std::to_string(fill) + " rule " + std::to_string(rule) + " per_row " + std::to_string(per_row);
         for (int64_t i = 0; i < want.numel(); ++i)
           ASSERT_EQ(got.ptr<const uint16_t>()[i], want.ptr<const uint16_t>()[i]) << what << ": element " << i;
-        float amax_host = 0;
-        FOURBIT_CUDA_CHECK(cudaMemcpy(&amax_host, amax.data(), 4, cudaMemcpyDeviceToHost));
-        ASSERT_EQ(amax_host, *q.rowwise->amax.ptr<const float>()) << what;
+        const Tensor amax_host = amax.to(Device::kCpu);
+        ASSERT_EQ(amax_host.numel(), q.rowwise->amax.numel()) << what;
+        for (int64_t i = 0; i < amax_host.numel(); ++i)
+          ASSERT_EQ(amax_host.ptr<const float>()[i], q.rowwise->amax.ptr<const float>()[i]) << what << ": amax " << i;
       }
 }
 
@@ -377,7 +415,7 @@ struct QuantizeCall {
   DecodeQuantizeArgs args;
   QuantizeCall(const TensorView& x, const quant::QuantConfig& cfg, int64_t B, int64_t K)
       : xs(Tensor::empty({B, K}, DType::kBF16, Device::kCuda)),
-        amax(Tensor::empty({1}, DType::kF32, Device::kCuda)),
+        amax(Tensor::empty({B}, DType::kF32, Device::kCuda)),  // [0] per tensor, B per row
         flag(Tensor::zeros({1}, DType::kI32, Device::kCuda)) {
     poison(xs.view());
     args.x = x;
@@ -393,6 +431,10 @@ struct QuantizeCall {
     float v = 0;
     FOURBIT_CUDA_CHECK(cudaMemcpy(&v, amax.data(), 4, cudaMemcpyDeviceToHost));
     return v;
+  }
+  std::vector<float> amaxes() const {  // one per row with nvfp4_row_amax
+    const Tensor h = amax.to(Device::kCpu);
+    return std::vector<float>(h.ptr<const float>(), h.ptr<const float>() + (args.config.nvfp4_row_amax ? h.numel() : 1));
   }
   int flag_host() const {
     int v = 0;
@@ -414,8 +456,8 @@ TEST(DecodeGemvCuda, FusedRmsnormMatchesRmsnormThenQuantize) {
                           {64, 256, 0}, {1, 8, 0}};
   uint64_t seed = 900;
   for (const Shape& sh : shapes)
-    for (int rule = 0; rule < 2; ++rule) {
-      ASSERT_TRUE(decode_quantize_can_fuse_norm(sh.B, sh.K));
+    for (int rule = 0; rule < 4; ++rule) {  // rule & 1: Four Over Six; rule & 2: per-row amax
+      ASSERT_TRUE(decode_quantize_can_fuse_norm(sh.B, sh.K, rule & 2));
       Tensor x = random_matrix(sh.B, sh.K, seed++, DType::kBF16);
       uint16_t* xv = x.ptr<uint16_t>();
       for (int64_t i = 0; i < x.numel(); ++i) {  // row r scaled by 4^(r % 5 - 2)
@@ -431,7 +473,8 @@ TEST(DecodeGemvCuda, FusedRmsnormMatchesRmsnormThenQuantize) {
       FOURBIT_CUDA_CHECK(cudaMemcpy2D(xd.view.data, (size_t)(2 * (sh.K + sh.pad)), x.data(), (size_t)(2 * sh.K),
                                       (size_t)(2 * sh.K), (size_t)sh.B, cudaMemcpyHostToDevice));
       const float eps = 1e-5f;
-      const quant::QuantConfig cfg = nvfp4(rule > 0);
+      quant::QuantConfig cfg = nvfp4(rule & 1);
+      cfg.nvfp4_row_amax = rule & 2;
       // Unfused: the norm's bf16 output, then the quantizer.
       Tensor y = Tensor::empty({sh.B, sh.K}, DType::kBF16, Device::kCuda);
       Tensor rstd = Tensor::empty({sh.B}, DType::kF32, Device::kCuda);
@@ -450,6 +493,7 @@ TEST(DecodeGemvCuda, FusedRmsnormMatchesRmsnormThenQuantize) {
       const std::string what = fmt::format("B {} K {} pad {} rule {}", sh.B, sh.K, sh.pad, rule);
       ASSERT_EQ(amax_got, amax_want) << what;
       ASSERT_GT(amax_want, 0.0f) << what;
+      ASSERT_EQ(fused.amaxes(), unfused.amaxes()) << what;
       const Tensor want = xs_want.to(Device::kCpu), got = xs_got.to(Device::kCpu);
       for (int64_t i = 0; i < want.numel(); ++i)
         ASSERT_EQ(got.ptr<const uint16_t>()[i], want.ptr<const uint16_t>()[i]) << what << ": element " << i;
@@ -464,6 +508,7 @@ TEST(DecodeGemvCuda, FusedRmsnormMatchesRmsnormThenQuantize) {
   nan_call.run();
   EXPECT_EQ(nan_call.flag_host() & quant::kDeviceErrNonFinite, quant::kDeviceErrNonFinite);
   EXPECT_FALSE(decode_quantize_can_fuse_norm(16, 2048 + 8));
+  EXPECT_TRUE(decode_quantize_can_fuse_norm(16, 2048 + 8, true));  // per row: each row alone
   EXPECT_FALSE(decode_quantize_can_fuse_norm(1, 1000 + 4));
   const Tensor big = random_matrix(16, 2048 + 8, 991, DType::kBF16).to(Device::kCuda);
   const Tensor wbig = Tensor::zeros({2048 + 8}, DType::kF32, Device::kCuda);
@@ -479,7 +524,7 @@ TEST(DecodeGemvCuda, FusedSwigluMatchesSwigluThenQuantize) {
   const std::pair<int, int64_t> shapes[] = {{1, 5632}, {2, 5632}, {16, 5632}, {64, 256}, {3, 36}, {64, 1000}};
   uint64_t seed = 950;
   for (auto [B, K] : shapes)
-    for (int rule = 0; rule < 2; ++rule) {
+    for (int rule = 0; rule < 4; ++rule) {  // rule & 1: Four Over Six; rule & 2: per-row amax
       Tensor gu = random_matrix(B, 2 * K, seed++, DType::kBF16);
       uint16_t* g = gu.ptr<uint16_t>();
       for (int64_t i = 0; i < gu.numel(); ++i)  // gates over [-12, 12]: both tails of the sigmoid
@@ -487,7 +532,8 @@ TEST(DecodeGemvCuda, FusedSwigluMatchesSwigluThenQuantize) {
       const Tensor gud = gu.to(Device::kCuda);
       Tensor act = Tensor::empty({B, K}, DType::kBF16, Device::kCuda);
       ops::swiglu_forward(act.view(), gud.view(), nullptr);
-      const quant::QuantConfig cfg = nvfp4(rule > 0);
+      quant::QuantConfig cfg = nvfp4(rule & 1);
+      cfg.nvfp4_row_amax = rule & 2;
       QuantizeCall unfused(act.view(), cfg, B, K), fused(gud.view(), cfg, B, K);
       fused.args.swiglu = true;
       unfused.run();
@@ -497,6 +543,7 @@ TEST(DecodeGemvCuda, FusedSwigluMatchesSwigluThenQuantize) {
       const Tensor& xs_got = fused.xs;
       const std::string what = fmt::format("B {} K {} rule {}", B, K, rule);
       ASSERT_EQ(amax_got, amax_want) << what;
+      ASSERT_EQ(fused.amaxes(), unfused.amaxes()) << what;
       const Tensor want = xs_want.to(Device::kCpu), got = xs_got.to(Device::kCpu);
       for (int64_t i = 0; i < want.numel(); ++i)
         ASSERT_EQ(got.ptr<const uint16_t>()[i], want.ptr<const uint16_t>()[i]) << what << ": element " << i;

@@ -181,11 +181,14 @@ ModelConfig sampler_config(bool moe) {
 }
 
 // A preset, or "e2e4-w4a16": e2e4 with the RL Fprop's activations in BF16 and its weights in NVFP4
-// (with_sampler_precision(..., "nvfp4-weights")).
+// (with_sampler_precision(..., "nvfp4-weights")), or "e2e4-tensor-amax": e2e4 with one activation
+// amax per pass instead of per token.
 recipe::ResolvedRecipe resolved(const ModelConfig& c, std::string_view preset) {
-  recipe::Recipe r = recipe::preset(preset == "e2e4-w4a16" ? "e2e4" : preset);
+  const bool variant = preset == "e2e4-w4a16" || preset == "e2e4-tensor-amax";
+  recipe::Recipe r = recipe::preset(variant ? "e2e4" : preset);
   r.high_precision.last_blocks = 0;  // quantize both blocks of the 2-block model
   if (preset == "e2e4-w4a16") r = with_sampler_precision(r, "nvfp4-weights");
+  if (preset == "e2e4-tensor-amax") r = with_sampler_precision(r, "nvfp4-tensor-amax");
   return recipe::resolve(r, c.recipe_shape());
 }
 
@@ -325,16 +328,17 @@ Recomputed recompute(model::Model& trainer, const std::vector<std::vector<int32_
 
 // bf16 recipe on the CPU (f32): the sampler's log-probabilities (KV-cache forward, f32 logits,
 // double log-softmax) equal the trainer's (full forward, f32 cross-entropy) to f32 rounding; so
-// do MXFP8 and NVFP4 weights with BF16 activations (no per-tensor activation scale). NVFP4
-// activations: the KV-cache forward quantizes the activations of each step (per-tensor NVFP4
-// scale of that step's rows) while the training forward quantizes all rows at once, so the two
-// differ by more; measured and printed (and bounded loosely: the same model, not another).
+// do MXFP8, NVFP4 weights with BF16 activations, and e2e4, whose NVFP4 activations carry a
+// per-token amax: a token quantizes alike in a decode step and in the training forward. With one
+// NVFP4 activation amax per pass (the nvfp4 preset, e2e4-tensor-amax) a decode step's rows and the
+// training forward's whole batch get different global scales, so the two differ by more; measured
+// and printed (and bounded loosely: the same model, not another).
 // Chunked prefill (prefill_chunk_len 4 over prompts of 2 to 6 tokens: a first chunk of 2 columns
 // in which the 2-token prompts have no rows, then 4) is held to the same bounds.
 TEST(RlSampler, LogprobsMatchTheTrainersRecomputation) {
   for (bool moe : {false, true}) {
     const ModelConfig c = sampler_config(moe);
-    for (std::string_view preset : {"bf16", "mxfp8", "nvfp4", "e2e4", "e2e4-w4a16"}) {
+    for (std::string_view preset : {"bf16", "mxfp8", "nvfp4", "e2e4", "e2e4-w4a16", "e2e4-tensor-amax"}) {
       for (int chunk : {0, 4}) {
         SCOPED_TRACE(::testing::Message() << c.name << " " << preset << " prefill_chunk_len " << chunk);
         SamplerOptions so;
@@ -357,8 +361,8 @@ TEST(RlSampler, LogprobsMatchTheTrainersRecomputation) {
         const Recomputed d = recompute(trainer, prompts, r, true);
         std::printf("[ sampler vs trainer ] %-10s %-10s chunk %d tokens %3lld  max |dlogp| %.3e  mean %.3e\n",
                     c.name.c_str(), std::string(preset).c_str(), chunk, (long long)d.n, d.max_abs, d.mean_abs);
-        if (preset == "bf16" || preset == "mxfp8" || preset == "e2e4-w4a16") {
-          // No per-tensor activation scale: every row quantizes alike in any pass (measured: f32
+        if (preset == "bf16" || preset == "mxfp8" || preset == "e2e4-w4a16" || preset == "e2e4") {
+          // No per-pass activation scale: every row quantizes alike in any pass (measured: f32
           // rounding, <= 5e-7).
           EXPECT_LT(d.max_abs, 2e-5);
         } else {

@@ -57,11 +57,14 @@ model::ModelConfig cuda_config(bool moe) {
   return c;
 }
 
-// A preset, or "e2e4-w4a16": e2e4 with NVFP4 weights and BF16 activations in the RL Fprop.
+// A preset, or "e2e4-w4a16": e2e4 with NVFP4 weights and BF16 activations in the RL Fprop, or
+// "e2e4-tensor-amax": e2e4 with one activation amax per pass instead of per token.
 recipe::ResolvedRecipe resolved(const model::ModelConfig& c, std::string_view preset) {
-  recipe::Recipe r = recipe::preset(preset == "e2e4-w4a16" ? "e2e4" : preset);
+  const bool variant = preset == "e2e4-w4a16" || preset == "e2e4-tensor-amax";
+  recipe::Recipe r = recipe::preset(variant ? "e2e4" : preset);
   r.high_precision.last_blocks = 0;
   if (preset == "e2e4-w4a16") r = with_sampler_precision(r, "nvfp4-weights");
+  if (preset == "e2e4-tensor-amax") r = with_sampler_precision(r, "nvfp4-tensor-amax");
   return recipe::resolve(r, c.recipe_shape());
 }
 
@@ -195,6 +198,12 @@ TEST_F(RlCuda, TrainerRecomputesTheSamplersLogprobs) {
     const StepMetrics e2e4 = one_step(c, "e2e4", task);
     EXPECT_TRUE(std::isfinite(e2e4.k3) && std::isfinite(e2e4.loss) && e2e4.applied);
     EXPECT_LT(e2e4.mean_abs_logp_diff, 0.2);
+    // Per-token activation amaxes: RL.md's K3 < 1e-3 for dense models. One amax per pass: printed.
+    if (!moe) EXPECT_LT(e2e4.k3, 1e-3);
+    const StepMetrics per_pass = one_step(c, "e2e4-tensor-amax", task);
+    std::printf("[ k3 ] %s e2e4 per-token amax %.3e (max |dlogp| %.3e), per-pass amax %.3e (max |dlogp| %.3e), "
+                "bf16 %.3e\n", c.name.c_str(), e2e4.k3, e2e4.max_abs_logp_diff, per_pass.k3,
+                per_pass.max_abs_logp_diff, bf16.k3);
     // NVFP4 weights, BF16 activations: no per-pass activation scale, so as close as bf16.
     const StepMetrics w4 = one_step(c, "e2e4-w4a16", task);
     EXPECT_LT(w4.max_abs_logp_diff, 0.05);

@@ -39,8 +39,9 @@ Command add_rl_command(CLI::App& app) {
       ->group("Model");
   sub->add_option("--recipe-set", s.recipe_sets, "recipe field override key=value (repeatable)")->group("Model");
   sub->add_option("--sampler-recipe", s.sampler_recipe,
-                  "the RL forward's precision (sampler and trainer alike): bf16, nvfp4, nvfp4-weights (NVFP4 weights, "
-                  "BF16 activations), or recipe (as the recipe says)")
+                  "the RL forward's precision (sampler and trainer alike): bf16, nvfp4 (per-token activation amax), "
+                  "nvfp4-tensor-amax (one activation amax per pass), nvfp4-weights (NVFP4 weights, BF16 activations), "
+                  "or recipe (as the recipe says)")
       ->capture_default_str()->group("Model");
   sub->add_option("--device", a->device, "cpu, cuda or auto")->capture_default_str()->group("Model");
   sub->add_option("--init-seed", s.init_seed, "fresh model initialization seed")->capture_default_str()->group("Model");

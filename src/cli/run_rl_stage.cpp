@@ -184,7 +184,10 @@ std::string run_default_rl_stage(const std::string& ckpt, Device device, const s
   // The NVFP4 sampler next to the BF16 one (same seed, steps and prompts), so the report and the
   // plot show what 4-bit sampling costs in reward and in trainer/sampler mismatch (K3).
   std::vector<std::string> samplers = {"nvfp4"};
-  if (gpu) samplers.push_back("nvfp4-weights");
+  if (gpu) {
+    samplers.push_back("nvfp4-tensor-amax");  // what the per-token activation amax buys in K3
+    samplers.push_back("nvfp4-weights");
+  }
   samplers.push_back("bf16");
   std::string report = fmt::format(
       "RL stage: from {} on {}, task {}, {} steps of {} x {} rollouts, lr {:g}; sampler fprop = trainer "

@@ -51,7 +51,8 @@ RlStageResult run_rl_stage(const RlStageOptions& options);
 // The default job's RL stage (`fourbit run`, after pretraining): from the pretrained e2e4
 // checkpoint `ckpt`, RL on a harder arithmetic task than the corpus teaches (add:digits=3: 1- to
 // 3-digit operands; the corpus has 2) with the NVFP4 sampler of the e2e4 recipe; on CUDA also the
-// same run (same seed, same steps) with NVFP4 weights and BF16 activations (nvfp4-weights) and with
+// same run (same seed, same steps) with one activation amax per pass (nvfp4-tensor-amax), with NVFP4
+// weights and BF16 activations (nvfp4-weights) and with
 // a BF16 sampler, for comparison. Prints and returns a report
 // (held-out greedy reward before / after, training reward first / last steps, K3 divergence, max
 // |dlogp|, throughput), also written to OUT/rl_report.txt; runs under OUT/rl-<sampler>/.

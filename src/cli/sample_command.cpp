@@ -144,7 +144,7 @@ Command add_sample_command(CLI::App& app) {
   sub->add_option("--max-new-tokens", a->sampling.max_new_tokens)->capture_default_str();
   sub->add_option("--stop", a->stop, "newline (and end of document), eod, or none")->capture_default_str();
   sub->add_option("--seed", a->sampling.seed)->capture_default_str();
-  sub->add_option("--sampler-recipe", a->sampler_recipe, "bf16, nvfp4, nvfp4-weights, or recipe (the checkpoint's rl_sampler)")
+  sub->add_option("--sampler-recipe", a->sampler_recipe, "bf16, nvfp4, nvfp4-tensor-amax, nvfp4-weights, or recipe (the checkpoint's rl_sampler)")
       ->capture_default_str();
   sub->add_option("--device", a->device, "cpu, cuda or auto")->capture_default_str();
   sub->add_option("--init-seed", a->init_seed, "fresh model seed")->capture_default_str();

@@ -141,12 +141,19 @@ DecodeReference decode_gemv_reference(const DecodeReferenceArgs& a) {
       for (int64_t k = 0; k < K; ++k)
         wv[(size_t)(n * K + k)] = formats::decode_bf16(t.ptr<const uint16_t>()[n * t.strides[0] + k]);
   }
+  const bool per_row = !a.x_nvfp4_row_amax.empty();
+  FOURBIT_CHECK(!per_row || ((int64_t)a.x_nvfp4_row_amax.size() == B && !a.x_nvfp4_amax),
+                "{}: give either x_nvfp4_amax or {} per-token amaxes, got {}", where, B, a.x_nvfp4_row_amax.size());
+  auto alpha_of = [&](int64_t b) {
+    return decode_alpha_eff(a.alpha, per_row ? std::optional<float>(a.x_nvfp4_row_amax[(size_t)b]) : a.x_nvfp4_amax,
+                            a.x_global_constant, w_amax, w_constant);
+  };
   DecodeReference r;
-  r.alpha_eff = decode_alpha_eff(a.alpha, a.x_nvfp4_amax, a.x_global_constant, w_amax, w_constant);
+  r.alpha_eff = alpha_of(0);
   r.y = Tensor::empty({B, N}, DType::kF64, Device::kCpu);
   r.abs_sum = Tensor::empty({B, N}, DType::kF64, Device::kCpu);
-  const double alpha = r.alpha_eff;
   for (int64_t b = 0; b < B; ++b) {
+    const double alpha = alpha_of(b);
     for (int64_t n = 0; n < N; ++n) {
       double s = 0.0, sa = 0.0;
       for (int64_t k = 0; k < K; ++k) {
@@ -226,6 +233,9 @@ void decode_gemv(const DecodeGemvArgs& a) {
   p.x = x.ptr<const uint16_t>();
   p.ldx = x.strides[0];
   p.x_amax = a.x_nvfp4_amax;
+  p.x_amax_per_row = a.x_amax_per_row;
+  FOURBIT_CHECK(!a.x_amax_per_row || a.x_nvfp4_amax != nullptr,
+                "{}: x_amax_per_row without x_nvfp4_amax", where);
   p.x_constant = a.x_global_constant;
   if (a.w.nvfp4 != nullptr) {
     const quant::QuantizedData& d = *a.w.nvfp4->rowwise;
@@ -308,11 +318,12 @@ void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
   p.element_constant = a.config.nvfp4_global_constant();
   p.xs = xs.ptr<uint16_t>();
   p.amax_out = a.amax;
+  p.per_row_amax = a.config.nvfp4_row_amax;
   p.partials = a.workspace->amax_partials();
   p.error_flags = a.error_flag;
   if (a.norm_weight.data != nullptr) {
     const TensorView& w = a.norm_weight;
-    FOURBIT_CHECK(decode_quantize_can_fuse_norm(x.shape[0], x.shape[1]),
+    FOURBIT_CHECK(decode_quantize_can_fuse_norm(x.shape[0], x.shape[1], p.per_row_amax),
                   "decode_quantize_nvfp4: activation '{}' [{}, {}] cannot fuse the RMSNorm (needs B * K <= {} and "
                   "K % 8 == 0); run ops::rmsnorm_forward first and pass its output", where, x.shape[0], x.shape[1],
                   kernels::kDecodeFusedNormElements);
@@ -329,12 +340,12 @@ void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
   kernels::launch_decode_quantize_x(p, (cudaStream_t)a.stream);
 }
 
-bool decode_quantize_can_fuse_norm(int64_t B, int64_t K) {
-  if (!(B >= 1 && B <= kDecodeMaxTokens && K >= 8 && K % 8 == 0 && B * K <= kernels::kDecodeFusedNormElements)) {
-    return false;
-  }
+bool decode_quantize_can_fuse_norm(int64_t B, int64_t K, bool per_row_amax) {
+  if (!(B >= 1 && B <= kDecodeMaxTokens)) return false;
+  const int64_t rows = per_row_amax ? 1 : B;  // per row: each CTA normalizes its own row alone
+  if (!(K >= 8 && K % 8 == 0 && rows * K <= kernels::kDecodeFusedNormElements)) return false;
   const NormBlock nb = norm_block(K);
-  return B * nb.threads <= kernels::kDecodeFusedNormPairs;  // every (row, thread) pair's loads at once
+  return rows * nb.threads <= kernels::kDecodeFusedNormPairs;  // every (row, thread) pair's loads at once
 }
 
 #else  // no CUDA
@@ -358,7 +369,7 @@ void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
   throw Error(fmt::format("decode_quantize_nvfp4: activation '{}': this build has no CUDA", a.name));
 }
 
-bool decode_quantize_can_fuse_norm(int64_t, int64_t) { return false; }
+bool decode_quantize_can_fuse_norm(int64_t, int64_t, bool) { return false; }
 
 #endif
 

@@ -10,7 +10,10 @@
 // order of the FP32 additions: every product x_k * w_k is exact, sums are FP32, and
 //     y = f32(alpha_eff * sum),  alpha_eff = f32(f32(alpha * d_x) * d_w),
 // with d_x = A_x / C_x when x holds NVFP4 scaled-domain values (x_nvfp4_amax set; 1 otherwise) and
-// d_w = A_w / C_w for NVFP4 weights (1 for BF16). BF16 outputs are rounded to nearest from FP32.
+// d_w = A_w / C_w for NVFP4 weights (1 for BF16). With per-token activation amaxes
+// (QuantConfig::nvfp4_row_amax) A_x is token b's own, so alpha_eff is per token: the emulated
+// GEMM's row-scaled epilogue (gemm_kernels.h), operation for operation. BF16 outputs are rounded to
+// nearest from FP32.
 // The result is deterministic (split-K partials are summed in a fixed order).
 //
 // Activations. With an NVFP4 activation quantizer (the rl_sampler recipe), decode_quantize_nvfp4
@@ -29,6 +32,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace fourbit::gemm {
 
@@ -78,6 +82,7 @@ struct DecodeGemvArgs {
   // Device float: x holds NVFP4 scaled-domain values (decode_quantize_nvfp4) with this global amax
   // and global constant (QuantConfig::nvfp4_global_constant()); null: x is plain BF16.
   const float* x_nvfp4_amax = nullptr;
+  bool x_amax_per_row = false;  // x_nvfp4_amax holds B amaxes, one per token (nvfp4_row_amax)
   float x_global_constant = quant::kNvfp4GlobalConstant;
   DecodeWeights w;
   TensorView y;  // f32 or bf16 [B, N] on CUDA, unit column stride (row stride >= N); overwritten
@@ -96,21 +101,23 @@ struct DecodeGemvArgs {
 void decode_gemv(const DecodeGemvArgs& args);
 
 // Whether decode_quantize_nvfp4 implements this activation quantizer: NVFP4, 1x16 blocks, round to
-// nearest, amax-to-6 or Four Over Six, no 16/17 scale; `why` (if given) says what is not.
+// nearest, amax-to-6 or Four Over Six, no 16/17 scale, a per-tensor or per-row amax; `why` (if
+// given) says what is not.
 bool decode_supports_activation_quant(const quant::QuantConfig& config, std::string* why = nullptr);
 
 struct DecodeQuantizeArgs {
   TensorView x;               // bf16 [B, K] on CUDA, unit column stride, 1 <= B <= 64
   quant::QuantConfig config;  // decode_supports_activation_quant(config)
   TensorView xs;              // bf16 [B, K] contiguous, on CUDA: the scaled-domain values
-  float* amax = nullptr;      // device float: the global amax
+  float* amax = nullptr;      // device float: the global amax; B floats with config.nvfp4_row_amax
   DecodeWorkspace* workspace = nullptr;  // required (amax partials)
   int* error_flag = nullptr;  // device int: NaN/Inf in x ORs quant::kDeviceErrNonFinite; required
   void* stream = nullptr;
   std::string_view name = "activation";
   // Fused RMSNorm (optional): with norm_weight (f32 [K] on CUDA) given, x is the norm's input and
   // the quantizer reads ops::rmsnorm_forward(x, norm_weight, norm_eps)'s bf16 output, bit for bit,
-  // without it being written: one kernel instead of two. Needs decode_quantize_can_fuse_norm(B, K).
+  // without it being written: one kernel instead of two. Needs decode_quantize_can_fuse_norm(B, K,
+  // config.nvfp4_row_amax).
   TensorView norm_weight;
   float norm_eps = 0.0f;
   // Fused SwiGLU (optional, not with the norm): x is the [B, 2K] gate/up buffer (gate columns
@@ -120,8 +127,8 @@ struct DecodeQuantizeArgs {
 };
 void decode_quantize_nvfp4(const DecodeQuantizeArgs& args);
 // Whether decode_quantize_nvfp4 can fuse the RMSNorm for a [B, K] activation (B * K <= 16384,
-// K % 8 == 0, B <= kDecodeMaxTokens).
-bool decode_quantize_can_fuse_norm(int64_t B, int64_t K);
+// K % 8 == 0, B <= kDecodeMaxTokens; with per-row amaxes each row is its own problem: K <= 16384).
+bool decode_quantize_can_fuse_norm(int64_t B, int64_t K, bool per_row_amax = false);
 
 // ---- CPU reference -------------------------------------------------------------------------------
 // Naive loops: float64 sums of x_k * w_k over the exactly dequantized scaled-domain weights
@@ -129,6 +136,7 @@ bool decode_quantize_can_fuse_norm(int64_t B, int64_t K);
 struct DecodeReferenceArgs {
   TensorView x;  // f32 or bf16 [B, K] on the CPU, contiguous (NVFP4 scaled-domain values or plain)
   std::optional<float> x_nvfp4_amax;  // host: as DecodeGemvArgs::x_nvfp4_amax
+  std::vector<float> x_nvfp4_row_amax;  // host, B floats: per-token amaxes instead (nvfp4_row_amax)
   float x_global_constant = quant::kNvfp4GlobalConstant;
   DecodeWeights w;  // on the CPU (an NVFP4 bundle with a host amax)
   float alpha = 1.0f;
@@ -136,7 +144,7 @@ struct DecodeReferenceArgs {
 struct DecodeReference {
   Tensor y;        // f64 [B, N]
   Tensor abs_sum;  // f64 [B, N]: |alpha_eff| * sum_k |x_k w_k|, the scale of the summation error
-  float alpha_eff = 1.0f;
+  float alpha_eff = 1.0f;  // token 0's with per-token amaxes
 };
 DecodeReference decode_gemv_reference(const DecodeReferenceArgs& args);
 

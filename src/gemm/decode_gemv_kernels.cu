@@ -377,18 +377,28 @@ __device__ __forceinline__ void store_y(const DecodeGemvParams& p, int token, in
   }
 }
 
+// Epilogue scalar of the exact emulation for one token: f32(f32(alpha * d_x) * d_w), d_x from the
+// token's own amax when x has one per row (x_amax_per_row).
+template <DecodeWeightFormat F>
+__device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token) {
+  float alpha = p.alpha;
+  if (p.x_amax != nullptr) {
+    alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(p.x_amax[p.x_amax_per_row ? token : 0], p.x_constant));
+  }
+  if constexpr (F == DecodeWeightFormat::kNvfp4) {
+    alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.w_amax, p.w_constant));
+  }
+  return alpha;
+}
+
 // The epilogue of both kernels: alpha_eff, then y directly (one split) or through the split-K
 // partials, summed in split order by the row block's last-arriving CTA.
 template <DecodeWeightFormat F, int NT>
 __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&acc)[NT][4], int64_t row0,
                                        int64_t row_base, int t, int splits) {
   __shared__ bool is_last;
-  // Epilogue scalar of the exact emulation: f32(f32(alpha * d_x) * d_w).
-  float alpha = p.alpha;
-  if (p.x_amax != nullptr) alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.x_amax, p.x_constant));
-  if constexpr (F == DecodeWeightFormat::kNvfp4) {
-    alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.w_amax, p.w_constant));
-  }
+  const float alpha0 = alpha_eff<F>(p, 0);
+  auto alpha = [&](int token) { return p.x_amax_per_row ? alpha_eff<F>(p, token) : alpha0; };
 
   // Accumulator element e of n-tile j: token 8j + 2t + (e & 1), row row0 + 8 (e >> 1).
   if (splits == 1) {
@@ -398,7 +408,7 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
       for (int e = 0; e < 4; ++e) {
         const int token = 8 * j + 2 * t + (e & 1);
         const int64_t row = row0 + 8 * (e >> 1);
-        if (token < p.B && row < p.N) store_y(p, token, row, formats::mul_rn(acc[j][e], alpha));
+        if (token < p.B && row < p.N) store_y(p, token, row, formats::mul_rn(acc[j][e], alpha(token)));
       }
     return;
   }
@@ -423,7 +433,7 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
     if (row >= p.N) continue;
     float sum = 0.0f;
     for (int s = 0; s < splits; ++s) sum = formats::add_rn(sum, __ldcg(p.partials + ((int64_t)s * p.B + token) * p.N + row));
-    store_y(p, token, row, formats::mul_rn(sum, alpha));
+    store_y(p, token, row, formats::mul_rn(sum, alpha(token)));
   }
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;
 }
@@ -442,11 +452,8 @@ __device__ __forceinline__ void finish_cluster(const DecodeGemvParams& p, const 
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) partial[(8 * j + 2 * t + (e & 1)) * kDecodeRowsPerCta + local0 + 8 * (e >> 1)] = acc[j][e];
-  float alpha = p.alpha;  // as in finish()
-  if (p.x_amax != nullptr) alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.x_amax, p.x_constant));
-  if constexpr (F == DecodeWeightFormat::kNvfp4) {
-    alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.w_amax, p.w_constant));
-  }
+  const float alpha0 = alpha_eff<F>(p, 0);  // as in finish()
+  auto alpha = [&](int token) { return p.x_amax_per_row ? alpha_eff<F>(p, token) : alpha0; };
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   const int rank = (int)cluster.block_rank();
@@ -456,7 +463,7 @@ __device__ __forceinline__ void finish_cluster(const DecodeGemvParams& p, const 
     if (row >= p.N) continue;
     float sum = 0.0f;
     for (int s2 = 0; s2 < splits; ++s2) sum = formats::add_rn(sum, cluster.map_shared_rank(partial, s2)[i]);
-    store_y(p, token, row, formats::mul_rn(sum, alpha));
+    store_y(p, token, row, formats::mul_rn(sum, alpha(token)));
   }
   cluster.sync();
 }
@@ -855,8 +862,17 @@ __device__ void norm_rows(const DecodeQuantizeParams& p, float* rstd, float* war
   }
 }
 
+// With per_row_amax, blockIdx.y picks a row and the CTA solves that row alone: a one-row tensor's
+// global amax is the row's amax, so the per-tensor code below is the per-row quantizer.
 template <Producer P>
-__global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kernel(const DecodeQuantizeParams p) {
+__global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kernel(const DecodeQuantizeParams p_all) {
+  DecodeQuantizeParams p = p_all;
+  if (p_all.per_row_amax) {
+    p.x += (int64_t)blockIdx.y * p.ldx;
+    p.xs += (int64_t)blockIdx.y * p.K;
+    p.amax_out += blockIdx.y;
+    p.B = 1;
+  }
   __shared__ float rstd[P == Producer::kNorm ? kDecodeMaxTokens : 1];
   __shared__ float warp_sums[P == Producer::kNorm ? kNormPairsPerThread * kQuantThreads / 32 : 1];
   core::pdl_allow_dependents();
@@ -933,8 +949,30 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 }
 
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream) {
-  const int64_t n = (int64_t)p.B * p.K;
   const bool pdl = core::pdl_enabled() && core::pdl_setting() != "no-quant";
+  if (p.per_row_amax) {
+    DecodeQuantizeParams row = p;
+    row.B = 1;
+    if (p.norm_weight != nullptr || p.K <= kRedundantAmaxElements) {
+      // One launch: blockIdx.y = the row, each row's CTAs as for a one-row tensor.
+      const dim3 grid((unsigned)quantize_ctas(row), (unsigned)p.B);
+      const auto kernel = p.norm_weight != nullptr ? quantize_x_redundant_amax_kernel<Producer::kNorm>
+                          : p.swiglu               ? quantize_x_redundant_amax_kernel<Producer::kSwiglu>
+                                                   : quantize_x_redundant_amax_kernel<Producer::kNone>;
+      launch_ex(kernel, grid, kQuantThreads, 0, 1u, pdl, stream, p);
+      return;
+    }
+    // Rows longer than the single launch takes: the two-launch path, one row at a time.
+    row.per_row_amax = false;
+    for (int b = 0; b < p.B; ++b) {
+      row.x = p.x + (int64_t)b * p.ldx;
+      row.xs = p.xs + (int64_t)b * p.K;
+      row.amax_out = p.amax_out + b;
+      launch_decode_quantize_x(row, stream);
+    }
+    return;
+  }
+  const int64_t n = (int64_t)p.B * p.K;
   const dim3 grid((unsigned)quantize_ctas(p));
   if (p.norm_weight != nullptr) {  // decode_gemv.cpp checked the fused norm's conditions
     launch_ex(quantize_x_redundant_amax_kernel<Producer::kNorm>, grid, kQuantThreads, 0, 1u, pdl, stream, p);

@@ -87,6 +87,7 @@ struct DecodeGemvParams {
   const uint16_t* x = nullptr;
   int64_t ldx = 0;
   const float* x_amax = nullptr;
+  bool x_amax_per_row = false;  // x_amax[b] for token b (QuantConfig::nvfp4_row_amax)
   float x_constant = 0.0f;
   // BF16 weights: [N, K], row stride ldw.
   const uint16_t* w_bf16 = nullptr;
@@ -130,7 +131,8 @@ struct DecodeQuantizeParams {
   float scale_constant = 0.0f;       // QuantConfig::nvfp4_scale_constant()
   float element_constant = 0.0f;     // QuantConfig::nvfp4_global_constant()
   uint16_t* xs = nullptr;            // bf16 [B, K] contiguous
-  float* amax_out = nullptr;         // device float
+  float* amax_out = nullptr;         // device float; [B] with per_row_amax
+  bool per_row_amax = false;         // one amax per row (QuantConfig::nvfp4_row_amax)
   float* partials = nullptr;         // device float[kDecodeAmaxPartials]
   int* error_flags = nullptr;        // device int
   // Fused RMSNorm (optional). With norm_weight set, x is the norm's input and the quantizer reads

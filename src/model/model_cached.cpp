@@ -57,7 +57,7 @@ struct Model::SamplerWeights {
   std::string unsupported;    // the first layer that is not, and why
   gemm::DecodeWorkspace workspace;
   Tensor xs;    // bf16 [kDecodeMaxTokens, max K]: scaled-domain activations of the current layer
-  Tensor amax;  // f32 [1]: their global amax
+  Tensor amax;  // f32 [kDecodeMaxTokens]: their global amax ([0]), or one per token (nvfp4_row_amax)
   int64_t packed_bytes = 0;
 
   // CUDA graphs of the step body (dense models): one per step layout. A step replays its graph when
@@ -158,7 +158,7 @@ bool same_quant(const std::optional<quant::QuantConfig>& a, const std::optional<
   if (!a) return true;
   return a->format == b->format && a->block_2d == b->block_2d && a->rounding == b->rounding &&
          a->nvfp4_scale_rule == b->nvfp4_scale_rule && a->four_over_six_metric == b->four_over_six_metric &&
-         a->sr_unbiased_scale == b->sr_unbiased_scale && a->rht == b->rht;
+         a->sr_unbiased_scale == b->sr_unbiased_scale && a->rht == b->rht && a->nvfp4_row_amax == b->nvfp4_row_amax;
 }
 
 // Restores the mode and step of the training pass when the cached forward returns.
@@ -250,7 +250,7 @@ void Model::refresh_sampler_weights() {
     sw->amax = old->amax;
   } else {
     sw->xs = Tensor::empty({gemm::kDecodeMaxTokens, max_k}, DType::kBF16, Device::kCuda);
-    sw->amax = Tensor::zeros({1}, DType::kF32, Device::kCuda);
+    sw->amax = Tensor::zeros({gemm::kDecodeMaxTokens}, DType::kF32, Device::kCuda);  // per token, or [0]
   }
   for (const Entry& e : entries) {
     const TensorView& w = im.w(e.param);
@@ -385,6 +385,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       gemm::decode_quantize_nvfp4(q);
       g.x = q.xs;
       g.x_nvfp4_amax = sw->amax.ptr<const float>();
+      g.x_amax_per_row = q.config.nvfp4_row_amax;
       g.x_global_constant = r.fprop_x.quant->nvfp4_global_constant();
     }
     g.w = L.w_config ? gemm::DecodeWeights::packed(L.packed, name) : gemm::DecodeWeights::plain(wt, name);
@@ -403,8 +404,9 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   // NVFP4 activations, a small enough activation; not under an observer, which must see the norm's
   // output as the GEMM's input).
   auto norm_fusable = [&](int l, LinearKind kind, int64_t rows) {
-    return sw != nullptr && !gemm_observer_ && im.linear_recipe(l, kind).fprop_x.quant.has_value() &&
-           gemm::decode_quantize_can_fuse_norm(rows, c.d_model);
+    const std::optional<quant::QuantConfig>& xq = im.linear_recipe(l, kind).fprop_x.quant;
+    return sw != nullptr && !gemm_observer_ && xq.has_value() &&
+           gemm::decode_quantize_can_fuse_norm(rows, c.d_model, xq->nvfp4_row_amax);
   };
   auto linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
                     bool bf16_output, const TensorView& residual = TensorView{}, int norm_param = -1,
