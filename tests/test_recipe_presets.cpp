@@ -164,9 +164,12 @@ TEST(RecipePresets, E2e4IsTheFourStagePolicy) {
       EXPECT_TRUE(same_precision(r.policy.at(s), nv.policy.at(s))) << s.path();
     }
   }
-  // Sampler: NVFP4 weights and activations, RN, 1x16 weights; the trainer's forward is identical.
+  // Sampler: NVFP4 weights and activations, RN, 1x16 weights, a per-token amax on the activations;
+  // the trainer's forward is identical.
   for (Operand o : {Operand::kInput, Operand::kWeight}) {
-    EXPECT_TRUE(same_precision(at(r, Stage::kRlSampler, Gemm::kFprop, o), config(Format::kNvfp4, false, kRn)));
+    quant::QuantConfig want = config(Format::kNvfp4, false, kRn);
+    want.nvfp4_row_amax = o == Operand::kInput;
+    EXPECT_TRUE(same_precision(at(r, Stage::kRlSampler, Gemm::kFprop, o), want));
     EXPECT_TRUE(same_precision(at(r, Stage::kRlTrainer, Gemm::kFprop, o),
                                at(r, Stage::kRlSampler, Gemm::kFprop, o)));
   }

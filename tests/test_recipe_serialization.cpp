@@ -85,7 +85,7 @@ TEST(RecipeJson, RoundTripIsExact) {
   EXPECT_EQ(j["overrides"][0]["set"]["pretrain_backward.dgrad.weight"], json::parse(R"({"format": "bf16"})"));
   EXPECT_EQ(j["policy"]["pretrain_forward.fprop.input"],
             json::parse(R"({"format": "nvfp4", "block_2d": false, "rounding": "nearest", "rht": false,
-                            "nvfp4_scale_rule": "amax_to_6"})"));
+                            "nvfp4_scale_rule": "amax_to_6", "nvfp4_row_amax": false})"));
 }
 
 TEST(RecipeJson, ResolvedRoundTrip) {

@@ -87,10 +87,10 @@ std::vector<OperandField> make_fields() {
        [](const QuantConfig& c) { return is_nvfp4(c) && c.rounding == quant::Rounding::kStochastic; },
        [](const QuantConfig& c) { return (uint64_t)c.sr_unbiased_scale; },
        [](QuantConfig& c, uint64_t v) { c.sr_unbiased_scale = v != 0; }},
-      {"nvfp4_row_amax", T::kBool, kBool, "nvfp4 1x16 token operands (fprop x, dgrad dy)",
+      {"nvfp4_row_amax", T::kBool, kBool, "nvfp4 (true: 1x16 token operands, fprop input and dgrad gradient, only)",
        "one global amax per token (row) instead of per tensor: per-token activation scales, so the RL "
        "sampler's decode passes and the trainer's forward quantize each token alike (RL.md)",
-       [](const QuantConfig& c) { return is_nvfp4(c) && !c.block_2d; },
+       is_nvfp4,
        [](const QuantConfig& c) { return (uint64_t)c.nvfp4_row_amax; },
        [](QuantConfig& c, uint64_t v) { c.nvfp4_row_amax = v != 0; }},
       {"mx_scale_rule", T::kEnum, {"round_up", "floor"}, "mxfp8",
