@@ -74,6 +74,10 @@ Command add_rl_command(CLI::App& app) {
   sub->add_option("--clip-low", c.clip_low, "PPO clip epsilon below 1")->capture_default_str()->group("Loss");
   sub->add_option("--clip-high", c.clip_high, "PPO clip epsilon above 1 (e.g. 0.28)")->capture_default_str()->group("Loss");
   sub->add_option("--kl", c.kl_coef, "K3 KL penalty to the starting policy (0: off)")->capture_default_str()->group("Loss");
+  sub->add_flag("!--no-fast-decode", c.fast_decode,
+                "CUDA: run every sampler pass on the emulated path (the trainer's kernels) instead of the decode GEMV; "
+                "a diagnostic of what the decode kernels' summation order adds to the mismatch")
+      ->group("RL");
   sub->add_flag("!--no-routing-replay", c.routing_replay, "MoE: let the trainer's router choose the experts")
       ->group("Loss");
 

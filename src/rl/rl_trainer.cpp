@@ -120,7 +120,7 @@ nlohmann::json to_json(const RlConfig& c) {
           {"is_cap", c.is_cap},                     {"mask_low", c.mask_low},
           {"std_normalize", c.std_normalize},       {"ppo_epochs", c.ppo_epochs},
           {"clip_low", c.clip_low},                 {"clip_high", c.clip_high},
-          {"kl_coef", c.kl_coef},                   {"routing_replay", c.routing_replay},
+          {"kl_coef", c.kl_coef},                   {"routing_replay", c.routing_replay}, {"fast_decode", c.fast_decode},
           {"seed", c.seed}};
 }
 
@@ -209,6 +209,7 @@ RlTrainer::RlTrainer(model::ModelConfig config, recipe::ResolvedRecipe recipe, c
   so.max_batch = B;
   so.max_len = max_len_;
   so.stream = mo.stream;
+  so.fast_decode = cfg_.fast_decode;
   sampler_ = std::make_unique<Sampler>(std::move(config), std::move(recipe), so);
   sampler_->refresh(*model_);
   train::AdamWConfig ac = cfg_.adamw;

@@ -85,6 +85,7 @@ struct RlConfig {
   double clip_low = 0.2, clip_high = 0.2;
   double kl_coef = 0.0;
   bool routing_replay = true;  // MoE only
+  bool fast_decode = true;     // CUDA: SamplerOptions::fast_decode (false: a mismatch diagnostic)
   uint64_t seed = 0;           // prompts and sampling draws
   void validate() const;       // throws naming the field
   LossOptions loss_options() const;  // the loss fields as rl_loss.h takes them

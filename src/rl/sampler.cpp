@@ -223,7 +223,7 @@ Sampler::Sampler(model::ModelConfig config, recipe::ResolvedRecipe recipe, const
   if (options.device == Device::kCuda && sampler_quantizes(config, recipe)) row_tile_ = 128;
   const model::ModelOptions mo = model_options(config, options, max_len_);
   model_ = std::make_unique<model::Model>(std::move(config), std::move(recipe), mo);
-  if (options.device != Device::kCuda) return;
+  if (options.device != Device::kCuda || !options.fast_decode) return;
   // Fast decode (see the top of sampler.h): keep the sampler weights only where passes can use them.
   model_->refresh_sampler_weights();
   std::string why;

@@ -129,6 +129,10 @@ struct SamplerOptions {
   // device; 0: one pass where it can run. On CUDA a chunk that needs it is narrowed to the fast
   // path's 64 / Bc columns.
   int prefill_chunk_len = 0;
+  // CUDA: keep sampler weights and run passes of <= 64 tokens on the decode GEMV (the top of this
+  // file). false: every pass takes the emulated path (the trainer's kernels), a diagnostic that
+  // separates what the decode kernels' summation order costs in sampler/trainer mismatch.
+  bool fast_decode = true;
 };
 
 // Timing and counts of the last generate().
