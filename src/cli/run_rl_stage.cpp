@@ -192,7 +192,7 @@ std::string run_default_rl_stage(const std::string& ckpt, Device device, const s
   std::string report = fmt::format(
       "RL stage: from {} on {}, task {}, {} steps of {} x {} rollouts, lr {:g}; sampler fprop = trainer "
       "fprop per row (RL.md quantizer contract), trainer backward as the e2e4 recipe says\n"
-      "{:<13} {:>14} {:>13} {:>14} {:>13} {:>10} {:>10} {:>12} {:>12} {:>8}\n",
+      "{:<17} {:>14} {:>13} {:>14} {:>13} {:>10} {:>10} {:>12} {:>12} {:>8}\n",
       ckpt, device_name(device), o.task, o.steps, o.rl.prompts_per_step, o.rl.group_size, o.rl.lr, "sampler",
       "reward before", "reward after", "train first", "train last", "K3 mean", "K3 max", "max|dlogp|",
       "sampler tok/s", "seconds");
@@ -201,7 +201,7 @@ std::string run_default_rl_stage(const std::string& ckpt, Device device, const s
     o.out_dir = out + "/rl-" + sampler;
     o.label = "rl[" + sampler + "]";
     const RlStageResult r = run_rl_stage(o);
-    report += fmt::format("{:<13} {:>14.4f} {:>13.4f} {:>14.4f} {:>13.4f} {:>10.2e} {:>10.2e} {:>12.2e} {:>12.0f} {:>8.0f}\n",
+    report += fmt::format("{:<17} {:>14.4f} {:>13.4f} {:>14.4f} {:>13.4f} {:>10.2e} {:>10.2e} {:>12.2e} {:>12.0f} {:>8.0f}\n",
                           sampler, r.reward_before, r.reward_after, r.train_reward_first, r.train_reward_last,
                           r.k3_mean, r.k3_max, r.max_abs_logp_diff, r.sampler_tokens_per_s, r.seconds);
   }

@@ -17,6 +17,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 #include <cmath>
 #include <vector>
 
@@ -184,8 +186,21 @@ void DecodeWorkspace::reserve(int64_t partial_floats, int64_t counters) {
   n_partials_ = np;
 }
 
+namespace {
+// FOURBIT_DECODE_STAGED=small: batches above 16 tokens take the per-chunk double-buffered kernel
+// (decode_gemv_kernels.h); anything else (the default): every batch is staged. Read once.
+bool decode_stage_large_batches() {
+  static const bool stage = [] {
+    const char* v = std::getenv("FOURBIT_DECODE_STAGED");
+    return v == nullptr || std::string_view(v) != "small";
+  }();
+  return stage;
+}
+}  // namespace
+
 void DecodeWorkspace::reserve_for(int B, int64_t N, int64_t K) {
-  const kernels::DecodeGemvPlan plan = kernels::plan_decode_gemv(B, N, K, current_device_sm_count());
+  const kernels::DecodeGemvPlan plan =
+      kernels::plan_decode_gemv(B, N, K, current_device_sm_count(), decode_stage_large_batches());
   reserve(plan.partial_floats, plan.row_blocks);
 }
 
@@ -226,7 +241,8 @@ void decode_gemv(const DecodeGemvArgs& a) {
                   r.describe());
   }
   FOURBIT_CHECK(a.workspace != nullptr, "{}: a DecodeWorkspace is required", where);
-  const kernels::DecodeGemvPlan plan = kernels::plan_decode_gemv((int)B, N, K, current_device_sm_count());
+  const kernels::DecodeGemvPlan plan =
+      kernels::plan_decode_gemv((int)B, N, K, current_device_sm_count(), decode_stage_large_batches());
   a.workspace->reserve(plan.partial_floats, plan.row_blocks);
 
   kernels::DecodeGemvParams p;

@@ -428,9 +428,10 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
   if (!is_last) return;
   __threadfence();
   // Each thread sums kSumBatch outputs at once, so that their loads of one split are in flight
-  // together (one L2 round trip per split and batch, not per split and output: at 64 tokens a
-  // thread owns 32 outputs). Every output is still 0 + p_0 + p_1 + ... in split order.
-  constexpr int kSumBatch = 8;
+  // together: one L2 round trip per split, not per split and output (at 64 tokens a thread owns
+  // 64 * 64 / 128 = 32 outputs: all of them in one batch). Every output is still
+  // 0 + p_0 + p_1 + ... in split order.
+  constexpr int kSumBatch = 32;
   const int total = p.B * kDecodeRowsPerCta;
   for (int i0 = (int)threadIdx.x; i0 < total; i0 += kSumBatch * kThreads) {
     float sum[kSumBatch];
@@ -610,6 +611,14 @@ void launch_ex(void (*kernel)(KernelArgs...), dim3 grid, int threads, int smem_b
 // A staged launch, as a cluster of plan.splits CTAs along grid.y when plan.cluster.
 template <DecodeWeightFormat F, bool kXF16, int NT>
 void launch_staged(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
+  // 32 KB of x (plan_decode_gemv) plus the cluster epilogue's static partials (16 KB at 64 tokens)
+  // can pass the 48 KB that a launch may use without opting in.
+  static const bool opted_in = [] {
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(decode_gemv_staged_kernel<F, kXF16, NT>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
+    return true;
+  }();
+  (void)opted_in;
   launch_ex(decode_gemv_staged_kernel<F, kXF16, NT>, dim3((unsigned)plan.row_blocks, (unsigned)plan.splits),
             kThreads, plan.x_smem_bytes, plan.cluster ? (unsigned)plan.splits : 1u, core::pdl_enabled(), stream, p, plan.chunks,
             plan.chunks_per_split, plan.splits, plan.cluster);
@@ -619,10 +628,11 @@ template <DecodeWeightFormat F, bool kXF16>
 void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   const dim3 grid((unsigned)plan.row_blocks, (unsigned)plan.splits);
   if (plan.staged) {
-    if (plan.n_tiles == 1) {
-      launch_staged<F, kXF16, 1>(p, plan, stream);
-    } else {
-      launch_staged<F, kXF16, 2>(p, plan, stream);
+    switch (plan.n_tiles) {
+      case 1: launch_staged<F, kXF16, 1>(p, plan, stream); break;
+      case 2: launch_staged<F, kXF16, 2>(p, plan, stream); break;
+      case 4: launch_staged<F, kXF16, 4>(p, plan, stream); break;
+      default: launch_staged<F, kXF16, 8>(p, plan, stream); break;
     }
     return;
   }
