@@ -202,7 +202,14 @@ TEST(DecodeGemvPlan, CoversEveryChunkAndRow) {
     ASSERT_LT((p.n_tiles / 2) * 8, B);
     ASSERT_EQ(p.cluster, p.staged && p.splits > 1 && p.splits <= kernels::kDecodeClusterMax);
     ASSERT_EQ(p.partial_floats, p.splits > 1 && !p.cluster ? (int64_t)p.splits * B * N : 0);
-    ASSERT_EQ(p.staged, B <= 16 || stage_large);
+    const int staged_max = p.n_tiles <= 2 ? kernels::kDecodeStagedChunks : kernels::kDecodeStagedChunks * 2 / p.n_tiles;
+    const int staged_splits = (p.chunks + staged_max - 1) / staged_max;
+    if (B <= 16) ASSERT_TRUE(p.staged);
+    if (B > 16 && !stage_large) ASSERT_FALSE(p.staged);
+    if (B > 16 && p.staged) {  // one cluster per row block, at most 4 CTAs per SM
+      ASSERT_LE(staged_splits, kernels::kDecodeClusterMax);
+      ASSERT_LE((int64_t)p.row_blocks * p.splits, 4 * (int64_t)sms);
+    }
     if (p.staged) {  // x of a whole split: at most 32 KB (the launch opts in to 64 KB with the partials)
       ASSERT_LE(p.chunks_per_split, kernels::kDecodeStagedChunks);
       ASSERT_EQ(p.x_smem_bytes, p.chunks_per_split * p.n_tiles * kernels::kDecodeXTileBytes);

@@ -9,13 +9,17 @@
 //     warp owns 16 rows (the mma's M), the batch is the mma's N (8 tokens per n-tile, up to 8);
 //   - K is walked in chunks of kDecodeChunk = 128 elements; grid.y splits the chunks (split-K)
 //     when N alone gives too few CTAs.
-//   - The launch is "staged": a CTA issues the loads of its first chunks' weights at once (a
-//     register ring, kept full while it computes), stages the x of its whole chunk range in shared
-//     memory (at most kDecodeStagedChunks chunks up to 16 tokens, fewer above: 32 KB of x per CTA
-//     at most, so the plan splits K at least that finely), and then runs without a barrier: one
-//     memory round trip per CTA instead of one per chunk. With stage_large = false (the environment
-//     variable FOURBIT_DECODE_STAGED=small, an A/B switch) batches above 16 tokens take the older
-//     kernel instead, which double-buffers x per chunk with a barrier per chunk.
+//   - Up to 16 tokens the launch is "staged": a CTA issues the loads of its first chunks' weights
+//     at once (a register ring, kept full while it computes), stages the x of its whole chunk
+//     range in shared memory (at most kDecodeStagedChunks chunks up to 16 tokens, fewer above: 32
+//     KB of x per CTA at most, so the plan splits K at least that finely), and then runs without a
+//     barrier: one memory round trip per CTA instead of one per chunk. Above 16 tokens it is staged
+//     only where that fine split still makes one cluster per row block and at most 4 CTAs per SM
+//     (the small layers: at 64 tokens on an H200 the 2048 x 2048 and 2560 x 2048 NVFP4 GEMVs took
+//     10.5-10.8 us staged vs 19.9-20.6 us per chunk, while the 11264 x 2048, 2048 x 5632 and
+//     32000 x 2048 ones were slower staged: bench/notes-decode.md); elsewhere the kernel
+//     double-buffers x per chunk with a barrier per chunk. stage_large = false
+//     (FOURBIT_DECODE_STAGED=small) never stages above 16 tokens (for A/B runs).
 //   - A staged launch with 2 to kDecodeClusterMax splits runs each row block's splits as one
 //     thread-block cluster: the split partials stay in shared memory and the cluster's CTAs sum
 //     them over distributed shared memory, in split order (the same sums, bit for bit, as the
@@ -72,10 +76,13 @@ inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count
   // At least two chunks per split: a CTA's fixed costs (prologue, partials, arrival) stay small.
   const int max_splits = std::max(1, p.chunks / 2);
   int splits = (int)std::min<int64_t>(max_splits, std::max<int64_t>(1, (target + p.row_blocks - 1) / p.row_blocks));
-  p.staged = p.n_tiles <= 2 || stage_large;
   // Chunks of x one staged CTA holds: 8 up to 16 tokens (16 KB), 32 KB of x above.
   const int staged_max = p.n_tiles <= 2 ? kDecodeStagedChunks : kDecodeStagedChunks * 2 / p.n_tiles;
-  if (p.staged) splits = std::max(splits, (p.chunks + staged_max - 1) / staged_max);
+  const int staged_splits = (p.chunks + staged_max - 1) / staged_max;  // the fewest a staged launch takes
+  p.staged = p.n_tiles <= 2 ||
+             (stage_large && staged_splits <= kDecodeClusterMax &&
+              (int64_t)p.row_blocks * std::max(splits, staged_splits) <= 4 * (int64_t)std::max(1, sm_count));
+  if (p.staged) splits = std::max(splits, staged_splits);
   p.chunks_per_split = (p.chunks + splits - 1) / splits;
   p.splits = (p.chunks + p.chunks_per_split - 1) / p.chunks_per_split;  // no empty split
   p.x_smem_bytes = p.staged ? p.chunks_per_split * p.n_tiles * kDecodeXTileBytes : 0;
