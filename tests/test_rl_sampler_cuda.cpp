@@ -264,6 +264,44 @@ TEST_F(RlCuda, FastDecodeRunsBatchesOfAtMost64OnTheDecodeGemv) {
   }
 }
 
+// SamplerOptions::fast_decode = false (`fourbit rl --no-fast-decode`): no sampler weights, every
+// pass on the emulated path (64 sequences padded to 128 under e2e4), and the same tokens as the
+// fast path up to the kernels' rounding (checked loosely: the tokens are drawn from the same draws).
+TEST_F(RlCuda, FastDecodeCanBeTurnedOff) {
+  const model::ModelConfig c = cuda_config(false);
+  model::ModelOptions mo;
+  mo.seed = 3;
+  model::Model weights(c, resolved(c, "e2e4"), mo);
+  SamplerOptions so;
+  so.device = Device::kCuda;
+  so.max_batch = 64;
+  so.max_len = 32;
+  so.fast_decode = false;
+  Sampler slow(c, resolved(c, "e2e4"), so);
+  EXPECT_FALSE(slow.fast_decode());
+  slow.refresh(weights);
+  EXPECT_FALSE(slow.fast_decode()) << "refresh() must not build sampler weights when fast decode is off";
+  so.fast_decode = true;
+  Sampler fast(c, resolved(c, "e2e4"), so);
+  fast.refresh(weights);
+  EXPECT_TRUE(fast.fast_decode());
+  SamplingOptions o;
+  o.max_new_tokens = 6;
+  o.seed = 2;
+  const std::vector<Rollout> a = slow.generate(prompts_for(64), o, 1);
+  EXPECT_EQ(slow.last_stats().fast_passes, 0);
+  const std::vector<Rollout> b = fast.generate(prompts_for(64), o, 1);
+  EXPECT_GT(fast.last_stats().fast_passes, 0);
+  int64_t same = 0, total = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    for (size_t t = 0; t < std::min(a[i].tokens.size(), b[i].tokens.size()); ++t) {
+      same += a[i].tokens[t] == b[i].tokens[t];
+      ++total;
+    }
+  std::printf("[ fast decode off ] %lld of %lld tokens equal to the fast path's\n", (long long)same, (long long)total);
+  EXPECT_GT(same, total * 9 / 10);
+}
+
 // The trainer's recomputation of rollouts sampled on the fast path: 48 sequences (6 prompts x 8) of
 // 4-token prompts: decode steps of 48 tokens on the decode GEMV; prefill in one pass (bf16: no
 // token tile) or in 4 chunks of one column (quantized: 48 x 4 is no whole 128-token tile). Held to
