@@ -198,6 +198,11 @@ TEST(RecipePresets, LinearSetsOnlyTheGemmsOfTheStage) {
   EXPECT_TRUE(bwd.wgrad_x.quant && bwd.wgrad_x.quant->rht);
   const gemm::LinearRecipe trainer = rr.linear(Stage::kRlTrainer, 0, LinearKind::kQkv);
   EXPECT_EQ(trainer.fprop_w.quant->block_2d, false);
+  // The RL forward's activations carry a per-token amax (the sampler's contract), and the table
+  // says so; the weights and the pretraining activations do not.
+  EXPECT_TRUE(sampler.fprop_x.quant->nvfp4_row_amax && trainer.fprop_x.quant->nvfp4_row_amax);
+  EXPECT_FALSE(sampler.fprop_w.quant->nvfp4_row_amax || fwd.fprop_x.quant->nvfp4_row_amax);
+  EXPECT_NE(rr.table().find("per-token amax"), std::string::npos);
   EXPECT_EQ(trainer.dgrad_dy.quant->format, Format::kMxfp8);
 }
 

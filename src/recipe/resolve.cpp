@@ -295,6 +295,7 @@ std::string scale_label(const quant::QuantConfig& c) {
                           ? fmt::format("e4m3, 4/6 ({})", detail::find_operand_field("four_over_six_metric")->value_text(c))
                           : std::string("e4m3, amax to 6");
       if (c.sr_unbiased_scale) s += ", 16/17";
+      if (c.nvfp4_row_amax) s += ", per-token amax";
       return s;
     }
     case quant::Format::kMxfp8:
