@@ -10,9 +10,9 @@
 // On the CPU the operands are quantized with the reference quantizers; on CUDA with quantize_cuda,
 // and NVFP4 / MXFP8 operands take the fused fast path (the quantizer writes the scaled-domain BF16
 // copy the emulated GEMM reads; the packed copy is not materialized). The quantized operands are
-// temporaries of each call, allocated with cudaMalloc and freed on return (cudaFree synchronizes
-// the device): simple and correct, not the training hot path. Nothing is cached between calls (the
-// recipe and model modules will decide what to keep, e.g. a weight quantized once per step).
+// temporaries of each call, taken from and returned to the device's stream-ordered memory pool
+// (core/device.h: no device synchronization, the freed bytes are reused by the next call). Nothing
+// is cached between calls: a weight is quantized again at every GEMM that reads it.
 #pragma once
 
 #include "core/rng.h"
