@@ -154,11 +154,7 @@ TensorView prefix(const TensorView& buf, int64_t rows, int64_t cols) {
 }
 
 bool same_quant(const std::optional<quant::QuantConfig>& a, const std::optional<quant::QuantConfig>& b) {
-  if (a.has_value() != b.has_value()) return false;
-  if (!a) return true;
-  return a->format == b->format && a->block_2d == b->block_2d && a->rounding == b->rounding &&
-         a->nvfp4_scale_rule == b->nvfp4_scale_rule && a->four_over_six_metric == b->four_over_six_metric &&
-         a->sr_unbiased_scale == b->sr_unbiased_scale && a->rht == b->rht && a->nvfp4_row_amax == b->nvfp4_row_amax;
+  return a == b;  // std::optional compares presence, then QuantConfig's every field
 }
 
 // Restores the mode and step of the training pass when the cached forward returns.

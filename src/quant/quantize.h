@@ -78,6 +78,9 @@ struct QuantConfig {
   float nvfp4_global_constant() const;
   uint16_t rht_sign_mask() const;
   std::string describe() const;  // "nvfp4 2d rn", "nvfp4 1d sr rht 4/6(mse)", ...
+  // Every field equal (also those that do not apply to the format: compare what applies with the
+  // recipe module's field table when that matters).
+  bool operator==(const QuantConfig&) const = default;
   void validate() const;         // throws naming the offending field
 };
 
