@@ -891,17 +891,11 @@ __device__ void norm_rows(const DecodeQuantizeParams& p, float* rstd, float* war
   }
 }
 
-// With per_row_amax, blockIdx.y picks a row and the CTA solves that row alone: a one-row tensor's
-// global amax is the row's amax, so the per-tensor code below is the per-row quantizer.
+// With per_row_amax, blockIdx.y picks a row and the CTA solves that row alone
+// (decode_quantize_row).
 template <Producer P>
 __global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kernel(const DecodeQuantizeParams p_all) {
-  DecodeQuantizeParams p = p_all;
-  if (p_all.per_row_amax) {
-    p.x += (int64_t)blockIdx.y * p.ldx;
-    p.xs += (int64_t)blockIdx.y * p.K;
-    p.amax_out += blockIdx.y;
-    p.B = 1;
-  }
+  const DecodeQuantizeParams p = p_all.per_row_amax ? decode_quantize_row(p_all, (int)blockIdx.y) : p_all;
   __shared__ float rstd[P == Producer::kNorm ? kDecodeMaxTokens : 1];
   __shared__ float warp_sums[P == Producer::kNorm ? kNormPairsPerThread * kQuantThreads / 32 : 1];
   core::pdl_allow_dependents();
@@ -980,11 +974,9 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream) {
   const bool pdl = core::pdl_enabled() && core::pdl_setting() != "no-quant";
   if (p.per_row_amax) {
-    DecodeQuantizeParams row = p;
-    row.B = 1;
     if (p.norm_weight != nullptr || p.K <= kRedundantAmaxElements) {
       // One launch: blockIdx.y = the row, each row's CTAs as for a one-row tensor.
-      const dim3 grid((unsigned)quantize_ctas(row), (unsigned)p.B);
+      const dim3 grid((unsigned)quantize_ctas(decode_quantize_row(p, 0)), (unsigned)p.B);
       const auto kernel = p.norm_weight != nullptr ? quantize_x_redundant_amax_kernel<Producer::kNorm>
                           : p.swiglu               ? quantize_x_redundant_amax_kernel<Producer::kSwiglu>
                                                    : quantize_x_redundant_amax_kernel<Producer::kNone>;
@@ -992,13 +984,7 @@ void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream
       return;
     }
     // Rows longer than the single launch takes: the two-launch path, one row at a time.
-    row.per_row_amax = false;
-    for (int b = 0; b < p.B; ++b) {
-      row.x = p.x + (int64_t)b * p.ldx;
-      row.xs = p.xs + (int64_t)b * p.K;
-      row.amax_out = p.amax_out + b;
-      launch_decode_quantize_x(row, stream);
-    }
+    for (int b = 0; b < p.B; ++b) launch_decode_quantize_x(decode_quantize_row(p, b), stream);
     return;
   }
   const int64_t n = (int64_t)p.B * p.K;

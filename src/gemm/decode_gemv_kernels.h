@@ -31,6 +31,8 @@
 // again after every launch; one launch at a time per workspace (one stream).
 #pragma once
 
+#include "core/hd.h"
+
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -159,6 +161,16 @@ struct DecodeQuantizeParams {
   // output, bit for bit.
   bool swiglu = false;
 };
+// Row b of a per-row problem (per_row_amax) as a one-row per-tensor problem: a one-row tensor's
+// global amax is that row's amax, so the per-tensor quantizer applied to it is the per-row one.
+FOURBIT_HD DecodeQuantizeParams decode_quantize_row(DecodeQuantizeParams p, int b) {
+  p.x += (int64_t)b * p.ldx;
+  p.xs += (int64_t)b * p.K;
+  p.amax_out += b;
+  p.B = 1;
+  p.per_row_amax = false;
+  return p;
+}
 inline constexpr int64_t kDecodeFusedNormElements = 16384;
 inline constexpr int64_t kDecodeFusedNormPairs = 8 * 256;  // B * norm_threads (8 per thread of the CTA)
 void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream);
