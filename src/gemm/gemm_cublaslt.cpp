@@ -409,12 +409,7 @@ void cuda_gemm(const CudaGemmCall& call) {
         if (row_scaled(*g.a.info)) {
           // Raw sums, then C[m, :] = alpha_eff_m * sums[m, :] (+ beta C) with A's amax of row m.
           static const float kOne = 1.0f, kZero = 0.0f;
-          TensorView acc;
-          acc.data = row_acc;
-          acc.dtype = DType::kF32;
-          acc.device = Device::kCuda;
-          acc.shape = Shape{g.a.rows, g.b.rows};
-          acc.strides = contiguous_strides(acc.shape);
+          const TensorView acc = TensorView::contiguous(row_acc, DType::kF32, Shape{g.a.rows, g.b.rows}, Device::kCuda);
           run_matmul(a, b, acc, &kOne, &kZero, false, false, stream, call.name);
           kernels::launch_row_scaled_epilogue(
               {row_acc, g.a.rows, g.b.rows, amax_of(*g.a.info) + g.a.row0, g.a.info->config.nvfp4_global_constant(),

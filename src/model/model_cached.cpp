@@ -153,10 +153,6 @@ TensorView prefix(const TensorView& buf, int64_t rows, int64_t cols) {
   return v;
 }
 
-bool same_quant(const std::optional<quant::QuantConfig>& a, const std::optional<quant::QuantConfig>& b) {
-  return a == b;  // std::optional compares presence, then QuantConfig's every field
-}
-
 // Restores the mode and step of the training pass when the cached forward returns.
 class ModeGuard {
  public:
@@ -227,7 +223,7 @@ void Model::refresh_sampler_weights() {
     L.w_config = wc;
     // Reuse the previous copy's buffers when it was built with the same quantizer.
     const SamplerWeights::Layer* prev = old != nullptr ? &old->layers[(size_t)id] : nullptr;
-    if (prev != nullptr && prev->present && same_quant(prev->w_config, L.w_config)) {
+    if (prev != nullptr && prev->present && prev->w_config == L.w_config) {
       L.packed = prev->packed;
     } else {
       L.packed = quant::allocate_quantized(wc, w.shape[0], w.shape[1], quant::Orientations{}, Device::kCuda);
@@ -340,8 +336,8 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     const int block = kind == LinearKind::kLmHead ? c.n_layers : l;
     const SamplerWeights::Layer& L = sw->layers[(size_t)layer_id(block, kind)];
     const gemm::LinearRecipe& r = im.linear_recipe(l, kind);
-    if (!(L.present && L.param == param && same_quant(L.w_config, r.fprop_w.quant) &&
-          same_quant(L.x_config, r.fprop_x.quant))) {
+    if (!(L.present && L.param == param && L.w_config == r.fprop_w.quant &&
+          L.x_config == r.fprop_x.quant)) {
       auto desc = [](const std::optional<quant::QuantConfig>& q) { return q ? q->describe() : std::string("bf16"); };
       throw Error(fmt::format(
           "forward_cached: the sampler weights of {} were built for another recipe (weight {}, activation {}; the "
