@@ -204,8 +204,12 @@ TEST(DecodeGemvPlan, CoversEveryChunkAndRow) {
     ASSERT_EQ(p.partial_floats, p.splits > 1 && !p.cluster ? (int64_t)p.splits * B * N : 0);
     const int staged_max = p.n_tiles <= 2 ? kernels::kDecodeStagedChunks : kernels::kDecodeStagedChunks * 2 / p.n_tiles;
     const int staged_splits = (p.chunks + staged_max - 1) / staged_max;
-    if (B <= 16) ASSERT_TRUE(p.staged);
-    if (B > 16 && !stage_large) ASSERT_FALSE(p.staged);
+    if (B <= 16) {
+      ASSERT_TRUE(p.staged);
+    }
+    if (B > 16 && !stage_large) {
+      ASSERT_FALSE(p.staged);
+    }
     if (B > 16 && p.staged) {  // one cluster per row block, at most 4 CTAs per SM
       ASSERT_LE(staged_splits, kernels::kDecodeClusterMax);
       ASSERT_LE((int64_t)p.row_blocks * p.splits, 4 * (int64_t)sms);
