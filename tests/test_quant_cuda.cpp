@@ -341,6 +341,13 @@ TEST_F(QuantCuda, ManyTilesInBothDirections) {
     check_case(c, Fill::kHeavyTailed, 17 * tr, 33 * 128, true, {true, true}, seed++);
     if (HasFatalFailure()) return;
   }
+  // Row-wise only, round to nearest: the streaming kernels (1D, and NVFP4 16x16 one warp a tile),
+  // many CTAs of each, from BF16 and FP32 sources.
+  for (const QuantConfig& c : {rn, weight, mx, f8}) {
+    const int64_t tr = c.format == Format::kFp8Block ? 128 : 64;
+    for (bool bf16 : {true, false}) check_case(c, Fill::kHeavyTailed, 17 * tr, 33 * 128, bf16, {true, false}, seed++);
+    if (HasFatalFailure()) return;
+  }
   check_case(rn, Fill::kRowScales, 17 * 64, 33 * 128, false, {true, true}, seed++);
   check_case(rn, Fill::kNormal, 600 * 64, 128, true, {true, true}, seed++);
   check_case(grad, Fill::kNormal, 600 * 64, 128, true, {false, true}, seed++);

@@ -99,6 +99,7 @@ std::vector<BenchCase> bench_cases() {
   v.push_back({"nvfp4 4/6 row", c46, {true, false}});
   v.push_back({"nvfp4 qdq -> bf16 row", c, {true, false}, false, true});
   v.push_back({"nvfp4 qdq -> bf16 row (amax given)", c, {true, false}, false, true, true});
+  v.push_back({"nvfp4 16x16 qdq -> bf16 row", w, {true, false}, false, true});
   v.push_back({"nvfp4 packed + bf16 row+col", c, {true, true}, true, true});
   QuantConfig mx;
   mx.format = Format::kMxfp8;
@@ -174,6 +175,13 @@ std::vector<QuantBenchRow> run_quant_bench(const QuantBenchOptions& o) {
     const double gbps = bytes / (ms * 1e6);
     rows.push_back({bc.name, shape, ms, bytes, gbps, gbps / copy_gbps});
   }
+  // The global amax pass alone (no RHT), which the NVFP4 rows above without "(amax given)" include.
+  Tensor amax_out = Tensor::empty({1}, DType::kF32, Device::kCuda);
+  const double amax_ms = timer.median_ms(o.reps, [&] {
+    amax_cuda(src.view(), amax_out.ptr<float>(), nullptr, false, 0, flag.ptr<int>(), nullptr);
+  });
+  rows.push_back({"global amax pass (read only)", shape, amax_ms, src_bytes, src_bytes / (amax_ms * 1e6),
+                  src_bytes / (amax_ms * 1e6) / copy_gbps});
   int host_flag = 0;
   FOURBIT_CUDA_CHECK(cudaMemcpy(&host_flag, flag.data(), sizeof(int), cudaMemcpyDeviceToHost));
   FOURBIT_CHECK(host_flag == 0, "bench quant: the kernels flagged errors ({}) on random data", host_flag);
