@@ -110,23 +110,14 @@ __device__ __forceinline__ uint32_t e2m1_code(float x, float mult, bool four_ove
   return four_over_six && mult == 0.0f ? 0u : q;
 }
 
-// Encodes N (8 or 16) values with an NVFP4 scale already chosen into N / 8 words of packed codes
-// (value i in nibble i % 8 of word i / 8: the stored order).
-template <int N>
-__device__ __forceinline__ void nvfp4_encode(const float* v, float mult, bool four_over_six,
-                                             bool stochastic, const Philox4x32Result& rb, uint32_t* w) {
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) w[j] = 0;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    w[i >> 3] |= e2m1_code(v[i], mult, four_over_six, stochastic, rbyte(rb, i)) << (4 * (i & 7));
-  }
-}
-// Encodes 16 values; returns the packed 8 bytes.
+// Encodes 16 values with an NVFP4 scale already chosen; returns the packed 8 bytes.
 __device__ __forceinline__ uint2 nvfp4_encode16(const float v[16], float mult, bool four_over_six,
                                                 bool stochastic, const Philox4x32Result& rb) {
-  uint32_t w[2];
-  nvfp4_encode<16>(v, mult, four_over_six, stochastic, rb, w);
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    w[i >> 3] |= e2m1_code(v[i], mult, four_over_six, stochastic, rbyte(rb, i)) << (4 * (i & 7));
+  }
   return make_uint2(w[0], w[1]);
 }
 
@@ -213,42 +204,39 @@ __device__ __forceinline__ void four_over_six_errors16(const float v[16], FourOv
   }
 }
 
-// Stores N (a multiple of 8) values as BF16 with 16-byte stores.
-template <int N>
-__device__ __forceinline__ void store_bf16(uint16_t* dst, const float* v) {
-  uint32_t w[N / 2];
+// Stores 16 values as BF16 (two 16-byte stores). The conversion is the hardware's
+// cvt.rn.bf16x2.f32, two values an instruction, which rounds like encode_bf16_rn (RNE, overflow
+// to Inf, canonical NaN 0x7FFF); the values stored here are exact in BF16 anyway, except MXFP8
+// ones that e4m3_scaled16 flags.
+__device__ __forceinline__ void store_bf16x16(uint16_t* dst, const float v[16]) {
+  uint32_t w[8];
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) {
-    w[i] = (uint32_t)formats::encode_bf16_rn(v[2 * i]) |
-           ((uint32_t)formats::encode_bf16_rn(v[2 * i + 1]) << 16);
+  for (int i = 0; i < 8; ++i) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    memcpy(&w[i], &h, 4);
   }
   uint4* d = reinterpret_cast<uint4*>(dst);
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) d[j] = make_uint4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]);
+  d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  d[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
-__device__ __forceinline__ void store_bf16x16(uint16_t* dst, const float v[16]) { store_bf16<16>(dst, v); }
 
-// NVFP4 scaled-domain values q * s_b of N packed codes (N / 8 words).
-template <int N>
-__device__ __forceinline__ void nvfp4_scaled(const uint32_t* w, uint8_t scale, float* out) {
+// NVFP4 scaled-domain values q * s_b from packed codes: exact (at most 6 significant bits), so
+// BF16 holds them exactly. e2m1_value is the branch-free decode.
+__device__ __forceinline__ void nvfp4_scaled16(uint2 packed, uint8_t scale, float out[16]) {
   const float s = formats::decode_e4m3(scale);
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    out[i] = formats::mul_rn(formats::decode_e2m1((uint8_t)((w[i >> 3] >> (4 * (i & 7))) & 0xF)), s);
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t word = i < 8 ? packed.x : packed.y;
+    out[i] = formats::mul_rn(e2m1_value(word >> (4 * (i & 7))), s);
   }
 }
-__device__ __forceinline__ void nvfp4_scaled16(uint2 packed, uint8_t scale, float out[16]) {
-  const uint32_t w[2] = {packed.x, packed.y};
-  nvfp4_scaled<16>(w, scale, out);
-}
 
-// Encodes N (8 or 16) values to E4M3 with multiplier `mult` (FP8) or E8M0 reciprocal (MXFP8)
-// into N / 4 words (value i in byte i % 4 of word i / 4).
-template <int N>
-__device__ __forceinline__ void e4m3_encode(const float* v, float mult, bool stochastic,
-                                            const Philox4x32Result& rb, uint32_t* w) {
+// Encodes 16 values to E4M3 with multiplier `mult` (FP8) or E8M0 reciprocal (MXFP8).
+__device__ __forceinline__ uint4 e4m3_encode16(const float v[16], float mult, bool stochastic,
+                                               const Philox4x32Result& rb) {
+  uint32_t w[4];
 #pragma unroll
-  for (int j = 0; j < N / 4; ++j) {
+  for (int j = 0; j < 4; ++j) {
     uint32_t word = 0;
 #pragma unroll
     for (int k = 0; k < 4; k += 2) {
@@ -265,31 +253,22 @@ __device__ __forceinline__ void e4m3_encode(const float* v, float mult, bool sto
     }
     w[j] = word;
   }
-}
-__device__ __forceinline__ uint4 e4m3_encode16(const float v[16], float mult, bool stochastic,
-                                               const Philox4x32Result& rb) {
-  uint32_t w[4];
-  e4m3_encode<16>(v, mult, stochastic, rb, w);
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Scaled-domain values of N E4M3 codes (N / 4 words) times `decode`; with check_mx, a value that
-// BF16 cannot hold exactly sets kErrMxfp8NotExact.
-template <int N>
-__device__ __forceinline__ void e4m3_scaled(const uint32_t* w, float decode, float* out, bool check_mx,
-                                            int* error_flags) {
-  bool inexact = false;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    out[i] = formats::mul_rn(formats::decode_e4m3((uint8_t)(w[i >> 2] >> (8 * (i & 3)))), decode);
-    if (check_mx) inexact |= formats::round_to_bf16(out[i]) != out[i];
-  }
-  if (inexact) atomicOr(error_flags, kErrMxfp8NotExact);
-}
+// Scaled-domain values of 16 E4M3 codes times `decode`; with check_mx, a value that BF16 cannot
+// hold exactly sets kErrMxfp8NotExact.
 __device__ __forceinline__ void e4m3_scaled16(uint4 codes, float decode, float out[16], bool check_mx,
                                               int* error_flags) {
   const uint32_t w[4] = {codes.x, codes.y, codes.z, codes.w};
-  e4m3_scaled<16>(w, decode, out, check_mx, error_flags);
+  bool inexact = false;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    out[i] = formats::mul_rn(formats::decode_e4m3((uint8_t)(w[i >> 2] >> (8 * (i & 3)))), decode);
+    // A finite FP32 value is a BF16 value exactly when its low 16 bits are zero.
+    if (check_mx) inexact |= (__float_as_uint(out[i]) & 0xFFFFu) != 0;
+  }
+  if (inexact) atomicOr(error_flags, kErrMxfp8NotExact);
 }
 
 // --- the tile kernel ---------------------------------------------------------------------------
@@ -803,195 +782,98 @@ for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
 
 // The row-wise-only round-to-nearest cases of the 1D formats (NVFP4 1x16, MXFP8 1x32, FP8 1x128:
 // the forward activations, and the quantize-dequantize feeding the Hopper GEMM emulation) need no
-// tile. Each thread owns "halves": 8 consecutive elements, one 16-byte load of BF16 (two of FP32).
-// Lanes 2i and 2i+1 hold the two halves of one 16-element micro-block, so each warp-wide load,
-// and each store of packed codes (4 or 8 bytes a lane) or scaled-domain BF16 (16 bytes a lane),
-// covers one contiguous span (512 B of BF16 source per load). The 2 * kGroup lanes of a scale
-// block (2, 4 or 16 consecutive lanes) combine their amaxes with shuffles. A thread issues the
-// loads of all its kUnroll halves (spaced one CTA-width apart) before computing, to keep more
-// bytes in flight per SM. Same arithmetic as the tile kernel (block_math.h), so the bits are the
-// same. Needs rows * cols / 8 to be a multiple of 32 (whole warps: the host side guarantees whole
-// tiles); the bound check is per warp.
-template <typename InT>
-struct Streaming {
-  static constexpr int kUnroll = sizeof(InT) == 2 ? 4 : 2;  // 16 registers of raw source a thread
-  static constexpr int kWords = 8 * (int)sizeof(InT) / 4;   // 32-bit words per half
-  static constexpr int64_t kHalvesPerCta = (int64_t)kThreads * kUnroll;
-};
-
+// tile: each thread reads one 16-element micro-block straight from global memory (two 16-byte
+// loads of BF16, four of FP32; a warp reads one contiguous 1 KB / 2 KB span), the kGroup threads of
+// a scale block (1, 2 or 8 consecutive lanes) combine their amaxes with shuffles, and each thread
+// writes its packed codes, its share of the scales and optionally 32 bytes of scaled-domain BF16.
+// Same arithmetic as the tile kernel (block_math.h), so the bits are the same; no shared memory,
+// few registers, many loads in flight per SM. Needs rows * cols / 16 to be a multiple of 32 (whole
+// warps: the host side guarantees whole tiles).
 template <typename InT, Format F>
 __global__ void __launch_bounds__(kThreads) rowwise_rn_kernel(Params p) {
-  using S = Streaming<InT>;
   constexpr int kGroup = F == Format::kMxfp8 ? 2 : (F == Format::kFp8Block ? 8 : 1);
-  const int64_t n_halves = p.rows * (p.cols / 8);
-  const int64_t h0 = (int64_t)blockIdx.x * S::kHalvesPerCta + threadIdx.x;
-  uint32_t raw[S::kUnroll][S::kWords];
+  const int64_t n_blocks = p.rows * (p.cols / 16);
+  const int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  if (g >= n_blocks) return;  // never splits a warp (n_blocks is a multiple of 32)
+  const InT* src = static_cast<const InT*>(p.src) + g * 16;
+  float v[16];
+  if constexpr (sizeof(InT) == 2) {
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    const uint4 a = __ldg(s4), b = __ldg(s4 + 1);
+    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-  for (int u = 0; u < S::kUnroll; ++u) {
-    const int64_t h = h0 + (int64_t)u * kThreads;
-    if (h >= n_halves) break;  // whole warps (n_halves is a multiple of 32)
-    const uint4* s4 = reinterpret_cast<const uint4*>(static_cast<const InT*>(p.src) + h * 8);
+    for (int k = 0; k < 8; ++k) {
+      v[2 * k] = __uint_as_float(w[k] << 16);
+      v[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+    }
+  } else {
+    const float4* s4 = reinterpret_cast<const float4*>(src);
 #pragma unroll
-    for (int j = 0; j < S::kWords / 4; ++j) {
-      const uint4 q = __ldg(s4 + j);
-      raw[u][4 * j] = q.x, raw[u][4 * j + 1] = q.y, raw[u][4 * j + 2] = q.z, raw[u][4 * j + 3] = q.w;
+    for (int k = 0; k < 4; ++k) {
+      const float4 x = __ldg(s4 + k);
+      v[4 * k] = x.x;
+      v[4 * k + 1] = x.y;
+      v[4 * k + 2] = x.z;
+      v[4 * k + 3] = x.w;
     }
   }
+  float amax = 0.0f, probe = 0.0f;
 #pragma unroll
-  for (int u = 0; u < S::kUnroll; ++u) {
-    const int64_t h = h0 + (int64_t)u * kThreads;
-    if (h >= n_halves) break;
-    const int64_t g = h >> 1;  // micro-block
-    float v[8];
+  for (int i = 0; i < 16; ++i) {
+    amax = fmaxf(amax, fabsf(v[i]));
+    probe = __fmaf_rn(v[i], 0.0f, probe);  // NaN exactly when some value is NaN or Inf
+  }
+  if (probe != probe) atomicOr(p.error_flags, kErrNonFinite);
 #pragma unroll
-    for (int k = 0; k < S::kWords; ++k) {
-      if constexpr (sizeof(InT) == 2) {
-        v[2 * k] = __uint_as_float(raw[u][k] << 16);
-        v[2 * k + 1] = __uint_as_float(raw[u][k] & 0xFFFF0000u);
-      } else {
-        v[k] = __uint_as_float(raw[u][k]);
-      }
-    }
-    float amax = 0.0f, probe = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      amax = fmaxf(amax, fabsf(v[i]));
-      probe = __fmaf_rn(v[i], 0.0f, probe);  // NaN exactly when some value is NaN or Inf
-    }
-    if (probe != probe) atomicOr(p.error_flags, kErrNonFinite);
-#pragma unroll
-    for (int off = 1; off < 2 * kGroup; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+  for (int off = 1; off < kGroup; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
 
-    if constexpr (F == Format::kNvfp4) {
-      const float tensor_amax = p.row.amax[p.row.amax_per_row ? h / (p.cols / 8) : 0];
-      const Nvfp4TensorScales ts = nvfp4_tensor_scales(tensor_amax, p.nvfp4_scale_constant, p.nvfp4_element_constant);
-      const uint8_t s = nvfp4_block_scale(amax, ts);
-      const float mult = nvfp4_element_multiplier(s, ts);
-      uint32_t packed;
-      nvfp4_encode<8>(v, mult, false, false, Philox4x32Result{}, &packed);
-      if (p.row.data) reinterpret_cast<uint32_t*>(p.row.data)[h] = packed;
-      if (p.row.scales && (h & 1) == 0) static_cast<uint8_t*>(p.row.scales)[g] = s;
-      if (p.row.bf16) {
-        float sv[8];
-        nvfp4_scaled<8>(&packed, s, sv);
-        store_bf16<8>(p.row.bf16 + h * 8, sv);
-      }
+  if constexpr (F == Format::kNvfp4) {
+    const float tensor_amax = p.row.amax[p.row.amax_per_row ? g / (p.cols / 16) : 0];
+    const Nvfp4TensorScales ts = nvfp4_tensor_scales(tensor_amax, p.nvfp4_scale_constant, p.nvfp4_element_constant);
+    const uint8_t s = nvfp4_block_scale(amax, ts);
+    const float mult = nvfp4_element_multiplier(s, ts);
+    const uint2 packed = nvfp4_encode16(v, mult, false, false, Philox4x32Result{});
+    if (p.row.data) reinterpret_cast<uint2*>(p.row.data)[g] = packed;
+    if (p.row.scales) static_cast<uint8_t*>(p.row.scales)[g] = s;
+    if (p.row.bf16) {
+      float sv[16];
+      nvfp4_scaled16(packed, s, sv);
+      store_bf16x16(p.row.bf16 + g * 16, sv);
+    }
+  } else {
+    float mult, decode;
+    uint8_t code = 0;
+    if constexpr (F == Format::kMxfp8) {
+      code = mxfp8_scale_code(amax, p.mx_rule);
+      mult = formats::e8m0_reciprocal(code);
+      decode = formats::decode_e8m0(code);
     } else {
-      float mult, decode;
-      uint8_t code = 0;
+      mult = fp8_encode_scale(amax, p.fp8_pow2);
+      decode = formats::div_rn(1.0f, mult);
+    }
+    const uint4 codes = e4m3_encode16(v, mult, false, Philox4x32Result{});
+    if (p.row.data) reinterpret_cast<uint4*>(p.row.data)[g] = codes;
+    if (p.row.scales && g % kGroup == 0) {
       if constexpr (F == Format::kMxfp8) {
-        code = mxfp8_scale_code(amax, p.mx_rule);
-        mult = formats::e8m0_reciprocal(code);
-        decode = formats::decode_e8m0(code);
+        static_cast<uint8_t*>(p.row.scales)[g / kGroup] = code;
       } else {
-        mult = fp8_encode_scale(amax, p.fp8_pow2);
-        decode = formats::div_rn(1.0f, mult);
+        static_cast<float*>(p.row.scales)[g / kGroup] = decode;
       }
-      uint32_t codes[2];
-      e4m3_encode<8>(v, mult, false, Philox4x32Result{}, codes);
-      if (p.row.data) reinterpret_cast<uint2*>(p.row.data)[h] = make_uint2(codes[0], codes[1]);
-      if (p.row.scales && h % (2 * kGroup) == 0) {
-        if constexpr (F == Format::kMxfp8) {
-          static_cast<uint8_t*>(p.row.scales)[h / (2 * kGroup)] = code;
-        } else {
-          static_cast<float*>(p.row.scales)[h / (2 * kGroup)] = decode;
-        }
-      }
-      if (p.row.bf16) {
-        float sv[8];
-        e4m3_scaled<8>(codes, decode, sv, F == Format::kMxfp8, p.error_flags);
-        store_bf16<8>(p.row.bf16 + h * 8, sv);
-      }
+    }
+    if (p.row.bf16) {
+      float sv[16];
+      e4m3_scaled16(codes, decode, sv, F == Format::kMxfp8, p.error_flags);
+      store_bf16x16(p.row.bf16 + g * 16, sv);
     }
   }
 }
 
 template <typename InT, Format F>
 void launch_rowwise_rn(const Params& p, cudaStream_t stream) {
-  const int64_t n_halves = p.rows * (p.cols / 8);
-  const unsigned grid = (unsigned)((n_halves + Streaming<InT>::kHalvesPerCta - 1) / Streaming<InT>::kHalvesPerCta);
+  const int64_t n_blocks = p.rows * (p.cols / 16);
+  const unsigned grid = (unsigned)((n_blocks + kThreads - 1) / kThreads);
   if (grid == 0) return;
   rowwise_rn_kernel<InT, F><<<grid, kThreads, 0, stream>>>(p);
-  FOURBIT_CUDA_CHECK_LAUNCH();
-}
-
-// NVFP4 16x16 (weights), row-wise only, round to nearest: one warp per 16x16 tile, lane l holding
-// the 8-element half (l & 1) of row (l >> 1). The tile amax is a warp-wide max; each lane then
-// encodes its half like rowwise_rn_kernel (the row-wise scale, repeated over the tile's 16 rows,
-// is written by the even lanes). The 8 warps of a CTA take 8 adjacent tiles of one 16-row band,
-// so each round of loads reads 16 rows x 256 contiguous bytes of BF16; each warp issues the loads
-// of its kUnroll tiles (one CTA-width of tiles apart) before computing. Same arithmetic as the
-// tile kernel, so the same bits. Needs rows % 16 == 0 and cols % 16 == 0; the bound check is per warp.
-template <typename InT>
-__global__ void __launch_bounds__(kThreads) rowwise_2d_rn_kernel(Params p) {
-  using S = Streaming<InT>;
-  constexpr int kWarps = kThreads / 32;
-  const int64_t tiles_per_band = p.cols / 16;
-  const int64_t n_tiles = (p.rows / 16) * tiles_per_band;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t t0 = (int64_t)blockIdx.x * kWarps * S::kUnroll + warp;
-  auto half_index = [&](int64_t t) {  // element offset / 8 of this lane's half in tile t
-    const int64_t r = t / tiles_per_band * 16 + (lane >> 1), c = t % tiles_per_band * 16 + 8 * (lane & 1);
-    return (r * p.cols + c) / 8;
-  };
-  uint32_t raw[S::kUnroll][S::kWords];
-#pragma unroll
-  for (int u = 0; u < S::kUnroll; ++u) {
-    const int64_t t = t0 + (int64_t)u * kWarps;
-    if (t >= n_tiles) break;  // whole warps
-    const uint4* s4 = reinterpret_cast<const uint4*>(static_cast<const InT*>(p.src) + half_index(t) * 8);
-#pragma unroll
-    for (int j = 0; j < S::kWords / 4; ++j) {
-      const uint4 q = __ldg(s4 + j);
-      raw[u][4 * j] = q.x, raw[u][4 * j + 1] = q.y, raw[u][4 * j + 2] = q.z, raw[u][4 * j + 3] = q.w;
-    }
-  }
-  const Nvfp4TensorScales ts = nvfp4_tensor_scales(*p.row.amax, p.nvfp4_scale_constant, p.nvfp4_element_constant);
-#pragma unroll
-  for (int u = 0; u < S::kUnroll; ++u) {
-    const int64_t t = t0 + (int64_t)u * kWarps;
-    if (t >= n_tiles) break;
-    const int64_t h = half_index(t);
-    float v[8];
-#pragma unroll
-    for (int k = 0; k < S::kWords; ++k) {
-      if constexpr (sizeof(InT) == 2) {
-        v[2 * k] = __uint_as_float(raw[u][k] << 16);
-        v[2 * k + 1] = __uint_as_float(raw[u][k] & 0xFFFF0000u);
-      } else {
-        v[k] = __uint_as_float(raw[u][k]);
-      }
-    }
-    float amax = 0.0f, probe = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      amax = fmaxf(amax, fabsf(v[i]));
-      probe = __fmaf_rn(v[i], 0.0f, probe);
-    }
-    if (probe != probe) atomicOr(p.error_flags, kErrNonFinite);
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
-    const uint8_t s = nvfp4_block_scale(amax, ts);
-    const float mult = nvfp4_element_multiplier(s, ts);
-    uint32_t packed;
-    nvfp4_encode<8>(v, mult, false, false, Philox4x32Result{}, &packed);
-    if (p.row.data) reinterpret_cast<uint32_t*>(p.row.data)[h] = packed;
-    if (p.row.scales && (lane & 1) == 0) static_cast<uint8_t*>(p.row.scales)[h >> 1] = s;
-    if (p.row.bf16) {
-      float sv[8];
-      nvfp4_scaled<8>(&packed, s, sv);
-      store_bf16<8>(p.row.bf16 + h * 8, sv);
-    }
-  }
-}
-
-template <typename InT>
-void launch_rowwise_2d_rn(const Params& p, cudaStream_t stream) {
-  const int64_t n_tiles = (p.rows / 16) * (p.cols / 16);
-  const int64_t per_cta = (kThreads / 32) * Streaming<InT>::kUnroll;
-  const unsigned grid = (unsigned)((n_tiles + per_cta - 1) / per_cta);
-  if (grid == 0) return;
-  rowwise_2d_rn_kernel<InT><<<grid, kThreads, 0, stream>>>(p);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
@@ -1200,7 +1082,7 @@ void launch_tile(const Params& p, cudaStream_t stream) {
 template <typename InT>
 void launch_format(Format format, bool block_2d, const Params& p, cudaStream_t stream) {
   const bool row_only = p.col.data == nullptr && p.col.bf16 == nullptr;
-  const bool whole_warps = (p.rows * (p.cols / 8)) % 32 == 0 && p.cols % 128 == 0;
+  const bool whole_warps = (p.rows * (p.cols / 16)) % 32 == 0 && p.cols % 128 == 0;
   if (row_only && whole_warps && !block_2d && !p.stochastic && !p.four_over_six && !p.rht) {
     switch (format) {
       case Format::kNvfp4: launch_rowwise_rn<InT, Format::kNvfp4>(p, stream); return;
@@ -1208,11 +1090,6 @@ void launch_format(Format format, bool block_2d, const Params& p, cudaStream_t s
       case Format::kFp8Block: launch_rowwise_rn<InT, Format::kFp8Block>(p, stream); return;
       default: break;  // FP8 per tensor: the tile kernel
     }
-  }
-  if (row_only && format == Format::kNvfp4 && block_2d && !p.stochastic && !p.four_over_six && !p.rht &&
-      p.rows % 16 == 0 && p.cols % 16 == 0) {
-    launch_rowwise_2d_rn<InT>(p, stream);
-    return;
   }
   switch (format) {
     case Format::kNvfp4:
