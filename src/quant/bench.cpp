@@ -91,6 +91,13 @@ std::vector<BenchCase> bench_cases() {
   grad.rounding = Rounding::kStochastic;
   grad.rht = true;
   v.push_back({"nvfp4 grad: row sr + col rht sr", grad, {true, true}});
+  // What a training step runs for each NVFP4 linear (one orientation a call, scaled-domain BF16
+  // for the emulated GEMM): Dgrad's dY, Wgrad's dY and Wgrad's X.
+  v.push_back({"nvfp4 dgrad dy: row sr -> bf16", grad, {true, false}, false, true});
+  v.push_back({"nvfp4 wgrad dy: col rht sr -> bf16", grad, {false, true}, false, true});
+  QuantConfig rht = c;
+  rht.rht = true;
+  v.push_back({"nvfp4 wgrad x: col rht -> bf16", rht, {false, true}, false, true});
   QuantConfig w = c;
   w.block_2d = true;
   v.push_back({"nvfp4 16x16 weight row+col", w, {true, true}});

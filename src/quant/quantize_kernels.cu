@@ -778,19 +778,20 @@ for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
   }
 }
 
-// --- row-wise only, round to nearest: the streaming kernel -----------------------------------------
+// --- row-wise only: the streaming kernel ------------------------------------------------------------
 
-// The row-wise-only round-to-nearest cases of the 1D formats (NVFP4 1x16, MXFP8 1x32, FP8 1x128:
-// the forward activations, and the quantize-dequantize feeding the Hopper GEMM emulation) need no
-// tile: each thread reads one 16-element micro-block straight from global memory (two 16-byte
+// The row-wise-only cases of the 1D formats without Four Over Six (NVFP4 1x16, MXFP8 1x32, FP8
+// 1x128, round to nearest or stochastic: the forward activations, the Dgrad gradient, and the
+// quantize-dequantize feeding the Hopper GEMM emulation) need no tile (RHT applies only to
+// column-wise copies): each thread reads one 16-element micro-block straight from global memory (two 16-byte
 // loads of BF16, four of FP32; a warp reads one contiguous 1 KB / 2 KB span), the kGroup threads of
 // a scale block (1, 2 or 8 consecutive lanes) combine their amaxes with shuffles, and each thread
 // writes its packed codes, its share of the scales and optionally 32 bytes of scaled-domain BF16.
 // Same arithmetic as the tile kernel (block_math.h), so the bits are the same; no shared memory,
 // few registers, many loads in flight per SM. Needs rows * cols / 16 to be a multiple of 32 (whole
 // warps: the host side guarantees whole tiles).
-template <typename InT, Format F>
-__global__ void __launch_bounds__(kThreads) rowwise_rn_kernel(Params p) {
+template <typename InT, Format F, bool kStochastic>
+__global__ void __launch_bounds__(kThreads) rowwise_kernel(Params p) {
   constexpr int kGroup = F == Format::kMxfp8 ? 2 : (F == Format::kFp8Block ? 8 : 1);
   const int64_t n_blocks = p.rows * (p.cols / 16);
   const int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x;
@@ -826,13 +827,15 @@ __global__ void __launch_bounds__(kThreads) rowwise_rn_kernel(Params p) {
   if (probe != probe) atomicOr(p.error_flags, kErrNonFinite);
 #pragma unroll
   for (int off = 1; off < kGroup; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+  Philox4x32Result rb{};
+  if constexpr (kStochastic) rb = micro_block_bits(p.row.sr, (uint64_t)g * 16);
 
   if constexpr (F == Format::kNvfp4) {
     const float tensor_amax = p.row.amax[p.row.amax_per_row ? g / (p.cols / 16) : 0];
     const Nvfp4TensorScales ts = nvfp4_tensor_scales(tensor_amax, p.nvfp4_scale_constant, p.nvfp4_element_constant);
     const uint8_t s = nvfp4_block_scale(amax, ts);
     const float mult = nvfp4_element_multiplier(s, ts);
-    const uint2 packed = nvfp4_encode16(v, mult, false, false, Philox4x32Result{});
+    const uint2 packed = nvfp4_encode16(v, mult, false, kStochastic, rb);
     if (p.row.data) reinterpret_cast<uint2*>(p.row.data)[g] = packed;
     if (p.row.scales) static_cast<uint8_t*>(p.row.scales)[g] = s;
     if (p.row.bf16) {
@@ -851,7 +854,7 @@ __global__ void __launch_bounds__(kThreads) rowwise_rn_kernel(Params p) {
       mult = fp8_encode_scale(amax, p.fp8_pow2);
       decode = formats::div_rn(1.0f, mult);
     }
-    const uint4 codes = e4m3_encode16(v, mult, false, Philox4x32Result{});
+    const uint4 codes = e4m3_encode16(v, mult, kStochastic, rb);
     if (p.row.data) reinterpret_cast<uint4*>(p.row.data)[g] = codes;
     if (p.row.scales && g % kGroup == 0) {
       if constexpr (F == Format::kMxfp8) {
@@ -869,11 +872,15 @@ __global__ void __launch_bounds__(kThreads) rowwise_rn_kernel(Params p) {
 }
 
 template <typename InT, Format F>
-void launch_rowwise_rn(const Params& p, cudaStream_t stream) {
+void launch_rowwise(const Params& p, cudaStream_t stream) {
   const int64_t n_blocks = p.rows * (p.cols / 16);
   const unsigned grid = (unsigned)((n_blocks + kThreads - 1) / kThreads);
   if (grid == 0) return;
-  rowwise_rn_kernel<InT, F><<<grid, kThreads, 0, stream>>>(p);
+  if (p.stochastic) {
+    rowwise_kernel<InT, F, true><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    rowwise_kernel<InT, F, false><<<grid, kThreads, 0, stream>>>(p);
+  }
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
@@ -1083,11 +1090,11 @@ template <typename InT>
 void launch_format(Format format, bool block_2d, const Params& p, cudaStream_t stream) {
   const bool row_only = p.col.data == nullptr && p.col.bf16 == nullptr;
   const bool whole_warps = (p.rows * (p.cols / 16)) % 32 == 0 && p.cols % 128 == 0;
-  if (row_only && whole_warps && !block_2d && !p.stochastic && !p.four_over_six && !p.rht) {
+  if (row_only && whole_warps && !block_2d && !p.four_over_six) {
     switch (format) {
-      case Format::kNvfp4: launch_rowwise_rn<InT, Format::kNvfp4>(p, stream); return;
-      case Format::kMxfp8: launch_rowwise_rn<InT, Format::kMxfp8>(p, stream); return;
-      case Format::kFp8Block: launch_rowwise_rn<InT, Format::kFp8Block>(p, stream); return;
+      case Format::kNvfp4: launch_rowwise<InT, Format::kNvfp4>(p, stream); return;
+      case Format::kMxfp8: launch_rowwise<InT, Format::kMxfp8>(p, stream); return;
+      case Format::kFp8Block: launch_rowwise<InT, Format::kFp8Block>(p, stream); return;
       default: break;  // FP8 per tensor: the tile kernel
     }
   }
