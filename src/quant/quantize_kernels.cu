@@ -27,11 +27,14 @@
 // element for the per-block scale (E4M3 cvt, correctly rounded reciprocal), addresses and
 // stores: ~14 x 2 orientations x 134 M / 32 = 117 M warp instructions, 0.11 ms at the full issue
 // rate (132 SMs x 4 schedulers x 1.98 GHz), and half of them run on the half-rate ALU pipe, so
-// the compute floor is about the memory floor. The measured 0.235 ms (amax given) is neither: a
+// the compute floor is about the memory floor. The measured 0.228 ms (amax given) is neither: a
 // CTA loads its 16 KB tile, waits, computes, writes, with nothing in flight during its compute
 // phase and a ~200-cycle dependent chain per micro-block (amax tree, E4M3 scale, reciprocal,
-// encode), with at most 4 CTAs (32 warps) per SM; the next step is persistent CTAs that
-// prefetch the next tile (cp.async, two buffers) while encoding the current one.
+// encode), with at most 4 CTAs (32 warps) per SM. Persistent CTAs that prefetch the next tile
+// with cp.async were tried and measured slower (bench/notes-quant-kernels.md).
+// Writing scaled-domain BF16 costs per element one E2M1 decode (e2m1_value, branch-free), one
+// FMUL and half a cvt.rn.bf16x2: the generic decode and software BF16 rounding used before cost
+// ~17 instructions per element and were a third of the streaming kernel's time.
 // Gradients (row SR + column RHT SR) add per 16 elements one Philox-4x32-10 (~100
 // instructions) per orientation, the SR encoder (~15 per element) and, column-wise, the 16-point
 // Walsh-Hadamard butterfly (64 FADD, 16 FMUL, 8 BF16x2 conversions): ~50 instructions per element
