@@ -328,6 +328,8 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
   float* col_amax16 = row_amax16 + TR * (TC / 16);                             // [TR/16][TC]
   float* err_rows = col_amax16 + (TR / 16) * TC;                               // [TR*TC/16][2]
   __shared__ uint8_t tile_choice[TR / 16][TC / 16];  // 4/6 2D: 1 = map to 4
+  __shared__ uint8_t tile_scale_code[TR / 16][TC / 16];  // NVFP4 2D: each tile's E4M3 scale
+  __shared__ float tile_multiplier[TR / 16][TC / 16];    // and element multiplier
   __shared__ float block_amax_2d;
 
   const int64_t r0 = (int64_t)blockIdx.y * TR;
@@ -605,9 +607,12 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
         }
         __syncthreads();
       }
-      auto tile_scale = [&](int tr, int b, float& mult) {
+      // Each tile's scale and element multiplier, computed once (not once per row of the tile).
+      for (int i = threadIdx.x; i < (TR / 16) * (TC / 16); i += kThreads) {
+        const int tr = i / (TC / 16), b = i % (TC / 16);
         const float a = row_group_amax(tr * 16, b);
         uint8_t s;
+        float mult;
         if (four_over_six) {
           const FourOverSixScalePair pair = four_over_six_scales(a, t.ts46);
           s = tile_choice[tr][b] ? pair.map4 : pair.map6;
@@ -616,7 +621,13 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
           s = nvfp4_block_scale(a, t.ts);
           mult = nvfp4_element_multiplier(s, t.ts);
         }
-        return s;
+        tile_scale_code[tr][b] = s;
+        tile_multiplier[tr][b] = mult;
+      }
+      __syncthreads();
+      auto tile_scale = [&](int tr, int b, float& mult) {
+        mult = tile_multiplier[tr][b];
+        return tile_scale_code[tr][b];
       };
       if (do_row) {
         for_each_row_block([&](int task, int r, int b, float* v) {
@@ -672,16 +683,22 @@ for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
       }
     } else {
       // MXFP8 (E8M0 per 32) and FP8 (FP32 decode scale per 128 / 128x128 / tensor).
-      float tensor_encode = 0.0f;
-      if constexpr (F == Format::kFp8Tensor) tensor_encode = fp8_encode_scale(*p.row.amax, p.fp8_pow2);
+      // FP8 per tensor and 128x128 (one block per CTA tile): one scale for the whole tile, its
+      // encode and decode factors computed once per thread (not once per micro-block).
+      constexpr bool kUniformScale = F == Format::kFp8Tensor || (F == Format::kFp8Block && kTwoD);
+      float uniform_encode = 0.0f, uniform_decode = 0.0f;
+      if constexpr (kUniformScale) {
+        uniform_encode = fp8_encode_scale(F == Format::kFp8Tensor ? *p.row.amax : block_amax_2d, p.fp8_pow2);
+        uniform_decode = formats::div_rn(1.0f, uniform_encode);
+      }
       auto scale_for = [&](float group_amax, float& mult, float& decode, uint8_t& code) {
         if constexpr (F == Format::kMxfp8) {
           code = mxfp8_scale_code(group_amax, p.mx_rule);
           mult = formats::e8m0_reciprocal(code);
           decode = formats::decode_e8m0(code);
-        } else if constexpr (F == Format::kFp8Tensor) {
-          mult = tensor_encode;
-          decode = formats::div_rn(1.0f, mult);
+        } else if constexpr (kUniformScale) {
+          mult = uniform_encode;  // group_amax is the block (or tensor) amax
+          decode = uniform_decode;
         } else {
           mult = fp8_encode_scale(group_amax, p.fp8_pow2);
           decode = formats::div_rn(1.0f, mult);
