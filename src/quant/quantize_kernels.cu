@@ -951,6 +951,25 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const InT* src, int64_t 
   if (bad) atomicOr(error_flags, kErrNonFinite);
 }
 
+// Folds the 8 BF16 or 4 FP32 values of a 16-byte chunk into the running amax `a`; a NaN is left out
+// (fmaxf) and an Inf kept, and either sets `bad`.
+template <typename InT>
+__device__ __forceinline__ void amax_chunk(const uint4& q, float& a, bool& bad) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (sizeof(InT) == 2) {
+      const float lo = abs_f32(bf16_lo(w[k])), hi = abs_f32(bf16_hi(w[k]));
+      bad |= !(lo <= formats::kFloatMax) || !(hi <= formats::kFloatMax);
+      a = fmaxf(a, fmaxf(lo, hi));
+    } else {
+      const float x = abs_f32(__uint_as_float(w[k]));
+      bad |= !(x <= formats::kFloatMax);
+      a = fmaxf(a, x);
+    }
+  }
+}
+
 // The same amaxes without RHT (column-wise amax = row-wise amax) over the tensor as one flat
 // array of 16-byte chunks: every load is 16 bytes wide and each thread keeps 4 in flight. A NaN
 // is left out of the amax and an Inf kept, as in amax_kernel; either sets kErrNonFinite.
@@ -961,21 +980,7 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const uint4* src, i
   constexpr int kUnroll = 4;
   float a = 0.0f;
   bool bad = false;
-  auto take = [&](const uint4& q) {
-    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if constexpr (sizeof(InT) == 2) {
-        const float lo = abs_f32(bf16_lo(w[k])), hi = abs_f32(bf16_hi(w[k]));
-        bad |= !(lo <= formats::kFloatMax) || !(hi <= formats::kFloatMax);
-        a = fmaxf(a, fmaxf(lo, hi));
-      } else {
-        const float x = abs_f32(__uint_as_float(w[k]));
-        bad |= !(x <= formats::kFloatMax);
-        a = fmaxf(a, x);
-      }
-    }
-  };
+  auto take = [&](const uint4& q) { amax_chunk<InT>(q, a, bad); };
   const int64_t stride = (int64_t)gridDim.x * kThreads;
   int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
   for (; i + (kUnroll - 1) * stride < n_chunks; i += kUnroll * stride) {
@@ -1008,20 +1013,7 @@ __global__ void __launch_bounds__(kThreads) row_amax_kernel(const InT* src, int6
   float a = 0.0f;
   bool bad = false;
   for (int64_t c = (int64_t)lane * kPer; c < cols; c += 32 * kPer) {
-    const uint4 q = __ldg(reinterpret_cast<const uint4*>(row + c));
-    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (sizeof(InT) == 2) {
-        const float lo = abs_f32(__uint_as_float(w[i] << 16)), hi = abs_f32(__uint_as_float(w[i] & 0xFFFF0000u));
-        bad |= !(lo <= formats::kFloatMax) || !(hi <= formats::kFloatMax);
-        a = fmaxf(a, fmaxf(lo, hi));
-      } else {
-        const float x = abs_f32(__uint_as_float(w[i]));
-        bad |= !(x <= formats::kFloatMax);
-        a = fmaxf(a, x);
-      }
-    }
+    amax_chunk<InT>(__ldg(reinterpret_cast<const uint4*>(row + c)), a, bad);
   }
   for (int off = 16; off > 0; off >>= 1) a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
   if (lane == 0) row_amax[r] = a;
