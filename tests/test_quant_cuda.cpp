@@ -301,7 +301,7 @@ TEST_F(QuantCuda, EdgeFillsMatchTheReference) {
     const int64_t tr = c.config.format == Format::kFp8Block ? 128 : 64;
     for (Fill f : fills) {
       for (bool bf16 : {true, false}) check_case(c.config, f, 2 * tr, 256, bf16, {true, true}, seed++);
-      // Row-wise only: NVFP4 1x16 round-to-nearest takes the streaming kernel then, not the tile.
+      // Row-wise only: the 1D formats without Four Over Six take the streaming kernel then.
       for (bool bf16 : {true, false}) check_case(c.config, f, 2 * tr, 256, bf16, {true, false}, seed++);
       if (HasFatalFailure()) return;
     }
@@ -341,9 +341,10 @@ TEST_F(QuantCuda, ManyTilesInBothDirections) {
     check_case(c, Fill::kHeavyTailed, 17 * tr, 33 * 128, true, {true, true}, seed++);
     if (HasFatalFailure()) return;
   }
-  // Row-wise only, round to nearest: the streaming kernels (1D, and NVFP4 16x16 one warp a tile),
-  // many CTAs of each, from BF16 and FP32 sources.
-  for (const QuantConfig& c : {rn, weight, mx, f8}) {
+  // Row-wise only: the streaming kernel (1D formats; the gradient config's stochastic rounding,
+  // its RHT unused row-wise) and the tile kernel's row-only 16x16 path, many CTAs of each, from
+  // BF16 and FP32 sources.
+  for (const QuantConfig& c : {rn, grad, weight, mx, f8}) {
     const int64_t tr = c.format == Format::kFp8Block ? 128 : 64;
     for (bool bf16 : {true, false}) check_case(c, Fill::kHeavyTailed, 17 * tr, 33 * 128, bf16, {true, false}, seed++);
     if (HasFatalFailure()) return;
