@@ -190,7 +190,8 @@ TEST(DecodeGemvPlan, CoversEveryChunkAndRow) {
     const int64_t N = 1 + (int64_t)(rng() % 40000), K = 1 + (int64_t)(rng() % 20000);
     const int sms = 1 + (int)(rng() % 200);
     const bool stage_large = i % 2 == 0;  // the default, and FOURBIT_DECODE_STAGED=small
-    const kernels::DecodeGemvPlan p = kernels::plan_decode_gemv(B, N, K, sms, stage_large);
+    const bool cap_cluster = (i / 2) % 2 == 0;  // FOURBIT_DECODE_PLAN=cluster, and the default
+    const kernels::DecodeGemvPlan p = kernels::plan_decode_gemv(B, N, K, sms, stage_large, cap_cluster);
     ASSERT_GE((int64_t)p.row_blocks * kernels::kDecodeRowsPerCta, N);
     ASSERT_LT((int64_t)(p.row_blocks - 1) * kernels::kDecodeRowsPerCta, N);
     ASSERT_EQ(p.chunks, (K + kernels::kDecodeChunk - 1) / kernels::kDecodeChunk);
@@ -213,6 +214,9 @@ TEST(DecodeGemvPlan, CoversEveryChunkAndRow) {
     if (B > 16 && p.staged) {  // one cluster per row block, at most 4 CTAs per SM
       ASSERT_LE(staged_splits, kernels::kDecodeClusterMax);
       ASSERT_LE((int64_t)p.row_blocks * p.splits, 4 * (int64_t)sms);
+    }
+    if (cap_cluster && p.staged && staged_splits <= kernels::kDecodeClusterMax) {
+      ASSERT_LE(p.splits, kernels::kDecodeClusterMax);
     }
     if (p.staged) {  // x of a whole split: at most 32 KB (the launch opts in to 64 KB with the partials)
       ASSERT_LE(p.chunks_per_split, kernels::kDecodeStagedChunks);

@@ -196,11 +196,21 @@ bool decode_stage_large_batches() {
   }();
   return stage;
 }
+
+// FOURBIT_DECODE_PLAN=cluster: plan_decode_gemv's cap_cluster (for A/B runs). Read once.
+bool decode_cap_cluster() {
+  static const bool cap = [] {
+    const char* v = std::getenv("FOURBIT_DECODE_PLAN");
+    return v != nullptr && std::string_view(v) == "cluster";
+  }();
+  return cap;
+}
 }  // namespace
 
 void DecodeWorkspace::reserve_for(int B, int64_t N, int64_t K) {
   const kernels::DecodeGemvPlan plan =
-      kernels::plan_decode_gemv(B, N, K, current_device_sm_count(), decode_stage_large_batches());
+      kernels::plan_decode_gemv(B, N, K, current_device_sm_count(), decode_stage_large_batches(),
+                                decode_cap_cluster());
   reserve(plan.partial_floats, plan.row_blocks);
 }
 
@@ -242,7 +252,8 @@ void decode_gemv(const DecodeGemvArgs& a) {
   }
   FOURBIT_CHECK(a.workspace != nullptr, "{}: a DecodeWorkspace is required", where);
   const kernels::DecodeGemvPlan plan =
-      kernels::plan_decode_gemv((int)B, N, K, current_device_sm_count(), decode_stage_large_batches());
+      kernels::plan_decode_gemv((int)B, N, K, current_device_sm_count(), decode_stage_large_batches(),
+                                decode_cap_cluster());
   a.workspace->reserve(plan.partial_floats, plan.row_blocks);
 
   kernels::DecodeGemvParams p;

@@ -391,6 +391,54 @@ __device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token)
   return alpha;
 }
 
+// The last-arriving CTA's sum of a row block's split partials (global path of finish()): output i
+// (token i / kDecodeRowsPerCta, row row_base + i % kDecodeRowsPerCta) = 0 + p_0 + p_1 + ... in
+// split order, then alpha_eff. A thread owns kOutputs outputs (i0 + u * kThreads) and loads
+// kSplitBatch splits of each before it adds them, so that kOutputs * kSplitBatch independent L2
+// loads are in flight together: one round trip per kSplitBatch splits instead of one per split
+// (at batch 1 the 2048 x 5632 GEMV has 22 splits and one output per thread: 22 dependent round
+// trips with kSplitBatch 1, 2 with 16). The additions are the same, in the same order.
+template <DecodeWeightFormat F, int kOutputs, int kSplitBatch>
+__device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, int64_t row_base, int total,
+                                                   int splits) {
+  const float alpha0 = alpha_eff<F>(p, 0);
+  for (int i0 = (int)threadIdx.x; i0 < total; i0 += kOutputs * kThreads) {
+    float sum[kOutputs];
+#pragma unroll
+    for (int u = 0; u < kOutputs; ++u) sum[u] = 0.0f;
+    for (int s0 = 0; s0 < splits; s0 += kSplitBatch) {
+      float v[kOutputs][kSplitBatch];
+#pragma unroll
+      for (int u = 0; u < kOutputs; ++u) {
+        const int i = i0 + u * kThreads;
+        const int64_t row = row_base + i % kDecodeRowsPerCta;
+        const bool valid = i < total && row < p.N;
+#pragma unroll
+        for (int q = 0; q < kSplitBatch; ++q) {
+          const int s = s0 + q;
+          v[u][q] = valid && s < splits
+                        ? __ldcg(p.partials + ((int64_t)s * p.B + i / kDecodeRowsPerCta) * p.N + row)
+                        : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kOutputs; ++u)
+#pragma unroll
+        for (int q = 0; q < kSplitBatch; ++q) {
+          if (s0 + q < splits) sum[u] = formats::add_rn(sum[u], v[u][q]);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < kOutputs; ++u) {
+      const int i = i0 + u * kThreads, token = i / kDecodeRowsPerCta;
+      const int64_t row = row_base + i % kDecodeRowsPerCta;
+      if (i < total && row < p.N) {
+        store_y(p, token, row, formats::mul_rn(sum[u], p.x_amax_per_row ? alpha_eff<F>(p, token) : alpha0));
+      }
+    }
+  }
+}
+
 // The epilogue of both kernels: alpha_eff, then y directly (one split) or through the split-K
 // partials, summed in split order by the row block's last-arriving CTA.
 template <DecodeWeightFormat F, int NT>
@@ -427,33 +475,13 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  // Each thread sums kSumBatch outputs at once, so that their loads of one split are in flight
-  // together: one L2 round trip per split, not per split and output (at 64 tokens a thread owns
-  // 64 * 64 / 128 = 32 outputs: all of them in one batch). Every output is still
-  // 0 + p_0 + p_1 + ... in split order.
-  constexpr int kSumBatch = 32;
   const int total = p.B * kDecodeRowsPerCta;
-  for (int i0 = (int)threadIdx.x; i0 < total; i0 += kSumBatch * kThreads) {
-    float sum[kSumBatch];
-#pragma unroll
-    for (int u = 0; u < kSumBatch; ++u) sum[u] = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-      float v[kSumBatch];
-#pragma unroll
-      for (int u = 0; u < kSumBatch; ++u) {
-        const int i = i0 + u * kThreads;
-        const int64_t row = row_base + i % kDecodeRowsPerCta;
-        v[u] = i < total && row < p.N ? __ldcg(p.partials + ((int64_t)s * p.B + i / kDecodeRowsPerCta) * p.N + row) : 0.0f;
-      }
-#pragma unroll
-      for (int u = 0; u < kSumBatch; ++u) sum[u] = formats::add_rn(sum[u], v[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kSumBatch; ++u) {
-      const int i = i0 + u * kThreads, token = i / kDecodeRowsPerCta;
-      const int64_t row = row_base + i % kDecodeRowsPerCta;
-      if (i < total && row < p.N) store_y(p, token, row, formats::mul_rn(sum[u], alpha(token)));
-    }
+  if (total <= kThreads) {
+    sum_split_partials<F, 1, 16>(p, row_base, total, splits);
+  } else if (total <= 4 * kThreads) {
+    sum_split_partials<F, 4, 8>(p, row_base, total, splits);
+  } else {
+    sum_split_partials<F, 32, 1>(p, row_base, total, splits);
   }
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;
 }
@@ -481,8 +509,16 @@ __device__ __forceinline__ void finish_cluster(const DecodeGemvParams& p, const 
     const int token = i / kDecodeRowsPerCta, local = i % kDecodeRowsPerCta;
     const int64_t row = row_base + local;
     if (row >= p.N) continue;
+    // All the splits' loads first (one distributed-shared-memory round trip, not one per split),
+    // then the sum in split order.
+    float v[kDecodeClusterMax];
+#pragma unroll
+    for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) v[s2] = s2 < splits ? cluster.map_shared_rank(partial, s2)[i] : 0.0f;
     float sum = 0.0f;
-    for (int s2 = 0; s2 < splits; ++s2) sum = formats::add_rn(sum, cluster.map_shared_rank(partial, s2)[i]);
+#pragma unroll
+    for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) {
+      if (s2 < splits) sum = formats::add_rn(sum, v[s2]);
+    }
     store_y(p, token, row, formats::mul_rn(sum, alpha(token)));
   }
   cluster.sync();

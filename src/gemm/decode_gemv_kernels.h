@@ -65,7 +65,11 @@ struct DecodeGemvPlan {
   int64_t partial_floats = 0;  // workspace floats for the split partials (splits > 1, no cluster)
 };
 
-inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count, bool stage_large = true) {
+// cap_cluster (FOURBIT_DECODE_PLAN=cluster, for A/B runs): a staged launch whose target split count
+// passes kDecodeClusterMax takes kDecodeClusterMax longer splits instead, summed in a cluster rather
+// than through the workspace (at batch 1-16 on an H200 only the 2048 x 5632 GEMV is concerned).
+inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count, bool stage_large = true,
+                                       bool cap_cluster = false) {
   DecodeGemvPlan p;
   p.row_blocks = (int)((N + kDecodeRowsPerCta - 1) / kDecodeRowsPerCta);
   p.chunks = (int)std::max<int64_t>(1, (K + kDecodeChunk - 1) / kDecodeChunk);
@@ -85,6 +89,7 @@ inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count
              (stage_large && staged_splits <= kDecodeClusterMax &&
               (int64_t)p.row_blocks * std::max(splits, staged_splits) <= 4 * (int64_t)std::max(1, sm_count));
   if (p.staged) splits = std::max(splits, staged_splits);
+  if (p.staged && cap_cluster && splits > kDecodeClusterMax) splits = std::max(kDecodeClusterMax, staged_splits);
   p.chunks_per_split = (p.chunks + splits - 1) / splits;
   p.splits = (p.chunks + p.chunks_per_split - 1) / p.chunks_per_split;  // no empty split
   p.x_smem_bytes = p.staged ? p.chunks_per_split * p.n_tiles * kDecodeXTileBytes : 0;
