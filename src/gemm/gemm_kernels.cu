@@ -2,10 +2,13 @@
 // BF16 from packed NVFP4 / MXFP8, the FP8 block-scale layout conversion, the epilogue scalars and
 // the empty-reduction result. All are memory-bound element-wise passes; the element arithmetic is
 // the quantizer's (quant/block_math.h, formats/element.h), so the values equal
-// quant::dequantize_bf16_scaled_reference bit for bit.
+// quant::dequantize_bf16_scaled_reference bit for bit. Each is launched with programmatic dependent
+// launch (core/pdl.cuh) and waits for its producer before anything else: its launch overlaps the
+// tail of the kernel before (the quantizers, or cuBLASLt); FOURBIT_PDL=0 turns it off.
 #include "gemm/gemm_kernels.h"
 
 #include "core/error.h"
+#include "core/pdl.cuh"
 #include "formats/element.h"
 #include "quant/block_math.h"
 
@@ -28,6 +31,8 @@ __device__ __forceinline__ uint16_t nvfp4_scaled_bf16(uint8_t code, float scale)
 // One thread per 16-element chunk of a row (one NVFP4 block; half an MXFP8 block). Rows whose
 // length is a multiple of 16 take the vectorized path: 8 (NVFP4) or 16 (MXFP8) bytes in, 32 out.
 __global__ void scaled_bf16_kernel(ScaledBf16Params p) {
+  core::pdl_allow_dependents();
+  core::pdl_wait_for_producer();  // before any read or write (core/pdl.cuh)
   const int64_t chunks_per_row = (p.cols + 15) / 16;
   const int64_t chunks = p.rows * chunks_per_row;
   const bool vector_rows = p.cols % 16 == 0;
@@ -90,6 +95,8 @@ __global__ void scaled_bf16_kernel(ScaledBf16Params p) {
 }
 
 __global__ void fp8_block_scales_kernel(Fp8BlockScaleSlice s, float* dst, int64_t n) {
+  core::pdl_allow_dependents();
+  core::pdl_wait_for_producer();  // before any read or write (core/pdl.cuh)
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (int64_t)gridDim.x * blockDim.x) {
     dst[i] = cublas_fp8_scale_at(s, i);
@@ -97,6 +104,8 @@ __global__ void fp8_block_scales_kernel(Fp8BlockScaleSlice s, float* dst, int64_
 }
 
 __global__ void epilogue_scalars_kernel(EpilogueScalarParams p) {
+  core::pdl_allow_dependents();
+  core::pdl_wait_for_producer();  // before any read or write (core/pdl.cuh)
   const float d_a = p.amax_a ? quant::nvfp4_global_decode_scale(*p.amax_a, p.constant_a) : 1.0f;
   const float d_b = p.amax_b ? quant::nvfp4_global_decode_scale(*p.amax_b, p.constant_b) : 1.0f;
   p.out[0] = formats::mul_rn(formats::mul_rn(p.alpha, d_a), d_b);
@@ -104,6 +113,8 @@ __global__ void epilogue_scalars_kernel(EpilogueScalarParams p) {
 }
 
 __global__ void row_scaled_epilogue_kernel(RowScaledEpilogueParams p) {
+  core::pdl_allow_dependents();
+  core::pdl_wait_for_producer();  // before any read or write (core/pdl.cuh)
   const float d_b = p.amax_b ? quant::nvfp4_global_decode_scale(*p.amax_b, p.constant_b) : 1.0f;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.rows * p.cols;
        i += (int64_t)gridDim.x * blockDim.x) {
@@ -125,6 +136,8 @@ __global__ void row_scaled_epilogue_kernel(RowScaledEpilogueParams p) {
 
 template <typename T>
 __global__ void scale_matrix_kernel(T* c, int64_t rows, int64_t cols, int64_t ld, float beta) {
+  core::pdl_allow_dependents();
+  core::pdl_wait_for_producer();  // before any read or write (core/pdl.cuh)
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * cols;
        i += (int64_t)gridDim.x * blockDim.x) {
     T& x = c[(i / cols) * ld + i % cols];
@@ -140,24 +153,25 @@ __global__ void scale_matrix_kernel(T* c, int64_t rows, int64_t cols, int64_t ld
 
 void launch_scaled_bf16(const ScaledBf16Params& p, cudaStream_t stream) {
   const int64_t chunks = p.rows * ((p.cols + 15) / 16);
-  scaled_bf16_kernel<<<grid_for(chunks), kThreads, 0, stream>>>(p);
+  FOURBIT_CUDA_CHECK(core::launch_pdl(scaled_bf16_kernel, dim3(grid_for(chunks)), dim3(kThreads), 0, stream, p));
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
 void launch_fp8_block_scales(const Fp8BlockScaleSlice& slice, float* dst, cudaStream_t stream) {
   const int64_t n = cublas_fp8_scale_count(slice.block_2d, slice.rows, slice.blocks);
-  fp8_block_scales_kernel<<<grid_for(n), kThreads, 0, stream>>>(slice, dst, n);
+  FOURBIT_CUDA_CHECK(core::launch_pdl(fp8_block_scales_kernel, dim3(grid_for(n)), dim3(kThreads), 0, stream, slice, dst, n));
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
 void launch_epilogue_scalars(const EpilogueScalarParams& p, cudaStream_t stream) {
-  epilogue_scalars_kernel<<<1, 1, 0, stream>>>(p);
+  FOURBIT_CUDA_CHECK(core::launch_pdl(epilogue_scalars_kernel, dim3(1), dim3(1), 0, stream, p));
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
 void launch_row_scaled_epilogue(const RowScaledEpilogueParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return;
-  row_scaled_epilogue_kernel<<<grid_for(p.rows * p.cols), kThreads, 0, stream>>>(p);
+  FOURBIT_CUDA_CHECK(
+      core::launch_pdl(row_scaled_epilogue_kernel, dim3(grid_for(p.rows * p.cols)), dim3(kThreads), 0, stream, p));
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
@@ -165,9 +179,11 @@ void launch_scale_matrix(void* c, bool bf16, int64_t rows, int64_t cols, int64_t
                          cudaStream_t stream) {
   const unsigned grid = grid_for(rows * cols);
   if (bf16) {
-    scale_matrix_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(static_cast<uint16_t*>(c), rows, cols, ld, beta);
+    FOURBIT_CUDA_CHECK(core::launch_pdl(scale_matrix_kernel<uint16_t>, dim3(grid), dim3(kThreads), 0, stream,
+                                        static_cast<uint16_t*>(c), rows, cols, ld, beta));
   } else {
-    scale_matrix_kernel<float><<<grid, kThreads, 0, stream>>>(static_cast<float*>(c), rows, cols, ld, beta);
+    FOURBIT_CUDA_CHECK(core::launch_pdl(scale_matrix_kernel<float>, dim3(grid), dim3(kThreads), 0, stream,
+                                        static_cast<float*>(c), rows, cols, ld, beta));
   }
   FOURBIT_CUDA_CHECK_LAUNCH();
 }

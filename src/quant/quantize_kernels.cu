@@ -42,9 +42,14 @@
 // dequantizes two candidates, each divided by the constant C: the reciprocal and one FMA
 // correction (four_over_six_div_constant, proven equal to div_rn; ~6 instructions with its range
 // test) instead of div_rn (~10 and a slow-path branch); both candidates in one loop.
+// Launches: every kernel but fill_normal is launched with programmatic dependent launch
+// (core/pdl.cuh) and waits for its producer before anything else, so only its launch and CTA
+// placement overlap the tail of the kernel before it (amax pass -> quantizer, one operand's
+// quantizer -> the next one's); FOURBIT_PDL=0 turns it off for A/B runs.
 #include "quant/quantize_kernels.h"
 
 #include "core/error.h"
+#include "core/pdl.cuh"
 #include "formats/element.h"
 
 #include <cuda_bf16.h>
@@ -314,6 +319,8 @@ enum Variant : int { kRoundNearest = 0, kSrRht = 1, kAll = 2 };
 
 template <typename InT, Format F, bool kTwoD, int kVariant>
 __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
+  core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
+  core::pdl_wait_for_producer();
   const bool stochastic = kVariant != kRoundNearest && p.stochastic;
   const bool four_over_six = kVariant == kAll && p.four_over_six;
   const bool rht = kVariant != kRoundNearest && p.rht;
@@ -812,6 +819,8 @@ for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
 // warps: the host side guarantees whole tiles).
 template <typename InT, Format F, bool kStochastic>
 __global__ void __launch_bounds__(kThreads) rowwise_kernel(Params p) {
+  core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
+  core::pdl_wait_for_producer();
   constexpr int kGroup = F == Format::kMxfp8 ? 2 : (F == Format::kFp8Block ? 8 : 1);
   const int64_t n_blocks = p.rows * (p.cols / 16);
   const int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x;
@@ -897,9 +906,9 @@ void launch_rowwise(const Params& p, cudaStream_t stream) {
   const unsigned grid = (unsigned)((n_blocks + kThreads - 1) / kThreads);
   if (grid == 0) return;
   if (p.stochastic) {
-    rowwise_kernel<InT, F, true><<<grid, kThreads, 0, stream>>>(p);
+    FOURBIT_CUDA_CHECK(core::launch_pdl(rowwise_kernel<InT, F, true>, dim3(grid), dim3(kThreads), 0, stream, p));
   } else {
-    rowwise_kernel<InT, F, false><<<grid, kThreads, 0, stream>>>(p);
+    FOURBIT_CUDA_CHECK(core::launch_pdl(rowwise_kernel<InT, F, false>, dim3(grid), dim3(kThreads), 0, stream, p));
   }
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
@@ -913,6 +922,8 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const InT* src, int64_t 
                                                         bool rht, uint16_t sign_mask,
                                                         float* row_amax, float* col_amax,
                                                         int* error_flags) {
+  core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
+  core::pdl_wait_for_producer();
   constexpr int kColPair = 4 / sizeof(InT);
   const int64_t col_groups = cols / kColPair;
   const int64_t strips = (rows / 16) * col_groups;
@@ -977,6 +988,8 @@ template <typename InT>
 __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const uint4* src, int64_t n_chunks,
                                                              float* row_amax, float* col_amax,
                                                              int* error_flags) {
+  core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
+  core::pdl_wait_for_producer();
   constexpr int kUnroll = 4;
   float a = 0.0f;
   bool bad = false;
@@ -1005,6 +1018,8 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const uint4* src, i
 template <typename InT>
 __global__ void __launch_bounds__(kThreads) row_amax_kernel(const InT* src, int64_t rows, int64_t cols,
                                                             float* row_amax, int* error_flags) {
+  core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
+  core::pdl_wait_for_producer();
   constexpr int kPer = 16 / sizeof(InT);
   const int64_t r = (int64_t)blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
   if (r >= rows) return;  // whole warps leave together
@@ -1038,6 +1053,8 @@ __global__ void fill_normal_kernel(void* dst, bool bf16, int64_t n, uint64_t see
 }
 
 __global__ void dequantize_kernel(DequantParams p) {
+  core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
+  core::pdl_wait_for_producer();
   const int64_t n = p.rows * p.cols;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (int64_t)gridDim.x * blockDim.x) {
@@ -1078,7 +1095,7 @@ void launch_tile_variant(const Params& p, cudaStream_t stream) {
     configured = true;
   }
   const dim3 grid((unsigned)(p.cols / T::kCols), (unsigned)(p.rows / T::kRows));
-  kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p);
+  FOURBIT_CUDA_CHECK(core::launch_pdl(kernel, grid, dim3(kThreads), T::kSmemBytes, stream, p));
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
@@ -1161,9 +1178,11 @@ void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, 
         1, std::min<int64_t>((chunks + 4 * kThreads - 1) / (4 * kThreads), (int64_t)sms * 8));
     const uint4* s4 = static_cast<const uint4*>(src);
     if (bf16_source) {
-      amax_flat_kernel<uint16_t><<<blocks, kThreads, 0, stream>>>(s4, chunks, row_amax, col_amax, error_flags);
+      FOURBIT_CUDA_CHECK(core::launch_pdl(amax_flat_kernel<uint16_t>, dim3(blocks), dim3(kThreads), 0, stream, s4, chunks,
+                                          row_amax, col_amax, error_flags));
     } else {
-      amax_flat_kernel<float><<<blocks, kThreads, 0, stream>>>(s4, chunks, row_amax, col_amax, error_flags);
+      FOURBIT_CUDA_CHECK(core::launch_pdl(amax_flat_kernel<float>, dim3(blocks), dim3(kThreads), 0, stream, s4, chunks,
+                                          row_amax, col_amax, error_flags));
     }
     FOURBIT_CUDA_CHECK_LAUNCH();
     return;
@@ -1171,11 +1190,13 @@ void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, 
   const int64_t strips = (rows / 16) * cols;
   const int blocks = (int)std::min<int64_t>((strips + kThreads - 1) / kThreads, (int64_t)sms * 8);
   if (bf16_source) {
-    amax_kernel<uint16_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(src), rows,
-        cols, rht, sign_mask, row_amax, col_amax, error_flags);
+    FOURBIT_CUDA_CHECK(core::launch_pdl(amax_kernel<uint16_t>, dim3(blocks), dim3(kThreads), 0, stream,
+                                        static_cast<const uint16_t*>(src), rows, cols, rht, sign_mask, row_amax,
+                                        col_amax, error_flags));
   } else {
-    amax_kernel<float><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(src), rows, cols,
-        rht, sign_mask, row_amax, col_amax, error_flags);
+    FOURBIT_CUDA_CHECK(core::launch_pdl(amax_kernel<float>, dim3(blocks), dim3(kThreads), 0, stream,
+                                        static_cast<const float*>(src), rows, cols, rht, sign_mask, row_amax,
+                                        col_amax, error_flags));
   }
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
@@ -1185,11 +1206,11 @@ void launch_row_amax(const void* src, bool bf16_source, int64_t rows, int64_t co
   if (rows == 0) return;
   const unsigned blocks = (unsigned)((rows + kThreads / 32 - 1) / (kThreads / 32));
   if (bf16_source) {
-    row_amax_kernel<uint16_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(src), rows, cols,
-                                                               row_amax, error_flags);
+    FOURBIT_CUDA_CHECK(core::launch_pdl(row_amax_kernel<uint16_t>, dim3(blocks), dim3(kThreads), 0, stream,
+                                        static_cast<const uint16_t*>(src), rows, cols, row_amax, error_flags));
   } else {
-    row_amax_kernel<float><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(src), rows, cols,
-                                                            row_amax, error_flags);
+    FOURBIT_CUDA_CHECK(core::launch_pdl(row_amax_kernel<float>, dim3(blocks), dim3(kThreads), 0, stream,
+                                        static_cast<const float*>(src), rows, cols, row_amax, error_flags));
   }
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
@@ -1197,7 +1218,7 @@ void launch_row_amax(const void* src, bool bf16_source, int64_t rows, int64_t co
 void launch_dequantize(const DequantParams& p, cudaStream_t stream) {
   const int64_t n = p.rows * p.cols;
   const int blocks = (int)std::min<int64_t>((n + 255) / 256, 65536);
-  dequantize_kernel<<<blocks, 256, 0, stream>>>(p);
+  FOURBIT_CUDA_CHECK(core::launch_pdl(dequantize_kernel, dim3(blocks), dim3(256), 0, stream, p));
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
