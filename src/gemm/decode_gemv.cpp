@@ -197,20 +197,26 @@ bool decode_stage_large_batches() {
   return stage;
 }
 
-// FOURBIT_DECODE_PLAN=cluster: plan_decode_gemv's cap_cluster (for A/B runs). Read once.
-bool decode_cap_cluster() {
-  static const bool cap = [] {
+// plan_decode_gemv's cap_cluster for a launch: FOURBIT_DECODE_PLAN=cluster caps every staged
+// launch at one cluster of splits, =split never does, and the default (unset or auto) caps NVFP4
+// weights only. A CTA streams 4x fewer bytes per chunk of NVFP4 than of BF16 weights, so the
+// split target's 2-chunk splits leave NVFP4 CTAs with little to stream against the fixed cost of
+// the workspace round trip; longer splits in a cluster measured faster for NVFP4 and slower for
+// BF16 (mlp_down 2048 x 5632, H200: bench/notes-decode.md). Read once.
+bool decode_cap_cluster(bool nvfp4_weights) {
+  static const int setting = [] {
     const char* v = std::getenv("FOURBIT_DECODE_PLAN");
-    return v != nullptr && std::string_view(v) == "cluster";
+    const std::string_view s = v == nullptr ? "auto" : v;
+    return s == "cluster" ? 1 : s == "split" ? 0 : -1;
   }();
-  return cap;
+  return setting == -1 ? nvfp4_weights : setting == 1;
 }
 }  // namespace
 
+// The workspace of the uncapped plan: a superset of the capped one's (a cluster needs no partials).
 void DecodeWorkspace::reserve_for(int B, int64_t N, int64_t K) {
   const kernels::DecodeGemvPlan plan =
-      kernels::plan_decode_gemv(B, N, K, current_device_sm_count(), decode_stage_large_batches(),
-                                decode_cap_cluster());
+      kernels::plan_decode_gemv(B, N, K, current_device_sm_count(), decode_stage_large_batches(), false);
   reserve(plan.partial_floats, plan.row_blocks);
 }
 
@@ -253,7 +259,7 @@ void decode_gemv(const DecodeGemvArgs& a) {
   FOURBIT_CHECK(a.workspace != nullptr, "{}: a DecodeWorkspace is required", where);
   const kernels::DecodeGemvPlan plan =
       kernels::plan_decode_gemv((int)B, N, K, current_device_sm_count(), decode_stage_large_batches(),
-                                decode_cap_cluster());
+                                decode_cap_cluster(a.w.nvfp4 != nullptr));
   a.workspace->reserve(plan.partial_floats, plan.row_blocks);
 
   kernels::DecodeGemvParams p;

@@ -398,8 +398,11 @@ __device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token)
 // loads are in flight together: one round trip per kSplitBatch splits instead of one per split
 // (at batch 1 the 2048 x 5632 GEMV has 22 splits and one output per thread: 22 dependent round
 // trips with kSplitBatch 1, 2 with 16). The additions are the same, in the same order.
+// Not inlined: inlined, the three instantiations of finish() together raised the staged kernels
+// from ~155 to ~250 registers (2 CTAs per SM instead of 3; the batch-16 GEMVs ran 1.3x slower),
+// though each alone stays near 155; as calls they cost a 168-byte stack frame on this cold path.
 template <DecodeWeightFormat F, int kOutputs, int kSplitBatch>
-__device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, int64_t row_base, int total,
+__device__ __noinline__ void sum_split_partials(const DecodeGemvParams& p, int64_t row_base, int total,
                                                    int splits) {
   const float alpha0 = alpha_eff<F>(p, 0);
   for (int i0 = (int)threadIdx.x; i0 < total; i0 += kOutputs * kThreads) {
