@@ -197,19 +197,16 @@ bool decode_stage_large_batches() {
   return stage;
 }
 
-// plan_decode_gemv's cap_cluster for a launch: FOURBIT_DECODE_PLAN=cluster caps every staged
-// launch at one cluster of splits, =split never does, and the default (unset or auto) caps NVFP4
-// weights only. A CTA streams 4x fewer bytes per chunk of NVFP4 than of BF16 weights, so the
-// split target's 2-chunk splits leave NVFP4 CTAs with little to stream against the fixed cost of
-// the workspace round trip; longer splits in a cluster measured faster for NVFP4 and slower for
-// BF16 (mlp_down 2048 x 5632, H200: bench/notes-decode.md). Read once.
-bool decode_cap_cluster(bool nvfp4_weights) {
-  static const int setting = [] {
+// plan_decode_gemv's cap_cluster: on unless FOURBIT_DECODE_PLAN=split (for A/B runs). Staged
+// launches whose split target passes a cluster take one cluster of longer splits: on an H200 the
+// 2048 x 5632 GEMV at 1-16 tokens went from 20-27 us (22 splits through the workspace) to 9-13 us,
+// and the 1.1B decode step from 1.85 to 1.48 ms at batch 1 (bench/notes-decode.md). Read once.
+bool decode_cap_cluster() {
+  static const bool cap = [] {
     const char* v = std::getenv("FOURBIT_DECODE_PLAN");
-    const std::string_view s = v == nullptr ? "auto" : v;
-    return s == "cluster" ? 1 : s == "split" ? 0 : -1;
+    return v == nullptr || std::string_view(v) != "split";
   }();
-  return setting == -1 ? nvfp4_weights : setting == 1;
+  return cap;
 }
 }  // namespace
 
@@ -259,7 +256,7 @@ void decode_gemv(const DecodeGemvArgs& a) {
   FOURBIT_CHECK(a.workspace != nullptr, "{}: a DecodeWorkspace is required", where);
   const kernels::DecodeGemvPlan plan =
       kernels::plan_decode_gemv((int)B, N, K, current_device_sm_count(), decode_stage_large_batches(),
-                                decode_cap_cluster(a.w.nvfp4 != nullptr));
+                                decode_cap_cluster());
   a.workspace->reserve(plan.partial_floats, plan.row_blocks);
 
   kernels::DecodeGemvParams p;

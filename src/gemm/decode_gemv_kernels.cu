@@ -395,14 +395,16 @@ __device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token)
 // (token i / kDecodeRowsPerCta, row row_base + i % kDecodeRowsPerCta) = 0 + p_0 + p_1 + ... in
 // split order, then alpha_eff. A thread owns kOutputs outputs (i0 + u * kThreads) and loads
 // kSplitBatch splits of each before it adds them, so that kOutputs * kSplitBatch independent L2
-// loads are in flight together: one round trip per kSplitBatch splits instead of one per split
-// (at batch 1 the 2048 x 5632 GEMV has 22 splits and one output per thread: 22 dependent round
-// trips with kSplitBatch 1, 2 with 16). The additions are the same, in the same order.
-// Not inlined: inlined, the three instantiations of finish() together raised the staged kernels
-// from ~155 to ~250 registers (2 CTAs per SM instead of 3; the batch-16 GEMVs ran 1.3x slower),
-// though each alone stays near 155; as calls they cost a 168-byte stack frame on this cold path.
+// loads are in flight together: one round trip per kSplitBatch splits. The additions are the
+// same, in the same order, whatever the batching. finish() instantiates one shape per kernel:
+// with one n-tile (batches of 1-8 tokens, at most 4 outputs per thread) one output per pass and
+// 16 splits per round trip (the 2048 x 5632 GEMV had 22 splits: 22 dependent round trips before),
+// otherwise all 32 outputs of a thread per split (64 tokens: 32 outputs per thread). Two shapes
+// in one kernel raised the staged kernels from ~155 to ~250 registers (2 CTAs per SM instead of
+// 3; the 16-token GEMVs ran 1.3x slower); as non-inlined calls they slowed the 64-token kernel
+// 1.3-2.2x (H200, bench/notes-decode.md).
 template <DecodeWeightFormat F, int kOutputs, int kSplitBatch>
-__device__ __noinline__ void sum_split_partials(const DecodeGemvParams& p, int64_t row_base, int total,
+__device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, int64_t row_base, int total,
                                                    int splits) {
   const float alpha0 = alpha_eff<F>(p, 0);
   for (int i0 = (int)threadIdx.x; i0 < total; i0 += kOutputs * kThreads) {
@@ -478,13 +480,10 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  const int total = p.B * kDecodeRowsPerCta;
-  if (total <= kThreads) {
-    sum_split_partials<F, 1, 16>(p, row_base, total, splits);
-  } else if (total <= 4 * kThreads) {
-    sum_split_partials<F, 4, 8>(p, row_base, total, splits);
+  if constexpr (NT == 1) {
+    sum_split_partials<F, 1, 16>(p, row_base, p.B * kDecodeRowsPerCta, splits);
   } else {
-    sum_split_partials<F, 32, 1>(p, row_base, total, splits);
+    sum_split_partials<F, 32, 1>(p, row_base, p.B * kDecodeRowsPerCta, splits);
   }
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;
 }

@@ -65,10 +65,10 @@ struct DecodeGemvPlan {
   int64_t partial_floats = 0;  // workspace floats for the split partials (splits > 1, no cluster)
 };
 
-// cap_cluster (decode_gemv.cpp: NVFP4 weights by default; FOURBIT_DECODE_PLAN for A/B runs): a
-// staged launch whose target split count passes kDecodeClusterMax takes kDecodeClusterMax longer
-// splits instead, summed in a cluster rather than through the workspace (of the 1.1B Llama's
-// GEMVs at batch 1-16, only the 2048 x 5632 one is concerned).
+// cap_cluster (decode_gemv.cpp: on unless FOURBIT_DECODE_PLAN=split): a staged launch whose
+// target split count passes kDecodeClusterMax takes kDecodeClusterMax longer splits instead,
+// summed in a cluster rather than through the workspace (of the 1.1B Llama's GEMVs at batch 1-16,
+// only the 2048 x 5632 one is concerned).
 inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count, bool stage_large = true,
                                        bool cap_cluster = false) {
   DecodeGemvPlan p;
