@@ -273,7 +273,7 @@ void run_case(const Case& c, uint64_t seed) {
 TEST(DecodeGemvCuda, Nvfp4WeightsPlainActivations) {
   uint64_t seed = 100;
   // {40, 20000}: more splits than a cluster holds even though staged launches are capped at one
-  // cluster (decode_gemv.cpp), so the workspace path's batched split sums run on NVFP4 too.
+  // cluster (decode_gemv.cpp), so the workspace path runs on NVFP4 weights at 1-16 tokens too.
   for (int B : {1, 3, 8, 9, 17, 33, 64})
     for (auto [N, K] : {std::pair<int64_t, int64_t>{256, 2048}, {203, 1000}, {64, 8192}, {1000, 640}, {40, 20000}}) {
       run_case({B, N, K, WKind::kNvfp4, XKind::kPlain}, seed++);

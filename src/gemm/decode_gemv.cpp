@@ -199,8 +199,9 @@ bool decode_stage_large_batches() {
 
 // plan_decode_gemv's cap_cluster: on unless FOURBIT_DECODE_PLAN=split (for A/B runs). Staged
 // launches whose split target passes a cluster take one cluster of longer splits: on an H200 the
-// 2048 x 5632 GEMV at 1-16 tokens went from 20-27 us (22 splits through the workspace) to 9-13 us,
-// and the 1.1B decode step from 1.85 to 1.48 ms at batch 1 (bench/notes-decode.md). Read once.
+// 2048 x 5632 GEMV at 1-16 tokens went from 20-27 us (15-22 splits through the workspace) to 8-13
+// us, and the 1.1B decode step at batch 1 from 1.82 to 1.37 ms (bf16), 2.17 to 1.71 ms (e2e4)
+// (bench/notes-decode.md). Read once.
 bool decode_cap_cluster() {
   static const bool cap = [] {
     const char* v = std::getenv("FOURBIT_DECODE_PLAN");

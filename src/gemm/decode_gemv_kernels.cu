@@ -394,15 +394,15 @@ __device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token)
 // The last-arriving CTA's sum of a row block's split partials (global path of finish()): output i
 // (token i / kDecodeRowsPerCta, row row_base + i % kDecodeRowsPerCta) = 0 + p_0 + p_1 + ... in
 // split order, then alpha_eff. A thread owns kOutputs outputs (i0 + u * kThreads) and loads
-// kSplitBatch splits of each before it adds them, so that kOutputs * kSplitBatch independent L2
-// loads are in flight together: one round trip per kSplitBatch splits. The additions are the
-// same, in the same order, whatever the batching. finish() instantiates one shape per kernel:
-// with one n-tile (batches of 1-8 tokens, at most 4 outputs per thread) one output per pass and
-// 16 splits per round trip (the 2048 x 5632 GEMV had 22 splits: 22 dependent round trips before),
-// otherwise all 32 outputs of a thread per split (64 tokens: 32 outputs per thread). Two shapes
-// in one kernel raised the staged kernels from ~155 to ~250 registers (2 CTAs per SM instead of
-// 3; the 16-token GEMVs ran 1.3x slower); as non-inlined calls they slowed the 64-token kernel
-// 1.3-2.2x (H200, bench/notes-decode.md).
+// kSplitBatch splits of each before it adds them: kOutputs * kSplitBatch independent L2 loads in
+// flight, one round trip per kSplitBatch splits; the additions are the same whatever the batching.
+// finish() uses 32 outputs and one split per round trip (at 64 tokens a thread owns 32 outputs).
+// Measured on an H200 and not kept (bench/notes-decode.md): 16 splits per round trip for the
+// one-n-tile kernels took the 22-split 2048 x 5632 GEMV from 21 to 12 us at batch 1, but the
+// plan's cluster cap (plan_decode_gemv) leaves no such launch at the 1.1B shape, and the second
+// shape changed the kernels' register allocation: inlined next to this one, ~250 registers (2
+// CTAs per SM, 16-token GEMVs 1.3x slower); as calls, 64-token kernels 1.3-2.2x slower; alone in
+// the one-tile kernels, 94 registers and the NVFP4 e2e4 step 2-4% slower than with this shape.
 template <DecodeWeightFormat F, int kOutputs, int kSplitBatch>
 __device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, int64_t row_base, int total,
                                                    int splits) {
@@ -480,11 +480,7 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  if constexpr (NT == 1) {
-    sum_split_partials<F, 1, 16>(p, row_base, p.B * kDecodeRowsPerCta, splits);
-  } else {
-    sum_split_partials<F, 32, 1>(p, row_base, p.B * kDecodeRowsPerCta, splits);
-  }
+  sum_split_partials<F, 32, 1>(p, row_base, p.B * kDecodeRowsPerCta, splits);
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;
 }
 
