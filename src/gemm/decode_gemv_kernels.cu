@@ -24,9 +24,11 @@
 //
 // Performance (H200, `fourbit bench decode`, bench/results/results-2026-12-03-90ba38d-*): the
 // weight bytes dominate (BF16 2 bytes per value, NVFP4 0.5625). BF16 streams at ~3.6 TB/s once a
-// GEMV is large (lm_head 73% of copy bandwidth at batch 1) but the 2-10 MB layers of a 1.1B model
-// take 6-21 us: ncu shows them latency-bound (0.5 waves, ~73% of cycles without an eligible warp;
-// each CTA waits for one load round trip, then the split-K partials' round trip). NVFP4 at batch 1
+// GEMV is large (lm_head 73% of copy bandwidth at batch 1) but the 2-23 MB layers of a 1.1B model
+// take 5-13 us (bench/results/results-2026-12-04-cefea66-*; 21 us for the 2048 x 5632 one before
+// its splits were capped at a cluster): ncu shows them latency-bound (0.5 waves, ~73% of cycles
+// without an eligible warp; each CTA waits for one load round trip, then the split-K partials'
+// round trip), and their times move 10-20% with the register allocation. NVFP4 at batch 1
 // streams at only ~1.5 TB/s marginal, cause not yet profiled (the decode costs ~2.5 instructions
 // per value: 4 shifts/logic ops and 1 cvt per 4 values, 1 FP16 multiply per 2; by count that is
 // well under the issue limit). Knobs: kDecodeWarps, kDecodeChunk, the ring depth,
