@@ -50,6 +50,43 @@ TEST(RecipePresets, EveryPresetValidatesAndResolves) {
   expect_error([] { preset("nvfp5"); }, {"nvfp5", "bf16, fp8, mxfp8, nvfp4, nvfp4-46, e2e4"});
 }
 
+// with_sampler_precision (the --sampler-recipe variants, and `bench decode`'s nvfp4-weights): on
+// every preset, the RL Fprop's input and weight slots of both RL stages become exactly the named
+// precision (e2e4's NVFP4 sampler operands), every other slot stays, and the result validates.
+TEST(RecipePresets, SamplerPrecisionVariants) {
+  const Recipe e2e4 = preset("e2e4");
+  const Precision nv_x = at(e2e4, Stage::kRlSampler, Gemm::kFprop, Operand::kInput);
+  const Precision nv_w = at(e2e4, Stage::kRlSampler, Gemm::kFprop, Operand::kWeight);
+  ASSERT_TRUE(nv_x.has_value() && nv_w.has_value());
+  for (std::string_view name : preset_names()) {
+    for (std::string_view which : {"bf16", "nvfp4", "nvfp4-tensor-amax", "nvfp4-weights", "recipe"}) {
+      SCOPED_TRACE(std::string(name) + " + " + std::string(which));
+      const Recipe base = preset(name);
+      Recipe r;
+      ASSERT_NO_THROW(r = with_sampler_precision(base, which));
+      EXPECT_NO_THROW(resolve(r, dense(8)));
+      if (which == "recipe") {
+        EXPECT_TRUE(r == base);
+        continue;
+      }
+      EXPECT_EQ(r.name, std::string(name) + "+sampler-" + std::string(which));
+      Precision want_x = which == "nvfp4" || which == "nvfp4-tensor-amax" ? nv_x : Precision{};
+      if (want_x && which == "nvfp4-tensor-amax") want_x->nvfp4_row_amax = false;
+      const Precision want_w = which == "bf16" ? Precision{} : nv_w;
+      for (Stage st : {Stage::kRlSampler, Stage::kRlTrainer}) {
+        EXPECT_TRUE(same_precision(at(r, st, Gemm::kFprop, Operand::kInput), want_x));
+        EXPECT_TRUE(same_precision(at(r, st, Gemm::kFprop, Operand::kWeight), want_w));
+      }
+      for (const Slot& slot : all_slots()) {
+        const bool rl_fprop = (slot.stage == Stage::kRlSampler || slot.stage == Stage::kRlTrainer) &&
+                              slot.gemm == Gemm::kFprop;
+        if (!rl_fprop) EXPECT_TRUE(same_precision(r.policy.at(slot), base.policy.at(slot)));
+      }
+    }
+  }
+  expect_error([] { with_sampler_precision(preset("bf16"), "nvfp8"); }, {"nvfp8", "nvfp4-weights"});
+}
+
 TEST(RecipePresets, Bf16QuantizesNothing) {
   const ResolvedRecipe rr = resolve(preset("bf16"), dense(4));
   for (int b = 0; b < 4; ++b)

@@ -181,14 +181,14 @@ ModelConfig sampler_config(bool moe) {
 }
 
 // A preset, or "e2e4-w4a16": e2e4 with the RL Fprop's activations in BF16 and its weights in NVFP4
-// (with_sampler_precision(..., "nvfp4-weights")), or "e2e4-tensor-amax": e2e4 with one activation
+// (recipe::with_sampler_precision(..., "nvfp4-weights")), or "e2e4-tensor-amax": e2e4 with one activation
 // amax per pass instead of per token.
 recipe::ResolvedRecipe resolved(const ModelConfig& c, std::string_view preset) {
   const bool variant = preset == "e2e4-w4a16" || preset == "e2e4-tensor-amax";
   recipe::Recipe r = recipe::preset(variant ? "e2e4" : preset);
   r.high_precision.last_blocks = 0;  // quantize both blocks of the 2-block model
-  if (preset == "e2e4-w4a16") r = with_sampler_precision(r, "nvfp4-weights");
-  if (preset == "e2e4-tensor-amax") r = with_sampler_precision(r, "nvfp4-tensor-amax");
+  if (preset == "e2e4-w4a16") r = recipe::with_sampler_precision(r, "nvfp4-weights");
+  if (preset == "e2e4-tensor-amax") r = recipe::with_sampler_precision(r, "nvfp4-tensor-amax");
   return recipe::resolve(r, c.recipe_shape());
 }
 

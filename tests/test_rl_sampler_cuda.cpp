@@ -63,8 +63,8 @@ recipe::ResolvedRecipe resolved(const model::ModelConfig& c, std::string_view pr
   const bool variant = preset == "e2e4-w4a16" || preset == "e2e4-tensor-amax";
   recipe::Recipe r = recipe::preset(variant ? "e2e4" : preset);
   r.high_precision.last_blocks = 0;
-  if (preset == "e2e4-w4a16") r = with_sampler_precision(r, "nvfp4-weights");
-  if (preset == "e2e4-tensor-amax") r = with_sampler_precision(r, "nvfp4-tensor-amax");
+  if (preset == "e2e4-w4a16") r = recipe::with_sampler_precision(r, "nvfp4-weights");
+  if (preset == "e2e4-tensor-amax") r = recipe::with_sampler_precision(r, "nvfp4-tensor-amax");
   return recipe::resolve(r, c.recipe_shape());
 }
 

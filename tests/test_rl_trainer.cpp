@@ -38,7 +38,7 @@ ModelConfig rl_config(bool moe = false) {
 recipe::ResolvedRecipe resolved(const ModelConfig& c, std::string_view preset) {
   recipe::Recipe r = recipe::preset(preset == "e2e4-tensor-amax" ? "e2e4" : preset);
   r.high_precision.last_blocks = 0;
-  if (preset == "e2e4-tensor-amax") r = with_sampler_precision(r, "nvfp4-tensor-amax");
+  if (preset == "e2e4-tensor-amax") r = recipe::with_sampler_precision(r, "nvfp4-tensor-amax");
   return recipe::resolve(r, c.recipe_shape());
 }
 

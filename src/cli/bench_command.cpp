@@ -71,7 +71,7 @@ Command add_bench_command(CLI::App& app) {
   dc->add_option("--cache", decode_opts->cache_len, "tokens per sequence in the KV cache (prefilled)")
       ->capture_default_str();
   dc->add_option("--reps", decode_opts->reps, "timed decode steps (median reported)")->capture_default_str();
-  dc->add_option("--recipes", decode_opts->recipe_filter, "only the recipes whose name contains this text (bf16, e2e4)");
+  dc->add_option("--recipes", decode_opts->recipe_filter, "only the recipes whose name contains this text (bf16, e2e4, nvfp4-weights)");
   dc->add_flag("!--no-steps", decode_opts->steps, "skip the model decode steps");
   dc->add_flag("!--no-gemv", decode_opts->gemv, "skip the GEMV-alone table");
   dc->add_option("--csv", decode_opts->csv_path, "also write the table as CSV to this file");

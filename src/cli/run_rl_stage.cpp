@@ -78,7 +78,7 @@ RlStageResult run_rl_stage(const RlStageOptions& o) {
     r = std::filesystem::exists(name) ? recipe::load_recipe_file(name) : recipe::preset(name);
   }
   recipe::apply_sets(r, o.recipe_sets);
-  r = rl::with_sampler_precision(std::move(r), o.sampler_recipe);
+  r = recipe::with_sampler_precision(std::move(r), o.sampler_recipe);
   recipe::ResolvedRecipe resolved = recipe::resolve(r, config.recipe_shape());
   const std::unique_ptr<rl::Task> task = rl::make_task(o.task);
 

@@ -21,7 +21,7 @@ struct RlStageOptions {
   std::vector<std::string> model_sets;
   std::string recipe;                 // empty: the checkpoint's recipe (fresh: e2e4)
   std::vector<std::string> recipe_sets;
-  std::string sampler_recipe = "recipe";  // bf16 | nvfp4 | recipe (rl::with_sampler_precision)
+  std::string sampler_recipe = "recipe";  // bf16 | nvfp4 | recipe (recipe::with_sampler_precision)
   std::string task = "add:digits=3";
   int steps = 50;
   int eval_prompts = 256;             // held-out prompts for the reward before / after (0: skip)

@@ -73,7 +73,7 @@ void run_sample(SampleArgs& a) {
   FOURBIT_CHECK(config.vocab >= rl::kByteVocabSize, "sample: the model's vocabulary ({}) has no byte-level "
                 "end-of-document token; a byte-level model needs vocab >= {}", config.vocab, rl::kByteVocabSize);
   FOURBIT_CHECK(!a.prompt.empty(), "sample: --prompt is empty");
-  r = rl::with_sampler_precision(std::move(r), a.sampler_recipe);
+  r = recipe::with_sampler_precision(std::move(r), a.sampler_recipe);
   if (a.stop == "newline") {
     a.sampling.stop_tokens = {'\n', rl::kEndOfDocumentToken};
   } else if (a.stop == "eod") {

@@ -32,7 +32,15 @@ namespace fourbit::model {
 #if defined(FOURBIT_WITH_CUDA)
 namespace {
 
-constexpr const char* kRecipes[] = {"bf16", "e2e4"};
+// The rl_sampler precisions timed: bf16, e2e4 (NVFP4 weights and activations, the RL sampler's
+// default) and nvfp4-weights (NVFP4 weights, BF16 activations: "W4A16", no activation quantizer;
+// BENCHMARKS.md's NVFP4-weights decode target reads it).
+constexpr const char* kRecipes[] = {"bf16", "e2e4", "nvfp4-weights"};
+
+recipe::Recipe bench_recipe(std::string_view name) {
+  if (name == "nvfp4-weights") return recipe::with_sampler_precision(recipe::preset("bf16"), "nvfp4-weights");
+  return recipe::preset(name);
+}
 constexpr int kWarmupSteps = 3;
 
 class Timer {
@@ -154,25 +162,25 @@ double step_weight_bytes(const ModelConfig& c, const recipe::ResolvedRecipe& r) 
 }
 
 void print_step_header() {
-  std::printf("%-14s %-6s %5s %6s %10s %11s %10s %7s %7s %7s %8s\n", "section", "recipe", "batch", "cache",
+  std::printf("%-14s %-13s %5s %6s %10s %11s %10s %7s %7s %7s %8s\n", "section", "recipe", "batch", "cache",
               "ms/step", "tokens/s", "GB/s", "copy%", "busy%", "linear%", "vs bf16");
 }
 
 void print_step(const DecodeBenchRow& r, int cache) {
   const std::string ratio = r.ratio > 0 ? fmt::format("{:.2f}x", r.ratio) : "";
-  std::printf("%-14s %-6s %5d %6d %10.3f %11.0f %10.1f %6.1f%% %6.1f%% %6.1f%% %8s\n", r.section.c_str(),
+  std::printf("%-14s %-13s %5d %6d %10.3f %11.0f %10.1f %6.1f%% %6.1f%% %6.1f%% %8s\n", r.section.c_str(),
               r.weights.c_str(), r.batch, cache, r.ms, r.tokens_per_s, r.gb_per_s, 100 * r.frac_copy,
               100 * r.busy_frac, 100 * r.linear_frac, ratio.c_str());
 }
 
 void print_gemv_header() {
-  std::printf("%-12s %-9s %-6s %5s %7s %7s %10s %10s %7s %10s\n", "section", "layer", "weights", "batch", "N", "K",
+  std::printf("%-12s %-9s %-9s %5s %7s %7s %10s %10s %7s %10s\n", "section", "layer", "weights", "batch", "N", "K",
               "us", "GB/s", "copy%", "ratio");
 }
 
 void print_gemv(const DecodeBenchRow& r) {
   const std::string ratio = r.ratio > 0 ? fmt::format("{:.2f}x", r.ratio) : "";
-  std::printf("%-12s %-9s %-6s %5d %7lld %7lld %10.2f %10.1f %6.1f%% %10s\n", r.section.c_str(), r.layer.c_str(),
+  std::printf("%-12s %-9s %-9s %5d %7lld %7lld %10.2f %10.1f %6.1f%% %10s\n", r.section.c_str(), r.layer.c_str(),
               r.weights.c_str(), r.batch, (long long)r.n, (long long)r.k, r.ms * 1e3, r.gb_per_s,
               100 * r.frac_copy, ratio.c_str());
 }
@@ -185,7 +193,7 @@ void bench_steps(const DecodeBenchOptions& o, const ModelConfig& config, double 
   print_step_header();
   for (const char* recipe_name : kRecipes) {
     if (!o.recipe_filter.empty() && std::string(recipe_name).find(o.recipe_filter) == std::string::npos) continue;
-    recipe::ResolvedRecipe resolved = recipe::resolve(recipe::preset(recipe_name), config.recipe_shape());
+    recipe::ResolvedRecipe resolved = recipe::resolve(bench_recipe(recipe_name), config.recipe_shape());
     const double weight_bytes = step_weight_bytes(config, resolved);
     if (!model) {
       ModelOptions mo;
@@ -363,6 +371,14 @@ void bench_gemv(const DecodeBenchOptions& o, const ModelConfig& config, double c
         a.workspace = &ws;
         gemm::decode_gemv(a);
       });
+      const double ms_w4a16 = time_it(n_nv, [&](int i) {  // NVFP4 weights, plain BF16 x
+        gemm::DecodeGemvArgs a;
+        a.x = x.view();
+        a.w = gemm::DecodeWeights::packed(w_nv[(size_t)i], s.name);
+        a.y = y.view();
+        a.workspace = &ws;
+        gemm::decode_gemv(a);
+      });
       const double ms_cublas = time_it(n_bf16, [&](int i) {
         gemm::GemmArgs g;
         g.a = gemm::Operand::dense(x.view(), "x");
@@ -375,9 +391,11 @@ void bench_gemv(const DecodeBenchOptions& o, const ModelConfig& config, double c
       const size_t i_cublas = add_row("gemv-cublas", "bf16", ms_cublas, bf16_bytes);
       const size_t i_bf16 = add_row("gemv", "bf16", ms_bf16, bf16_bytes);
       const size_t i_nv = add_row("gemv", "nvfp4", ms_nv, nv_bytes);
+      const size_t i_w4a16 = add_row("gemv", "nvfp4-a16", ms_w4a16, nv_bytes);
       rows[i_bf16].ratio = ms_cublas / ms_bf16;
       rows[i_nv].ratio = ms_cublas / ms_nv;
-      for (size_t i : {i_cublas, i_bf16, i_nv}) print_gemv(rows[i]);
+      rows[i_w4a16].ratio = ms_cublas / ms_w4a16;
+      for (size_t i : {i_cublas, i_bf16, i_nv, i_w4a16}) print_gemv(rows[i]);
     }
   }
   int bits = 0;

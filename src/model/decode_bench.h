@@ -1,6 +1,7 @@
 // `fourbit bench decode`: generation speed of a Llama-shaped model (preset llama-1.1b, TinyLlama's
-// shape) on the GPU, per weight format of the rl_sampler stage (recipe bf16: BF16 weights; e2e4:
-// NVFP4 weights and activations), and the decode GEMV alone at each of its layer shapes.
+// shape) on the GPU, per precision of the rl_sampler stage (recipe bf16: BF16 weights; e2e4:
+// NVFP4 weights and activations; nvfp4-weights: NVFP4 weights and BF16 activations, "W4A16",
+// recipe::with_sampler_precision), and the decode GEMV alone at each of its layer shapes.
 //
 // Steps. Per recipe and batch B: prefill B sequences of `cache_len` tokens, then time `reps`
 // single-token decode steps (Model::forward_cached with sampler weights, i.e. the decode GEMV, the
@@ -18,8 +19,9 @@
 //
 // GEMV alone. For each layer shape [N, K], batch and weight format: the median over `reps` of
 // launches rotating through enough weight copies to exceed the L2 (>= 256 MB read per timing), with
-// NVFP4 weights fed NVFP4 scaled-domain activations (the sampler's path) and BF16 weights plain
-// activations, against cuBLASLt BF16 on the same shape.
+// NVFP4 weights fed NVFP4 scaled-domain activations (weights "nvfp4": e2e4's path) and plain BF16
+// activations ("nvfp4-a16": the W4A16 path), BF16 weights plain activations, against cuBLASLt BF16
+// on the same shape.
 //
 // Needs a CUDA build and a GPU.
 #pragma once
@@ -34,7 +36,7 @@ struct DecodeBenchOptions {
   std::vector<int> batches = {1, 8, 16, 64};
   int cache_len = 512;        // tokens per sequence in the cache before the timed steps
   int reps = 20;              // timed decode steps (median), after 3 warm-up steps
-  std::string recipe_filter;  // only the recipes whose name contains this text (bf16, e2e4)
+  std::string recipe_filter;  // only the recipes whose name contains this text (bf16, e2e4, nvfp4-weights)
   bool steps = true;          // the model decode steps
   bool gemv = true;           // the GEMV alone at each layer shape
   std::string csv_path;       // optional: also write the rows as CSV

@@ -4,9 +4,11 @@
 // satisfies the RL rules (RL.md "Precision rules"): rl_sampler rounds to nearest,
 // rl_trainer.fprop equals rl_sampler.fprop, rl_trainer's gradients are stochastically rounded (or
 // BF16). Operand notation: X input, W weight, dY gradient; Wgrad's operands are the column-wise
-// copies dY^T and X^T (blocks along tokens).
+// copies dY^T and X^T (blocks along tokens). with_sampler_precision (the --sampler-recipe variants
+// of a recipe's RL Fprop) is here too: it takes its NVFP4 operands from the e2e4 preset.
 #include "recipe/recipe.h"
 
+#include "core/check.h"
 #include "recipe/internal.h"
 
 #include <fmt/format.h>
@@ -194,6 +196,25 @@ Recipe preset(std::string_view name) {
   }
   detail::fail("preset", fmt::format("unknown recipe preset '{}'; allowed: {}", name,
                                      fmt::join(preset_names(), ", ")));
+}
+
+Recipe with_sampler_precision(Recipe r, std::string_view which) {
+  if (which == "recipe") return r;
+  FOURBIT_CHECK(which == "bf16" || which == "nvfp4" || which == "nvfp4-tensor-amax" || which == "nvfp4-weights",
+                "--sampler-recipe '{}': use bf16, nvfp4, nvfp4-tensor-amax, nvfp4-weights or recipe (the recipe's own "
+                "rl_sampler stage)", which);
+  const Recipe e2e4 = preset("e2e4");
+  for (Operand o : {Operand::kInput, Operand::kWeight}) {
+    const bool quantized = which == "nvfp4" || which == "nvfp4-tensor-amax" ||
+                           (which == "nvfp4-weights" && o == Operand::kWeight);
+    Precision p = quantized ? e2e4.policy.at(Stage::kRlSampler, Gemm::kFprop, o) : Precision{};
+    if (p && which == "nvfp4-tensor-amax") p->nvfp4_row_amax = false;
+    r.policy.at(Stage::kRlSampler, Gemm::kFprop, o) = p;
+    r.policy.at(Stage::kRlTrainer, Gemm::kFprop, o) = p;
+  }
+  r.name += fmt::format("+sampler-{}", which);
+  r.validate();
+  return r;
 }
 
 }  // namespace fourbit::recipe

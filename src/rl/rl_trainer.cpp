@@ -55,28 +55,6 @@ std::vector<double> host_f64(const TensorView& t) {
 
 }  // namespace
 
-recipe::Recipe with_sampler_precision(recipe::Recipe r, std::string_view which) {
-  using recipe::Gemm;
-  using recipe::Operand;
-  using recipe::Stage;
-  if (which == "recipe") return r;
-  FOURBIT_CHECK(which == "bf16" || which == "nvfp4" || which == "nvfp4-tensor-amax" || which == "nvfp4-weights",
-                "--sampler-recipe '{}': use bf16, nvfp4, nvfp4-tensor-amax, nvfp4-weights or recipe (the recipe's own "
-                "rl_sampler stage)", which);
-  const recipe::Recipe e2e4 = recipe::preset("e2e4");
-  for (Operand o : {Operand::kInput, Operand::kWeight}) {
-    const bool quantized = which == "nvfp4" || which == "nvfp4-tensor-amax" ||
-                           (which == "nvfp4-weights" && o == Operand::kWeight);
-    recipe::Precision p = quantized ? e2e4.policy.at(Stage::kRlSampler, Gemm::kFprop, o) : recipe::Precision{};
-    if (p && which == "nvfp4-tensor-amax") p->nvfp4_row_amax = false;
-    r.policy.at(Stage::kRlSampler, Gemm::kFprop, o) = p;
-    r.policy.at(Stage::kRlTrainer, Gemm::kFprop, o) = p;
-  }
-  r.name += fmt::format("+sampler-{}", which);
-  r.validate();
-  return r;
-}
-
 LossOptions RlConfig::loss_options() const {
   LossOptions o;
   o.importance = importance;
