@@ -190,7 +190,7 @@ TEST(DecodeGemvPlan, CoversEveryChunkAndRow) {
     const int64_t N = 1 + (int64_t)(rng() % 40000), K = 1 + (int64_t)(rng() % 20000);
     const int sms = 1 + (int)(rng() % 200);
     const bool stage_large = i % 2 == 0;  // the default, and FOURBIT_DECODE_STAGED=small
-    const bool cap_cluster = (i / 2) % 2 == 0;  // FOURBIT_DECODE_PLAN=cluster, and the default
+    const bool cap_cluster = (i / 2) % 2 == 0;  // the default, and FOURBIT_DECODE_PLAN=split
     const kernels::DecodeGemvPlan p = kernels::plan_decode_gemv(B, N, K, sms, stage_large, cap_cluster);
     ASSERT_GE((int64_t)p.row_blocks * kernels::kDecodeRowsPerCta, N);
     ASSERT_LT((int64_t)(p.row_blocks - 1) * kernels::kDecodeRowsPerCta, N);

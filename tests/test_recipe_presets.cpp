@@ -80,7 +80,9 @@ TEST(RecipePresets, SamplerPrecisionVariants) {
       for (const Slot& slot : all_slots()) {
         const bool rl_fprop = (slot.stage == Stage::kRlSampler || slot.stage == Stage::kRlTrainer) &&
                               slot.gemm == Gemm::kFprop;
-        if (!rl_fprop) EXPECT_TRUE(same_precision(r.policy.at(slot), base.policy.at(slot)));
+        if (!rl_fprop) {
+          EXPECT_TRUE(same_precision(r.policy.at(slot), base.policy.at(slot)));
+        }
       }
     }
   }

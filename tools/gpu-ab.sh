@@ -45,8 +45,11 @@ if [ -n "$base" ] && [ ! -f "$base/CMakeLists.txt" ]; then
        "git archive <commit> | tar -x -C '$base'" >&2
   exit 2
 fi
-log=$(mktemp)
-if [ -n "${OUT:-}" ]; then mkdir -p "$OUT" && log="$OUT/ab.log"; fi
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT" && log="$OUT/ab.log"
+else
+  log=$(mktemp) && trap 'rm -f "$log"' EXIT
+fi
 status=0
 
 nvcc=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; })

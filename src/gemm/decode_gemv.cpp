@@ -214,7 +214,8 @@ bool decode_cap_cluster() {
 // The workspace of the uncapped plan: a superset of the capped one's (a cluster needs no partials).
 void DecodeWorkspace::reserve_for(int B, int64_t N, int64_t K) {
   const kernels::DecodeGemvPlan plan =
-      kernels::plan_decode_gemv(B, N, K, current_device_sm_count(), decode_stage_large_batches(), false);
+      kernels::plan_decode_gemv(B, N, K, current_device_sm_count(), decode_stage_large_batches(),
+                                /*cap_cluster=*/false);
   reserve(plan.partial_floats, plan.row_blocks);
 }
 

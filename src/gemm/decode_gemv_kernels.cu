@@ -395,48 +395,38 @@ __device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token)
 
 // The last-arriving CTA's sum of a row block's split partials (global path of finish()): output i
 // (token i / kDecodeRowsPerCta, row row_base + i % kDecodeRowsPerCta) = 0 + p_0 + p_1 + ... in
-// split order, then alpha_eff. A thread owns kOutputs outputs (i0 + u * kThreads) and loads
-// kSplitBatch splits of each before it adds them: kOutputs * kSplitBatch independent L2 loads in
-// flight, one round trip per kSplitBatch splits; the additions are the same whatever the batching.
-// finish() uses 32 outputs and one split per round trip (at 64 tokens a thread owns 32 outputs).
-// Measured on an H200 and not kept (bench/notes-decode.md): 16 splits per round trip for the
-// one-n-tile kernels took the 22-split 2048 x 5632 GEMV from 21 to 12 us at batch 1, but the
-// plan's cluster cap (plan_decode_gemv) leaves no such launch at the 1.1B shape, and the second
-// shape changed the kernels' register allocation: inlined next to this one, ~250 registers (2
-// CTAs per SM, 16-token GEMVs 1.3x slower); as calls, 64-token kernels 1.3-2.2x slower; alone in
-// the one-tile kernels, 94 registers and the NVFP4 e2e4 step 2-4% slower than with this shape.
-template <DecodeWeightFormat F, int kOutputs, int kSplitBatch>
+// split order, then alpha_eff. A thread owns kSumBatch outputs (i0 + u * kThreads) whose loads of
+// one split are in flight together: one L2 round trip per split, not per split and output (at 64
+// tokens a thread owns 64 * 64 / 128 = 32 outputs: all of them in one batch). Batching splits as
+// well (16 per round trip) was measured and not kept: it changed the kernels' register allocation
+// and the e2e4 step was 2-4% slower, and with the plan's cluster cap no launch of the 1.1B shape at
+// 1-16 tokens comes here (bench/notes-decode.md).
+template <DecodeWeightFormat F>
 __device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, int64_t row_base, int total,
                                                    int splits) {
+  constexpr int kSumBatch = 32;
   const float alpha0 = alpha_eff<F>(p, 0);
-  for (int i0 = (int)threadIdx.x; i0 < total; i0 += kOutputs * kThreads) {
-    float sum[kOutputs];
+  for (int i0 = (int)threadIdx.x; i0 < total; i0 += kSumBatch * kThreads) {
+    float sum[kSumBatch];
 #pragma unroll
-    for (int u = 0; u < kOutputs; ++u) sum[u] = 0.0f;
-    for (int s0 = 0; s0 < splits; s0 += kSplitBatch) {
-      float v[kOutputs][kSplitBatch];
+    for (int u = 0; u < kSumBatch; ++u) sum[u] = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      float v[kSumBatch];
 #pragma unroll
-      for (int u = 0; u < kOutputs; ++u) {
+      for (int u = 0; u < kSumBatch; ++u) {
         const int i = i0 + u * kThreads;
         const int64_t row = row_base + i % kDecodeRowsPerCta;
         const bool valid = i < total && row < p.N;
-#pragma unroll
-        for (int q = 0; q < kSplitBatch; ++q) {
-          const int s = s0 + q;
-          v[u][q] = valid && s < splits
-                        ? __ldcg(p.partials + ((int64_t)s * p.B + i / kDecodeRowsPerCta) * p.N + row)
-                        : 0.0f;
-        }
+        v[u] = valid && s < splits ? __ldcg(p.partials + ((int64_t)s * p.B + i / kDecodeRowsPerCta) * p.N + row)
+                                   : 0.0f;
       }
 #pragma unroll
-      for (int u = 0; u < kOutputs; ++u)
-#pragma unroll
-        for (int q = 0; q < kSplitBatch; ++q) {
-          if (s0 + q < splits) sum[u] = formats::add_rn(sum[u], v[u][q]);
-        }
+      for (int u = 0; u < kSumBatch; ++u) {
+        if (s < splits) sum[u] = formats::add_rn(sum[u], v[u]);
+      }
     }
 #pragma unroll
-    for (int u = 0; u < kOutputs; ++u) {
+    for (int u = 0; u < kSumBatch; ++u) {
       const int i = i0 + u * kThreads, token = i / kDecodeRowsPerCta;
       const int64_t row = row_base + i % kDecodeRowsPerCta;
       if (i < total && row < p.N) {
@@ -482,7 +472,7 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  sum_split_partials<F, 32, 1>(p, row_base, p.B * kDecodeRowsPerCta, splits);
+  sum_split_partials<F>(p, row_base, p.B * kDecodeRowsPerCta, splits);
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;
 }
 

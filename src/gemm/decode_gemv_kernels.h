@@ -69,8 +69,8 @@ struct DecodeGemvPlan {
 // target split count passes kDecodeClusterMax takes kDecodeClusterMax longer splits instead,
 // summed in a cluster rather than through the workspace (of the 1.1B Llama's GEMVs at batch 1-16,
 // only the 2048 x 5632 one is concerned).
-inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count, bool stage_large = true,
-                                       bool cap_cluster = false) {
+inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count, bool stage_large,
+                                       bool cap_cluster) {
   DecodeGemvPlan p;
   p.row_blocks = (int)((N + kDecodeRowsPerCta - 1) / kDecodeRowsPerCta);
   p.chunks = (int)std::max<int64_t>(1, (K + kDecodeChunk - 1) / kDecodeChunk);

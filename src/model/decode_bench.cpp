@@ -362,23 +362,20 @@ void bench_gemv(const DecodeBenchOptions& o, const ModelConfig& config, double c
         a.workspace = &ws;
         gemm::decode_gemv(a);
       });
-      const double ms_nv = time_it(n_nv, [&](int i) {
-        gemm::DecodeGemvArgs a;
-        a.x = xs.view();
-        a.x_nvfp4_amax = amax.ptr<const float>();
-        a.w = gemm::DecodeWeights::packed(w_nv[(size_t)i], s.name);
-        a.y = y.view();
-        a.workspace = &ws;
-        gemm::decode_gemv(a);
-      });
-      const double ms_w4a16 = time_it(n_nv, [&](int i) {  // NVFP4 weights, plain BF16 x
-        gemm::DecodeGemvArgs a;
-        a.x = x.view();
-        a.w = gemm::DecodeWeights::packed(w_nv[(size_t)i], s.name);
-        a.y = y.view();
-        a.workspace = &ws;
-        gemm::decode_gemv(a);
-      });
+      // NVFP4 weights with x_in: NVFP4 scaled-domain activations (x_amax set) or plain BF16 (null).
+      auto time_nvfp4 = [&](const TensorView& x_in, const float* x_amax) {
+        return time_it(n_nv, [&](int i) {
+          gemm::DecodeGemvArgs a;
+          a.x = x_in;
+          a.x_nvfp4_amax = x_amax;
+          a.w = gemm::DecodeWeights::packed(w_nv[(size_t)i], s.name);
+          a.y = y.view();
+          a.workspace = &ws;
+          gemm::decode_gemv(a);
+        });
+      };
+      const double ms_nv = time_nvfp4(xs.view(), amax.ptr<const float>());
+      const double ms_w4a16 = time_nvfp4(x.view(), nullptr);
       const double ms_cublas = time_it(n_bf16, [&](int i) {
         gemm::GemmArgs g;
         g.a = gemm::Operand::dense(x.view(), "x");

@@ -165,8 +165,8 @@ struct Recipe {
 // ---- presets (presets.cpp documents each one and its sources) --------------------------------
 std::vector<std::string_view> preset_names();  // bf16, fp8, mxfp8, nvfp4, nvfp4-46, e2e4
 Recipe preset(std::string_view name);          // throws listing the names
-// `fourbit rl --sampler-recipe`, `fourbit sample --sampler-recipe`, `fourbit bench decode`: the recipe with the RL Fprop (rl_sampler and rl_trainer, the
-// quantizer contract kept) set to "bf16" (no quantization), "nvfp4" (the e2e4 preset's NVFP4
+// `--sampler-recipe` of `fourbit rl` and `fourbit sample`, and `fourbit bench decode`: the recipe
+// with the RL Fprop (rl_sampler and rl_trainer, the quantizer contract kept) set to "bf16" (no quantization), "nvfp4" (the e2e4 preset's NVFP4
 // sampler operands: 1x16 weights, activations with a per-token global amax, so a decode step
 // quantizes each token exactly as the training forward does), "nvfp4-tensor-amax" (the same with
 // one activation amax per pass instead: a decode step's few rows and the training forward's whole
