@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <optional>
 #include <random>
 
 namespace fourbit::gemm {
@@ -550,6 +551,178 @@ TEST(DecodeGemvCuda, FusedSwigluMatchesSwigluThenQuantize) {
       for (int64_t i = 0; i < want.numel(); ++i)
         ASSERT_EQ(got.ptr<const uint16_t>()[i], want.ptr<const uint16_t>()[i]) << what << ": element " << i;
     }
+}
+
+// The producers and the quantizer fused into the GEMV (DecodeGemvArgs::norm_weight / swiglu /
+// x_quant) against the unfused chain (ops::rmsnorm_forward or ops::swiglu_forward, then
+// decode_quantize_nvfp4, then decode_gemv): the same y bit for bit (the same plan, so the same
+// FP32 sums of the same staged values) and the same amaxes. BF16 and NVFP4 weights, per-tensor and
+// per-token amaxes, 1 to 16 tokens, K with partial 16-blocks, a strided x, cluster and
+// single-split launches, rows of very different scales.
+TEST(DecodeGemvCuda, FusedProducerAndQuantizerMatchTheUnfusedChain) {
+  struct Shape {
+    int B;
+    int64_t N, K, pad;
+  };
+  const Shape shapes[] = {{1, 2560, 2048, 0}, {3, 200, 776, 8}, {8, 2048, 2048, 0}, {16, 130, 1000, 0},
+                          {2, 2048, 5632, 0}, {1, 96, 40, 0}};
+  uint64_t seed = 1300;
+  int fused_cases = 0;
+  for (const Shape& sh : shapes)
+    for (DecodeProducer prod : {DecodeProducer::kNone, DecodeProducer::kNorm, DecodeProducer::kSwiglu})
+      for (int qmode = 0; qmode < 3; ++qmode)  // 0: no quantizer; 1: per-tensor amax; 2: per-token
+        for (WKind wk : {WKind::kBf16, WKind::kNvfp4}) {
+          quant::QuantConfig xc = nvfp4();
+          xc.nvfp4_row_amax = qmode == 2;
+          const quant::QuantConfig* xq = qmode > 0 ? &xc : nullptr;
+          if (prod == DecodeProducer::kNone && xq == nullptr) continue;  // nothing to fuse
+          if (!decode_gemv_fusion_fits(sh.B, sh.K, prod, xq)) continue;
+          ++fused_cases;
+          const std::string what = fmt::format("B {} N {} K {} producer {} quant {} w {}", sh.B, sh.N, sh.K,
+                                               (int)prod, qmode, wk == WKind::kBf16 ? "bf16" : "nvfp4");
+          SCOPED_TRACE(what);
+          const bool swiglu = prod == DecodeProducer::kSwiglu;
+          const int64_t in_cols = swiglu ? 2 * sh.K : sh.K;
+          Tensor x = random_matrix(sh.B, in_cols, seed++, DType::kBF16);
+          uint16_t* xv = x.ptr<uint16_t>();
+          for (int64_t i = 0; i < x.numel(); ++i) {  // row r scaled by 4^(r % 5 - 2); gates wider
+            float scale = std::ldexp(1.0f, 2 * (int)(i / in_cols % 5) - 4);
+            if (swiglu && i % in_cols < sh.K) scale = 4.0f;
+            xv[i] = formats::encode_bf16_rn(formats::decode_bf16(xv[i]) * scale);
+          }
+          Strided xd = strided(sh.B, in_cols, in_cols + sh.pad, DType::kBF16);
+          FOURBIT_CUDA_CHECK(cudaMemcpy2D(xd.view.data, (size_t)(2 * (in_cols + sh.pad)), x.data(),
+                                          (size_t)(2 * in_cols), (size_t)(2 * in_cols), (size_t)sh.B,
+                                          cudaMemcpyHostToDevice));
+          const Tensor xc_dev = x.to(Device::kCuda);  // the unfused producers take contiguous rows
+          Tensor nw = Tensor::empty({sh.K}, DType::kF32, Device::kCpu);
+          std::mt19937 rng((uint32_t)seed);
+          std::uniform_real_distribution<float> u(0.5f, 1.5f);
+          for (int64_t i = 0; i < sh.K; ++i) nw.ptr<float>()[i] = i % 7 == 3 ? -u(rng) : u(rng);
+          const Tensor nw_dev = nw.to(Device::kCuda);
+          const float eps = 1e-5f;
+
+          // Weights.
+          Tensor wsrc = random_matrix(sh.N, sh.K, seed++);
+          std::optional<quant::QuantizedTensor> qw;
+          Tensor w_bf16;
+          DecodeWeights w;
+          if (wk == WKind::kNvfp4) {
+            qw = to_device(quantize(wsrc, nvfp4()));
+            w = DecodeWeights::packed(*qw, "w");
+          } else {
+            Tensor h = Tensor::empty({sh.N, sh.K}, DType::kBF16, Device::kCpu);
+            for (int64_t i = 0; i < wsrc.numel(); ++i) h.ptr<uint16_t>()[i] = formats::encode_bf16_rn(wsrc.ptr<float>()[i]);
+            w_bf16 = h.to(Device::kCuda);
+            w = DecodeWeights::plain(w_bf16.view(), "w");
+          }
+
+          // Unfused chain.
+          Tensor act = Tensor::empty({sh.B, sh.K}, DType::kBF16, Device::kCuda);
+          TensorView act_view = act.view();
+          if (prod == DecodeProducer::kNorm) {
+            Tensor rstd = Tensor::empty({sh.B}, DType::kF32, Device::kCuda);
+            ops::rmsnorm_forward(act.view(), rstd.view(), xc_dev.view(), nw_dev.view(), eps, nullptr);
+          } else if (swiglu) {
+            ops::swiglu_forward(act.view(), xc_dev.view(), nullptr);
+          } else {
+            act_view = xc_dev.view();
+          }
+          DecodeWorkspace ws;
+          DecodeGemvArgs ua;
+          std::optional<QuantizeCall> qc;
+          if (xq != nullptr) {
+            qc.emplace(act_view, xc, sh.B, sh.K);
+            qc->run();
+            ua.x = qc->xs.view();
+            ua.x_nvfp4_amax = qc->amax.ptr<const float>();
+            ua.x_amax_per_row = xc.nvfp4_row_amax;
+            ua.x_global_constant = xc.nvfp4_global_constant();
+          } else {
+            ua.x = act_view;
+          }
+          ua.w = w;
+          Tensor y_want = Tensor::empty({sh.B, sh.N}, DType::kF32, Device::kCuda);
+          ua.y = y_want.view();
+          ua.workspace = &ws;
+          decode_gemv(ua);
+
+          // Fused.
+          DecodeGemvArgs fa;
+          fa.x = xd.view;
+          fa.w = w;
+          Tensor y_got = Tensor::empty({sh.B, sh.N}, DType::kF32, Device::kCuda);
+          poison(y_got.view());
+          fa.y = y_got.view();
+          fa.workspace = &ws;
+          if (prod == DecodeProducer::kNorm) {
+            fa.norm_weight = nw_dev.view();
+            fa.norm_eps = eps;
+          }
+          fa.swiglu = swiglu;
+          Tensor amax_got = Tensor::zeros({sh.B}, DType::kF32, Device::kCuda);
+          Tensor flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+          if (xq != nullptr) {
+            fa.x_quant = xc;
+            fa.x_amax_out = amax_got.ptr<float>();
+            fa.error_flag = flag.ptr<int>();
+          }
+          decode_gemv(fa);
+          FOURBIT_CUDA_CHECK(cudaDeviceSynchronize());
+          const std::vector<uint8_t> want = raw(y_want.view()), got = raw(y_got.view());
+          for (size_t i = 0; i < want.size(); i += 4)
+            ASSERT_EQ(std::memcmp(want.data() + i, got.data() + i, 4), 0) << "y differs at element " << i / 4;
+          if (xq != nullptr) {
+            const std::vector<float> amax_want = qc->amaxes();
+            const Tensor ah = amax_got.to(Device::kCpu);
+            for (size_t i = 0; i < amax_want.size(); ++i) ASSERT_EQ(ah.ptr<const float>()[i], amax_want[i]) << "amax " << i;
+            int f = -1;
+            FOURBIT_CUDA_CHECK(cudaMemcpy(&f, flag.data(), 4, cudaMemcpyDeviceToHost));
+            EXPECT_EQ(f, 0);
+          }
+        }
+  EXPECT_GE(fused_cases, 60);
+
+  // What does not fit is refused, by the predicate and by decode_gemv with the layer's name.
+  quant::QuantConfig q46 = nvfp4(true), q = nvfp4();
+  EXPECT_FALSE(decode_gemv_fusion_fits(17, 2048, DecodeProducer::kNorm, nullptr));
+  EXPECT_FALSE(decode_gemv_fusion_fits(1, 2052, DecodeProducer::kNorm, nullptr));
+  EXPECT_FALSE(decode_gemv_fusion_fits(1, 2048, DecodeProducer::kNone, &q46));
+  EXPECT_FALSE(decode_gemv_fusion_fits(16, 4096, DecodeProducer::kNone, &q));
+  EXPECT_FALSE(decode_gemv_fusion_fits(4, 5632, DecodeProducer::kSwiglu, &q));
+  EXPECT_TRUE(decode_gemv_fusion_fits(16, 5632, DecodeProducer::kSwiglu, nullptr));
+  EXPECT_TRUE(decode_gemv_fusion_fits(64, 2048, DecodeProducer::kNone, nullptr));
+  const Tensor xb = random_matrix(17, 256, 1399, DType::kBF16).to(Device::kCuda);
+  const Tensor wb = random_matrix(64, 256, 1398, DType::kBF16).to(Device::kCuda);
+  const Tensor nwb = Tensor::zeros({256}, DType::kF32, Device::kCuda);
+  Tensor yb = Tensor::empty({17, 64}, DType::kF32, Device::kCuda);
+  DecodeWorkspace ws;
+  DecodeGemvArgs ba;
+  ba.x = xb.view();
+  ba.w = DecodeWeights::plain(wb.view(), "w");
+  ba.y = yb.view();
+  ba.workspace = &ws;
+  ba.norm_weight = nwb.view();
+  ba.name = "blocks.3.qkv";
+  expect_error([&] { decode_gemv(ba); }, {"blocks.3.qkv", "cannot fuse the RMSNorm", "17 tokens"});
+
+  // A NaN reaching the fused quantizer is flagged.
+  Tensor xn = random_matrix(2, 256, 1397, DType::kBF16);
+  xn.ptr<uint16_t>()[256 + 9] = 0x7FC0;
+  const Tensor xnd = xn.to(Device::kCuda);
+  Tensor yn = Tensor::empty({2, 64}, DType::kF32, Device::kCuda);
+  Tensor flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+  DecodeGemvArgs na;
+  na.x = xnd.view();
+  na.w = DecodeWeights::plain(wb.view(), "w");
+  na.y = yn.view();
+  na.workspace = &ws;
+  na.x_quant = q;
+  na.error_flag = flag.ptr<int>();
+  decode_gemv(na);
+  int f = 0;
+  FOURBIT_CUDA_CHECK(cudaMemcpy(&f, flag.data(), 4, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(f & quant::kDeviceErrNonFinite, quant::kDeviceErrNonFinite);
 }
 
 TEST(DecodeGemvCuda, NonFiniteActivationIsFlagged) {
