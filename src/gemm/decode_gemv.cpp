@@ -247,7 +247,9 @@ NormBlock norm_block(int64_t K) {
 bool decode_gemv_fusion_fits(int64_t B, int64_t K, DecodeProducer producer, const quant::QuantConfig* q,
                              std::string* why) {
   std::string reason;
-  const int64_t row_limit = kernels::kDecodeFusedRowElements;
+  const int64_t row_limit = producer == DecodeProducer::kSwiglu && q != nullptr
+                                ? kernels::kDecodeFusedRowElements / 2
+                                : kernels::kDecodeFusedRowElements;
   std::string qwhy;
   if (producer == DecodeProducer::kNone && q == nullptr) {
     // nothing to fuse

@@ -116,8 +116,8 @@ enum class DecodeProducer : uint8_t { kNone, kNorm, kSwiglu };
 
 // Whether one decode_gemv launch can fuse this producer and this activation quantizer (null:
 // none) for B tokens and a reduction width K: B <= 16, and every CTA reduces what needs whole rows
-// itself (the norm's rstd, the quantizer's amax), so those take B * K <= 8192 (a SwiGLU alone takes
-// any K); the quantizer must be amax-to-6 (decode_supports_activation_quant);
+// itself (the norm's rstd, the quantizer's amax), so those take B * K <= 32768 (16384 with the
+// SwiGLU and the quantizer); the quantizer must be amax-to-6 (decode_supports_activation_quant);
 // the norm needs K % 8 == 0. `why` (if given) says what does not fit. CUDA builds (false otherwise).
 bool decode_gemv_fusion_fits(int64_t B, int64_t K, DecodeProducer producer, const quant::QuantConfig* x_quant,
                              std::string* why = nullptr);

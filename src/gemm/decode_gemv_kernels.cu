@@ -349,9 +349,6 @@ __device__ __forceinline__ void stage_x(const DecodeGemvParams& p, const GemvSha
 // all tokens. The staging then computes the producer's output of its own chunks and quantizes it
 // block by block (the two 8-element pieces of a 16-element block sit in adjacent lanes).
 static_assert(kDecodeFusedMaxTokens <= 16, "fused launches are staged with at most two n-tiles");
-// Pieces a thread of the fused prologue and staging loads before it computes them (registers: the
-// weight ring is live meanwhile).
-constexpr int kFusedStageBatch = 2;
 struct FusedState {
   float rstd[kDecodeFusedMaxTokens];
   unsigned amax_bits[kDecodeFusedMaxTokens];  // non-negative finite floats: integer max = float max
@@ -389,36 +386,30 @@ __device__ __forceinline__ uint4 produce_piece(const DecodeGemvParams& p, const 
 // row added in order from zero.
 __device__ void fused_norm_rstd(const DecodeGemvParams& p, FusedState& st) {
   const int T = p.norm_threads, J = p.norm_groups, pairs = p.B * T, lane = (int)threadIdx.x % 32;
-  // kFusedStageBatch pairs per thread and round: their loads go out together.
-  for (int P0 = 0; P0 < pairs; P0 += kFusedStageBatch * kThreads) {  // uniform: every lane shuffles
-    uint4 xv[kFusedStageBatch][2];
-#pragma unroll
-    for (int u = 0; u < kFusedStageBatch; ++u) {
-      const int P = P0 + u * kThreads + (int)threadIdx.x;
+  for (int P0 = 0; P0 < pairs; P0 += kThreads) {  // uniform: every lane reaches the shuffles
+    const int P = P0 + (int)threadIdx.x;
+    float ss = 0.0f;
+    if (P < pairs) {
       const uint16_t* row = p.x + (int64_t)(P / T) * p.ldx;
+      uint4 xv[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int64_t c = (int64_t)(j * T + P % T) * 8;
-        xv[u][j] = P < pairs && j < J && c < p.K ? load_x8(row + c) : make_uint4(0, 0, 0, 0);
+        xv[j] = j < J && c < p.K ? load_x8(row + c) : make_uint4(0, 0, 0, 0);
       }
-    }
-#pragma unroll
-    for (int u = 0; u < kFusedStageBatch; ++u) {
-      const int P = P0 + u * kThreads + (int)threadIdx.x;
-      float ss = 0.0f;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         if (j >= J) break;
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          const float v = element_of(xv[u][j], e);
+          const float v = element_of(xv[j], e);
           ss = fmaf(v, v, ss);
         }
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
-      if (lane == 0 && P < pairs) st.warp_sums[P / 32] = ss;
     }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+    if (lane == 0 && P < pairs) st.warp_sums[P / 32] = ss;
   }
   __syncthreads();
   if ((int)threadIdx.x < p.B) {
@@ -438,22 +429,21 @@ __device__ void fused_prologue(const DecodeGemvParams& p, const GemvShape& sh, F
   __syncthreads();
   const int64_t per_row = (sh.K + 7) / 8, total = (int64_t)p.B * per_row;
   bool bad = false;
-  for (int64_t i0 = threadIdx.x; i0 < total; i0 += kFusedStageBatch * kThreads) {
-    uint4 v[kFusedStageBatch], up[kFusedStageBatch];
+  for (int64_t i0 = threadIdx.x; i0 < total; i0 += 4 * kThreads) {
+    uint4 v[4], up[4];
 #pragma unroll
-    for (int u = 0; u < kFusedStageBatch; ++u) {
+    for (int u = 0; u < 4; ++u) {
       const int64_t i = i0 + u * kThreads;
       const int token = i < total ? (int)(i / per_row) : p.B;  // past the end: zeros
       v[u] = load_x_piece(p, sh, token, 8 * (i % per_row));
       up[u] = p.producer == DecodeProducer::kSwiglu ? load_x_piece(p, sh, token, 8 * (i % per_row), true) : v[u];
     }
-    // One copy of the per-piece code (instruction-cache footprint): the batch shifts down instead.
-#pragma unroll 1
-    for (int u = 0; u < kFusedStageBatch; ++u) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
       const int64_t i = i0 + u * kThreads;
       if (i >= total) break;
       const int token = (int)(i / per_row);
-      const uint4 y = produce_piece(p, sh, v[0], up[0], token, 8 * (i % per_row), st);
+      const uint4 y = produce_piece(p, sh, v[u], up[u], token, 8 * (i % per_row), st);
       float m = 0.0f;
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
@@ -461,11 +451,6 @@ __device__ void fused_prologue(const DecodeGemvParams& p, const GemvShape& sh, F
         accumulate_amax(m, bad, (uint16_t)(word(y, w) >> 16));
       }
       atomicMax(&st.amax_bits[p.quant_per_row ? token : 0], __float_as_uint(m));
-#pragma unroll
-      for (int j = 0; j + 1 < kFusedStageBatch; ++j) {
-        v[j] = v[j + 1];
-        up[j] = up[j + 1];
-      }
     }
   }
   const bool first_cta = blockIdx.x == 0 && blockIdx.y == 0;
@@ -509,6 +494,10 @@ __device__ __forceinline__ uint4 quantize_piece(const DecodeGemvParams& p, const
   return o;
 }
 
+// Pieces a thread of the fused staging loads before it computes (registers: the weight ring is
+// live meanwhile).
+constexpr int kFusedStageBatch = 4;
+
 // stage_x with the fused producer and quantizer. The loop is uniform over the CTA (quantize_piece
 // shuffles); piece idx and idx ^ 1 are the two halves of one block (kPieces is even).
 template <DecodeWeightFormat F, bool kXF16, int NT>
@@ -527,20 +516,14 @@ __device__ __forceinline__ void stage_x_fused(const DecodeGemvParams& p, const G
       v[u] = load_x_piece(p, sh, token, e);
       up[u] = swiglu ? load_x_piece(p, sh, token, e, true) : v[u];
     }
-    // One copy of the per-piece code (instruction-cache footprint): the batch shifts down instead.
-#pragma unroll 1
+#pragma unroll
     for (int u = 0; u < kFusedStageBatch; ++u) {
       const int idx = b0 + u * kThreads + (int)threadIdx.x, chunk = idx / kTilePieces, within = idx % kTilePieces;
       const int token = idx < total ? within / kPieces : p.B;
       const int64_t e = (int64_t)(c_begin + chunk) * kDecodeChunk + 8 * (within % kPieces);
-      uint4 y = produce_piece(p, sh, v[0], up[0], token, e, st);
+      uint4 y = produce_piece(p, sh, v[u], up[u], token, e, st);
       if (p.quantize_x) y = quantize_piece(p, sh, y, token, e, st);
       if (idx < total) store_x_piece<F, kXF16>(y, tiles + chunk * kTilePieces, token, within % kPieces);
-#pragma unroll
-      for (int j = 0; j + 1 < kFusedStageBatch; ++j) {
-        v[j] = v[j + 1];
-        up[j] = up[j + 1];
-      }
     }
   }
 }

@@ -155,10 +155,10 @@ struct DecodeGemvParams {
   int* error_flags = nullptr;
 };
 // Most tokens of a launch with a fused producer or quantizer, and the most B * K elements whose
-// rows each CTA of such a launch reduces itself (norm, amax): a few rounds of loads from L2 per
-// thread of every CTA, on the GEMV's critical path (H200, bench/notes-decode.md).
+// rows each CTA of such a launch reduces itself (norm, amax); with the SwiGLU and the quantizer
+// (an exp per element of the whole rows per CTA) half as many.
 inline constexpr int kDecodeFusedMaxTokens = 16;
-inline constexpr int64_t kDecodeFusedRowElements = 8192;
+inline constexpr int64_t kDecodeFusedRowElements = 32768;
 FOURBIT_HD bool is_fused_params(const DecodeGemvParams& p) { return p.producer != DecodeProducer::kNone || p.quantize_x; }
 void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream);
 
