@@ -392,56 +392,7 @@ void bench_gemv(const DecodeBenchOptions& o, const ModelConfig& config, double c
       rows[i_bf16].ratio = ms_cublas / ms_bf16;
       rows[i_nv].ratio = ms_cublas / ms_nv;
       rows[i_w4a16].ratio = ms_cublas / ms_w4a16;
-      std::vector<size_t> printed = {i_cublas, i_bf16, i_nv, i_w4a16};
-      // The GEMV with its producer fused as the decode step runs it (the norm before qkv, mlp_up and
-      // lm_head, the SwiGLU before mlp_down): BF16 weights (bf16, nvfp4-weights recipes) and NVFP4
-      // weights with the e2e4 activation quantizer fused too. Ratio: over the unfused GEMV alone.
-      const gemm::DecodeProducer producer = s.kind == recipe::LinearKind::kMlpDown ? gemm::DecodeProducer::kSwiglu
-                                            : s.kind == recipe::LinearKind::kAttnOut ? gemm::DecodeProducer::kNone
-                                                                                     : gemm::DecodeProducer::kNorm;
-      quant::QuantConfig xq;  // e2e4's sampler activation quantizer
-      xq.format = quant::Format::kNvfp4;
-      xq.nvfp4_row_amax = true;
-      const bool swiglu = producer == gemm::DecodeProducer::kSwiglu;
-      Tensor x_in = swiglu ? Tensor::empty({B, 2 * s.k}, DType::kBF16, Device::kCuda) : x;
-      if (swiglu) quant::fill_normal_cuda(x_in.view(), 91 + (uint64_t)B, nullptr);
-      Tensor norm_w = Tensor::empty({s.k}, DType::kF32, Device::kCuda);
-      quant::fill_normal_cuda(norm_w.view(), 93, nullptr);
-      Tensor amax_rows = Tensor::zeros({B}, DType::kF32, Device::kCuda);
-      auto fused_args = [&](gemm::DecodeGemvArgs& a) {
-        a.x = x_in.view();
-        if (producer == gemm::DecodeProducer::kNorm) {
-          a.norm_weight = norm_w.view();
-          a.norm_eps = 1e-5f;
-        }
-        a.swiglu = swiglu;
-        a.y = y.view();
-        a.workspace = &ws;
-      };
-      if (producer != gemm::DecodeProducer::kNone && gemm::decode_gemv_fusion_fits(B, s.k, producer, nullptr)) {
-        const double ms = time_it(n_bf16, [&](int i) {
-          gemm::DecodeGemvArgs a;
-          fused_args(a);
-          a.w = gemm::DecodeWeights::plain(w_bf16[(size_t)i].view(), s.name);
-          gemm::decode_gemv(a);
-        });
-        printed.push_back(add_row("gemv-fused", "bf16", ms, bf16_bytes));
-        rows.back().ratio = ms_bf16 / ms;
-      }
-      if (gemm::decode_gemv_fusion_fits(B, s.k, producer, &xq)) {
-        const double ms = time_it(n_nv, [&](int i) {
-          gemm::DecodeGemvArgs a;
-          fused_args(a);
-          a.w = gemm::DecodeWeights::packed(w_nv[(size_t)i], s.name);
-          a.x_quant = xq;
-          a.error_flag = flag.ptr<int>();
-          a.x_amax_out = amax_rows.ptr<float>();
-          gemm::decode_gemv(a);
-        });
-        printed.push_back(add_row("gemv-fused", "nvfp4-e2e4", ms, nv_bytes));
-        rows.back().ratio = ms_nv / ms;
-      }
-      for (size_t i : printed) print_gemv(rows[i]);
+      for (size_t i : {i_cublas, i_bf16, i_nv, i_w4a16}) print_gemv(rows[i]);
     }
   }
   int bits = 0;

@@ -31,7 +31,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -120,23 +119,6 @@ KvCache Model::make_kv_cache(int batch, int max_len, int max_step_tokens) const 
 }
 
 namespace {
-
-// Whether the decode step lets the GEMV run this producer and quantizer itself
-// (gemm::decode_gemv_fusion_fits). FOURBIT_DECODE_FUSE, for A/B runs: "none" fuses nothing into
-// the GEMV, "no-norm" / "no-swiglu" / "no-quant" leave out the norm, the SwiGLU or any launch with
-// an activation quantizer; unset (or anything else): everything that fits. Read once.
-bool gemv_fuses(int64_t rows, int64_t k, gemm::DecodeProducer producer, const quant::QuantConfig* xq) {
-  static const std::string setting = [] {
-    const char* v = std::getenv("FOURBIT_DECODE_FUSE");
-    return std::string(v != nullptr ? v : "");
-  }();
-  if (setting == "none" || (setting == "no-quant" && xq != nullptr) ||
-      (setting == "no-norm" && producer == gemm::DecodeProducer::kNorm) ||
-      (setting == "no-swiglu" && producer == gemm::DecodeProducer::kSwiglu)) {
-    return false;
-  }
-  return gemm::decode_gemv_fusion_fits(rows, k, producer, xq);
-}
 
 // Appends the keys and values of the rows with write_pos >= 0 to the caches (CPU).
 void kv_append_cpu(const TensorView& qkv, int64_t k_col, int64_t v_col, int64_t width,
@@ -383,7 +365,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
         norm_param >= 0 ? gemm::DecodeProducer::kNorm : swiglu ? gemm::DecodeProducer::kSwiglu : gemm::DecodeProducer::kNone;
     const quant::QuantConfig* xq = r.fprop_x.quant ? &*r.fprop_x.quant : nullptr;
     const int64_t k_in = swiglu ? x.shape[1] / 2 : x.shape[1];
-    if (gemv_fuses(x.shape[0], k_in, producer, xq)) {
+    if (gemm::decode_gemv_fusion_fits(x.shape[0], k_in, producer, xq)) {
       // One kernel: the GEMV computes the norm / SwiGLU and quantizes its x itself.
       if (norm_param >= 0) {
         g.norm_weight = im.master(norm_param);
@@ -437,7 +419,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   auto norm_fusable = [&](int l, LinearKind kind, int64_t rows) {
     const std::optional<quant::QuantConfig>& xq = im.linear_recipe(l, kind).fprop_x.quant;
     if (sw == nullptr || gemm_observer_) return false;
-    return gemv_fuses(rows, c.d_model, gemm::DecodeProducer::kNorm, xq ? &*xq : nullptr) ||
+    return gemm::decode_gemv_fusion_fits(rows, c.d_model, gemm::DecodeProducer::kNorm, xq ? &*xq : nullptr) ||
            (xq.has_value() && gemm::decode_quantize_can_fuse_norm(rows, c.d_model, xq->nvfp4_row_amax));
   };
   // Whether the SwiGLU before mlp_down runs inside its GEMV or its activation quantizer (which
@@ -446,7 +428,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     const std::optional<quant::QuantConfig>& xq = im.linear_recipe(l, LinearKind::kMlpDown).fprop_x.quant;
     if (sw == nullptr || gemm_observer_) return false;
     return xq.has_value() ||
-           gemv_fuses(rows, c.d_ff, gemm::DecodeProducer::kSwiglu, nullptr);
+           gemm::decode_gemv_fusion_fits(rows, c.d_ff, gemm::DecodeProducer::kSwiglu, nullptr);
   };
   auto linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
                     bool bf16_output, const TensorView& residual = TensorView{}, int norm_param = -1,
