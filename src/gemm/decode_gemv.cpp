@@ -229,47 +229,6 @@ float* DecodeWorkspace::partials() const {
   return buffer_.defined() ? amax_partials() + kernels::kDecodeAmaxPartials : nullptr;
 }
 
-// ops::rmsnorm_forward's block shape for K columns (ops/rmsnorm_kernels.cu, row_shape): the fused
-// norms replay that block's summation order. GPU tests check that they agree bit for bit.
-namespace {
-struct NormBlock {
-  int threads, groups;
-};
-NormBlock norm_block(int64_t K) {
-  const int64_t chunks = (K + 7) / 8;
-  const int groups = chunks <= 1024 ? 1 : 2;
-  int64_t threads = (chunks + groups - 1) / groups;
-  threads = std::max<int64_t>(32, (threads + 31) / 32 * 32);
-  return {(int)threads, groups};
-}
-}  // namespace
-
-bool decode_gemv_fusion_fits(int64_t B, int64_t K, DecodeProducer producer, const quant::QuantConfig* q,
-                             std::string* why) {
-  std::string reason;
-  const int64_t row_limit = producer == DecodeProducer::kSwiglu && q != nullptr
-                                ? kernels::kDecodeFusedRowElements / 2
-                                : kernels::kDecodeFusedRowElements;
-  std::string qwhy;
-  if (producer == DecodeProducer::kNone && q == nullptr) {
-    // nothing to fuse
-  } else if (!(B >= 1 && B <= kernels::kDecodeFusedMaxTokens)) {
-    reason = fmt::format("{} tokens (fusion takes 1 to {})", B, kernels::kDecodeFusedMaxTokens);
-  } else if (K < 1) {
-    reason = "an empty reduction";
-  } else if (q != nullptr && !decode_supports_activation_quant(*q, &qwhy)) {
-    reason = qwhy;
-  } else if (q != nullptr && q->nvfp4_scale_rule != quant::Nvfp4ScaleRule::kAmaxTo6) {
-    reason = "Four Over Six (the fused quantizer is amax-to-6 only)";
-  } else if (producer == DecodeProducer::kNorm && (K % 8 != 0 || norm_block(K).threads > 1024)) {
-    reason = fmt::format("K = {} for the fused RMSNorm (needs K % 8 == 0, K <= 16384)", K);
-  } else if ((producer == DecodeProducer::kNorm || q != nullptr) && B * K > row_limit) {
-    reason = fmt::format("B * K = {} (every CTA reduces whole rows: at most {})", B * K, row_limit);
-  }
-  if (why != nullptr) *why = reason;
-  return reason.empty();
-}
-
 void decode_gemv(const DecodeGemvArgs& a) {
   const std::string_view where = a.name;
   check_weights(a.w, Device::kCuda, where);
@@ -277,31 +236,11 @@ void decode_gemv(const DecodeGemvArgs& a) {
   FOURBIT_CHECK(x.device == Device::kCuda && x.dtype == DType::kBF16 && x.shape.ndim == 2 && x.strides[1] == 1 &&
                     x.strides[0] >= x.shape[1],
                 "{}: x must be a bf16 [B, K] matrix with unit column stride on cuda, got {}", where, x.describe());
-  const bool norm = a.norm_weight.data != nullptr;
-  const DecodeProducer producer = norm ? DecodeProducer::kNorm : a.swiglu ? DecodeProducer::kSwiglu : DecodeProducer::kNone;
-  FOURBIT_CHECK(!(norm && a.swiglu), "{}: fuse the RMSNorm or the SwiGLU, not both", where);
-  FOURBIT_CHECK(!a.swiglu || x.shape[1] % 2 == 0, "{}: the fused SwiGLU needs a [B, 2K] gate/up x, got {}", where,
-                x.describe());
-  const int64_t B = x.shape[0], K = a.swiglu ? x.shape[1] / 2 : x.shape[1], N = a.w.rows();
+  const int64_t B = x.shape[0], K = x.shape[1], N = a.w.rows();
   FOURBIT_CHECK(B >= 1 && B <= kDecodeMaxTokens, "{}: x has {} rows; the decode GEMV takes 1 to {} tokens",
                 where, B, kDecodeMaxTokens);
-  FOURBIT_CHECK(K == a.w.k(), "{}: x {} has K = {}{} but weight {} has K = {}", where, x.describe(), K,
-                a.swiglu ? " (after the SwiGLU)" : "", a.w.describe(), a.w.k());
-  const quant::QuantConfig* xq = a.x_quant ? &*a.x_quant : nullptr;
-  std::string why;
-  FOURBIT_CHECK(decode_gemv_fusion_fits(B, K, producer, xq, &why),
-                "{}: cannot fuse the {}{} into this GEMV: {}; run it as its own kernel first", where,
-                norm ? "RMSNorm" : a.swiglu ? "SwiGLU" : "activation quantizer",
-                xq != nullptr && producer != DecodeProducer::kNone ? " and the activation quantizer" : "", why);
-  FOURBIT_CHECK(xq == nullptr || (a.x_nvfp4_amax == nullptr && a.error_flag != nullptr),
-                "{}: a fused activation quantizer needs an error flag and no x_nvfp4_amax", where);
-  if (norm) {
-    const TensorView& w = a.norm_weight;
-    FOURBIT_CHECK(w.device == Device::kCuda && w.dtype == DType::kF32 && w.shape.ndim == 1 && w.shape[0] == K &&
-                      w.is_contiguous(),
-                  "{}: the fused RMSNorm weight must be a contiguous f32 [{}] on cuda, got {}", where, K,
-                  w.describe());
-  }
+  FOURBIT_CHECK(K == a.w.k(), "{}: x {} has K = {} but weight {} has K = {}", where, x.describe(), K,
+                a.w.describe(), a.w.k());
   const TensorView& y = a.y;
   FOURBIT_CHECK(y.device == Device::kCuda && (y.dtype == DType::kF32 || y.dtype == DType::kBF16) &&
                     y.shape.ndim == 2 && y.shape[0] == B && y.shape[1] == N && y.strides[1] == 1 &&
@@ -355,28 +294,23 @@ void decode_gemv(const DecodeGemvArgs& a) {
   }
   p.partials = a.workspace->partials();
   p.counters = a.workspace->counters();
-  if (norm) {
-    const NormBlock nb = norm_block(K);
-    p.producer = kernels::DecodeProducer::kNorm;
-    p.norm_weight = a.norm_weight.ptr<const float>();
-    p.norm_eps = a.norm_eps;
-    p.norm_threads = nb.threads;
-    p.norm_groups = nb.groups;
-  } else if (a.swiglu) {
-    p.producer = kernels::DecodeProducer::kSwiglu;
-  }
-  if (xq != nullptr) {
-    p.quantize_x = true;
-    p.quant_per_row = xq->nvfp4_row_amax;
-    p.x_amax_per_row = xq->nvfp4_row_amax;
-    p.quant_scale_constant = xq->nvfp4_scale_constant();
-    p.x_constant = xq->nvfp4_global_constant();
-    p.x_amax_out = a.x_amax_out;
-    p.error_flags = a.error_flag;
-  }
-  FOURBIT_CHECK(!kernels::is_fused_params(p) || plan.staged, "{}: internal: a fused launch must be staged", where);
   kernels::launch_decode_gemv(p, plan, (cudaStream_t)a.stream);
 }
+
+// ops::rmsnorm_forward's block shape for K columns (ops/rmsnorm_kernels.cu, row_shape): the fused
+// norm replays that block's summation order. A GPU test checks the two agree bit for bit.
+namespace {
+struct NormBlock {
+  int threads, groups;
+};
+NormBlock norm_block(int64_t K) {
+  const int64_t chunks = (K + 7) / 8;
+  const int groups = chunks <= 1024 ? 1 : 2;
+  int64_t threads = (chunks + groups - 1) / groups;
+  threads = std::max<int64_t>(32, (threads + 31) / 32 * 32);
+  return {(int)threads, groups};
+}
+}  // namespace
 
 void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
   const std::string_view where = a.name;
@@ -468,11 +402,6 @@ void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
 }
 
 bool decode_quantize_can_fuse_norm(int64_t, int64_t, bool) { return false; }
-
-bool decode_gemv_fusion_fits(int64_t, int64_t, DecodeProducer, const quant::QuantConfig*, std::string* why) {
-  if (why != nullptr) *why = "this build has no CUDA";
-  return false;
-}
 
 #endif
 

@@ -94,33 +94,7 @@ struct DecodeGemvArgs {
   void* stream = nullptr;  // cudaStream_t
   DecodeWorkspace* workspace = nullptr;  // required
   std::string_view name = "decode gemv";  // appears in every error
-  // Fused producer (optional; decode_gemv_fusion_fits must hold): x is the producer's input and
-  // the GEMV computes the producer's bf16 output itself, bit for bit, without it being written:
-  //   norm_weight (f32 [K] on CUDA) given: x [B, K] is the input of ops::rmsnorm_forward(x,
-  //     norm_weight, norm_eps);
-  //   swiglu: x [B, 2K] is ops::swiglu_forward's gate/up input (gate columns 0..K-1, up K..2K-1).
-  TensorView norm_weight;
-  float norm_eps = 0.0f;
-  bool swiglu = false;
-  // Fused activation quantizer (optional; x_nvfp4_amax must be null): the GEMV quantizes its
-  // (produced) x as decode_quantize_nvfp4 does with this config, bit for bit, so y is the unfused
-  // pair's y bit for bit. error_flag (device int, required) receives quant::kDeviceErrNonFinite
-  // for a NaN or Inf; x_amax_out (device, optional) the amax (B floats with nvfp4_row_amax, else 1).
-  std::optional<quant::QuantConfig> x_quant;
-  int* error_flag = nullptr;
-  float* x_amax_out = nullptr;
 };
-
-// What DecodeGemvArgs asks the GEMV to compute before its x.
-enum class DecodeProducer : uint8_t { kNone, kNorm, kSwiglu };
-
-// Whether one decode_gemv launch can fuse this producer and this activation quantizer (null:
-// none) for B tokens and a reduction width K: B <= 16, and every CTA reduces what needs whole rows
-// itself (the norm's rstd, the quantizer's amax), so those take B * K <= 32768 (16384 with the
-// SwiGLU and the quantizer); the quantizer must be amax-to-6 (decode_supports_activation_quant);
-// the norm needs K % 8 == 0. `why` (if given) says what does not fit. CUDA builds (false otherwise).
-bool decode_gemv_fusion_fits(int64_t B, int64_t K, DecodeProducer producer, const quant::QuantConfig* x_quant,
-                             std::string* why = nullptr);
 
 // y = alpha_eff * x . W^T (see the header comment). Throws fourbit::Error naming the tensor for a
 // wrong device, dtype, shape or stride. CUDA builds only (throws otherwise).

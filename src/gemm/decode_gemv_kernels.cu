@@ -155,33 +155,6 @@ __device__ __forceinline__ uint4 load_bf16x8_tail(const uint16_t* src, int64_t e
   return v;
 }
 
-// One element into a thread's running amax; NaN and Inf set `bad` instead.
-__device__ __forceinline__ void accumulate_amax(float& m, bool& bad, uint16_t bits) {
-  const float a = formats::abs_f32(formats::decode_bf16(bits));
-  if (!(a <= formats::kFloatMax)) {
-    bad = true;
-  } else {
-    m = formats::fmax_ieee(m, a);
-  }
-}
-
-// ops::swiglu_forward's output for gate g and up u: bf16(g * sigmoid(g) * u), sigmoid(g) =
-// 1 / (1 + exp(-g)), in that order.
-__device__ __forceinline__ uint16_t swiglu_bits(float g, float u) {
-  const float sig = 1.0f / (1.0f + expf(-g));
-  return formats::encode_bf16_rn(g * sig * u);
-}
-
-__device__ __forceinline__ uint4 load_x8(const uint16_t* at) {
-  if ((reinterpret_cast<uintptr_t>(at) & 15) == 0) return __ldg(reinterpret_cast<const uint4*>(at));
-  return load_bf16x8_tail(at, 0, 8);  // misaligned row: element by element, all 8 present
-}
-
-__device__ __forceinline__ float element_of(const uint4& v, int e) {
-  const uint32_t w = word(v, e / 2);
-  return formats::decode_bf16((uint16_t)(e % 2 ? w >> 16 : w & 0xFFFFu));
-}
-
 // One thread's weights of one chunk: rows g and g + 8 of its warp.
 template <DecodeWeightFormat F>
 struct WeightRegs;
@@ -199,7 +172,6 @@ struct GemvShape {
   int64_t N, K;
   bool vec_w, vec_x;
   bool vec_s = false;  // NVFP4: a thread's two scale bytes are one aligned 16-bit load
-  bool vec_up = false;  // fused SwiGLU: the up half (columns K ..) takes 16-byte loads too
 };
 
 __device__ __forceinline__ void load_weights(const DecodeGemvParams& p, const GemvShape& sh, int64_t row0,
@@ -258,13 +230,11 @@ __device__ __forceinline__ void load_weights(const DecodeGemvParams& p, const Ge
 }
 
 // One 16-byte x piece: elements e .. e + 7 of `token` (zeros past K and past the batch).
-// With up_half (a fused SwiGLU's input) the piece comes from the up half, columns K + e ...
-__device__ __forceinline__ uint4 load_x_piece(const DecodeGemvParams& p, const GemvShape& sh, int token, int64_t e,
-                                              bool up_half = false) {
+__device__ __forceinline__ uint4 load_x_piece(const DecodeGemvParams& p, const GemvShape& sh, int token, int64_t e) {
   uint4 v = make_uint4(0, 0, 0, 0);
   if (token < p.B) {
-    const uint16_t* src = p.x + token * p.ldx + (up_half ? sh.K : 0) + e;
-    if ((up_half ? sh.vec_up : sh.vec_x) && e + 8 <= sh.K) {
+    const uint16_t* src = p.x + token * p.ldx + e;
+    if (sh.vec_x && e + 8 <= sh.K) {
       v = __ldg(reinterpret_cast<const uint4*>(src));
     } else {
       v = load_bf16x8_tail(src, e, sh.K);
@@ -342,192 +312,6 @@ __device__ __forceinline__ void stage_x(const DecodeGemvParams& p, const GemvSha
   }
 }
 
-// ---- fused producer and activation quantizer of a staged launch (DecodeGemvParams) -----------
-//
-// The prologue reduces what the staging needs of whole rows (every CTA alone, from L2): the
-// RMSNorm's rstd per token, then the quantizer's amax of the producer's output per token or over
-// all tokens. The staging then computes the producer's output of its own chunks and quantizes it
-// block by block (the two 8-element pieces of a 16-element block sit in adjacent lanes).
-static_assert(kDecodeFusedMaxTokens <= 16, "fused launches are staged with at most two n-tiles");
-struct FusedState {
-  float rstd[kDecodeFusedMaxTokens];
-  unsigned amax_bits[kDecodeFusedMaxTokens];  // non-negative finite floats: integer max = float max
-  quant::Nvfp4TensorScales ts[kDecodeFusedMaxTokens];
-  float amax[kDecodeFusedMaxTokens];  // what alpha_eff reads: [B] per token, [1] per tensor
-  float warp_sums[kDecodeFusedMaxTokens * 32];  // the norm's sums, [token][T / 32 warps]
-};
-
-// The producer's bf16 output for one piece: x (or the gate) in v, the up half in up; zeros for
-// tokens past B (their rstd is not computed) and past K.
-__device__ __forceinline__ uint4 produce_piece(const DecodeGemvParams& p, const GemvShape& sh, uint4 v, uint4 up,
-                                              int token, int64_t e, const FusedState& st) {
-  if (p.producer == DecodeProducer::kNone || token >= p.B) return v;
-  uint4 o = make_uint4(0, 0, 0, 0);
-  if (p.producer == DecodeProducer::kNorm) {
-    const float rs = st.rstd[token];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t b = e + i < sh.K ? formats::encode_bf16_rn(element_of(v, i) * rs * __ldg(p.norm_weight + e + i)) : 0u;
-      word(o, i / 2) |= b << (16 * (i % 2));
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t b = e + i < sh.K ? swiglu_bits(element_of(v, i), element_of(up, i)) : 0u;
-      word(o, i / 2) |= b << (16 * (i % 2));
-    }
-  }
-  return o;
-}
-
-// ops::rmsnorm_forward's rstd of every token, replaying its summation (as norm_rows does for the
-// quantizer kernel): pair P = b * T + t on thread P % kThreads, each pair's FMA chain over its
-// groups, a 32-lane xor tree per virtual warp (T is a multiple of 32), the T / 32 warp sums of a
-// row added in order from zero.
-__device__ void fused_norm_rstd(const DecodeGemvParams& p, FusedState& st) {
-  const int T = p.norm_threads, J = p.norm_groups, pairs = p.B * T, lane = (int)threadIdx.x % 32;
-  for (int P0 = 0; P0 < pairs; P0 += kThreads) {  // uniform: every lane reaches the shuffles
-    const int P = P0 + (int)threadIdx.x;
-    float ss = 0.0f;
-    if (P < pairs) {
-      const uint16_t* row = p.x + (int64_t)(P / T) * p.ldx;
-      uint4 xv[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int64_t c = (int64_t)(j * T + P % T) * 8;
-        xv[j] = j < J && c < p.K ? load_x8(row + c) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        if (j >= J) break;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float v = element_of(xv[j], e);
-          ss = fmaf(v, v, ss);
-        }
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
-    if (lane == 0 && P < pairs) st.warp_sums[P / 32] = ss;
-  }
-  __syncthreads();
-  if ((int)threadIdx.x < p.B) {
-    float total = 0.0f;
-    for (int v = 0; v < T / 32; ++v) total += st.warp_sums[threadIdx.x * (T / 32) + v];
-    st.rstd[threadIdx.x] = 1.0f / sqrtf(total / (float)p.K + p.norm_eps);
-  }
-  __syncthreads();
-}
-
-// The prologue (after the wait for the producer kernel): rstd, then the amax(es) and the tensor
-// scales of the quantizer; the same values in every CTA.
-__device__ void fused_prologue(const DecodeGemvParams& p, const GemvShape& sh, FusedState& st) {
-  if (p.producer == DecodeProducer::kNorm) fused_norm_rstd(p, st);
-  if (!p.quantize_x) return;
-  if ((int)threadIdx.x < kDecodeFusedMaxTokens) st.amax_bits[threadIdx.x] = 0u;
-  __syncthreads();
-  const int64_t per_row = (sh.K + 7) / 8, total = (int64_t)p.B * per_row;
-  bool bad = false;
-  for (int64_t i0 = threadIdx.x; i0 < total; i0 += 4 * kThreads) {
-    uint4 v[4], up[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int64_t i = i0 + u * kThreads;
-      const int token = i < total ? (int)(i / per_row) : p.B;  // past the end: zeros
-      v[u] = load_x_piece(p, sh, token, 8 * (i % per_row));
-      up[u] = p.producer == DecodeProducer::kSwiglu ? load_x_piece(p, sh, token, 8 * (i % per_row), true) : v[u];
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int64_t i = i0 + u * kThreads;
-      if (i >= total) break;
-      const int token = (int)(i / per_row);
-      const uint4 y = produce_piece(p, sh, v[u], up[u], token, 8 * (i % per_row), st);
-      float m = 0.0f;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        accumulate_amax(m, bad, (uint16_t)(word(y, w) & 0xFFFFu));
-        accumulate_amax(m, bad, (uint16_t)(word(y, w) >> 16));
-      }
-      atomicMax(&st.amax_bits[p.quant_per_row ? token : 0], __float_as_uint(m));
-    }
-  }
-  const bool first_cta = blockIdx.x == 0 && blockIdx.y == 0;
-  if (bad && first_cta && p.error_flags != nullptr) atomicOr(p.error_flags, quant::kDeviceErrNonFinite);
-  __syncthreads();
-  const int n_amax = p.quant_per_row ? p.B : 1;
-  if ((int)threadIdx.x < n_amax) {
-    const float a = __uint_as_float(st.amax_bits[threadIdx.x]);
-    st.amax[threadIdx.x] = a;
-    st.ts[threadIdx.x] = quant::nvfp4_tensor_scales(a, p.quant_scale_constant, p.x_constant);
-    if (first_cta && p.x_amax_out != nullptr) p.x_amax_out[threadIdx.x] = a;
-  }
-  __syncthreads();
-}
-
-// One piece quantized to NVFP4 1x16 (round to nearest) and written back in the scaled domain
-// (bf16(e2m1 * s_b)), as quantize_x_elements does per element; the block amax takes the partner
-// lane's piece. Every lane of the warp must call it.
-__device__ __forceinline__ uint4 quantize_piece(const DecodeGemvParams& p, const GemvShape& sh, uint4 v, int token,
-                                               int64_t e, const FusedState& st) {
-  float f[8];
-  float m = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    f[i] = element_of(v, i);
-    m = formats::fmax_ieee(m, formats::abs_f32(f[i]));
-  }
-  m = formats::fmax_ieee(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-  if (token >= p.B) return make_uint4(0, 0, 0, 0);
-  const quant::Nvfp4TensorScales& ts = st.ts[p.quant_per_row ? token : 0];
-  const uint8_t s = quant::nvfp4_block_scale(m, ts);
-  const float mult = quant::nvfp4_element_multiplier(s, ts), d = formats::decode_e4m3(s);
-  uint4 o = make_uint4(0, 0, 0, 0);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    if (e + i < sh.K) {
-      const uint8_t q = quant::nvfp4_encode_element(f[i], mult, false, 0u);
-      word(o, i / 2) |= (uint32_t)formats::encode_bf16_rn(formats::mul_rn(formats::decode_e2m1(q), d)) << (16 * (i % 2));
-    }
-  }
-  return o;
-}
-
-// Pieces a thread of the fused staging loads before it computes (registers: the weight ring is
-// live meanwhile).
-constexpr int kFusedStageBatch = 4;
-
-// stage_x with the fused producer and quantizer. The loop is uniform over the CTA (quantize_piece
-// shuffles); piece idx and idx ^ 1 are the two halves of one block (kPieces is even).
-template <DecodeWeightFormat F, bool kXF16, int NT>
-__device__ __forceinline__ void stage_x_fused(const DecodeGemvParams& p, const GemvShape& sh, int c_begin,
-                                              int n_chunks, uint4* tiles, const FusedState& st) {
-  constexpr int kTilePieces = NT * 8 * kPieces;
-  const int total = n_chunks * kTilePieces;
-  const bool swiglu = p.producer == DecodeProducer::kSwiglu;
-  for (int b0 = 0; b0 < total; b0 += kFusedStageBatch * kThreads) {
-    uint4 v[kFusedStageBatch], up[kFusedStageBatch];
-#pragma unroll
-    for (int u = 0; u < kFusedStageBatch; ++u) {
-      const int idx = b0 + u * kThreads + (int)threadIdx.x, chunk = idx / kTilePieces, within = idx % kTilePieces;
-      const int token = idx < total ? within / kPieces : p.B;  // past the end: zeros
-      const int64_t e = (int64_t)(c_begin + chunk) * kDecodeChunk + 8 * (within % kPieces);
-      v[u] = load_x_piece(p, sh, token, e);
-      up[u] = swiglu ? load_x_piece(p, sh, token, e, true) : v[u];
-    }
-#pragma unroll
-    for (int u = 0; u < kFusedStageBatch; ++u) {
-      const int idx = b0 + u * kThreads + (int)threadIdx.x, chunk = idx / kTilePieces, within = idx % kTilePieces;
-      const int token = idx < total ? within / kPieces : p.B;
-      const int64_t e = (int64_t)(c_begin + chunk) * kDecodeChunk + 8 * (within % kPieces);
-      uint4 y = produce_piece(p, sh, v[u], up[u], token, e, st);
-      if (p.quantize_x) y = quantize_piece(p, sh, y, token, e, st);
-      if (idx < total) store_x_piece<F, kXF16>(y, tiles + chunk * kTilePieces, token, within % kPieces);
-    }
-  }
-}
-
 template <bool kXF16, int NT>
 __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const WeightRegs<DecodeWeightFormat::kNvfp4>& w,
                                               const uint4* tile, int g, int t) {
@@ -598,11 +382,10 @@ __device__ __forceinline__ void store_y(const DecodeGemvParams& p, int token, in
 // Epilogue scalar of the exact emulation for one token: f32(f32(alpha * d_x) * d_w), d_x from the
 // token's own amax when x has one per row (x_amax_per_row).
 template <DecodeWeightFormat F>
-// x_amax: p.x_amax, or a fused quantizer's amaxes in shared memory.
-__device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token, const float* x_amax) {
+__device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token) {
   float alpha = p.alpha;
-  if (x_amax != nullptr) {
-    alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(x_amax[p.x_amax_per_row ? token : 0], p.x_constant));
+  if (p.x_amax != nullptr) {
+    alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(p.x_amax[p.x_amax_per_row ? token : 0], p.x_constant));
   }
   if constexpr (F == DecodeWeightFormat::kNvfp4) {
     alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.w_amax, p.w_constant));
@@ -620,9 +403,9 @@ __device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token,
 // 1-16 tokens comes here (bench/notes-decode.md).
 template <DecodeWeightFormat F>
 __device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, int64_t row_base, int total,
-                                                   int splits, const float* x_amax) {
+                                                   int splits) {
   constexpr int kSumBatch = 32;
-  const float alpha0 = alpha_eff<F>(p, 0, x_amax);
+  const float alpha0 = alpha_eff<F>(p, 0);
   for (int i0 = (int)threadIdx.x; i0 < total; i0 += kSumBatch * kThreads) {
     float sum[kSumBatch];
 #pragma unroll
@@ -647,7 +430,7 @@ __device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, in
       const int i = i0 + u * kThreads, token = i / kDecodeRowsPerCta;
       const int64_t row = row_base + i % kDecodeRowsPerCta;
       if (i < total && row < p.N) {
-        store_y(p, token, row, formats::mul_rn(sum[u], p.x_amax_per_row ? alpha_eff<F>(p, token, x_amax) : alpha0));
+        store_y(p, token, row, formats::mul_rn(sum[u], p.x_amax_per_row ? alpha_eff<F>(p, token) : alpha0));
       }
     }
   }
@@ -657,10 +440,10 @@ __device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, in
 // partials, summed in split order by the row block's last-arriving CTA.
 template <DecodeWeightFormat F, int NT>
 __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&acc)[NT][4], int64_t row0,
-                                       int64_t row_base, int t, int splits, const float* x_amax) {
+                                       int64_t row_base, int t, int splits) {
   __shared__ bool is_last;
-  const float alpha0 = alpha_eff<F>(p, 0, x_amax);
-  auto alpha = [&](int token) { return p.x_amax_per_row ? alpha_eff<F>(p, token, x_amax) : alpha0; };
+  const float alpha0 = alpha_eff<F>(p, 0);
+  auto alpha = [&](int token) { return p.x_amax_per_row ? alpha_eff<F>(p, token) : alpha0; };
 
   // Accumulator element e of n-tile j: token 8j + 2t + (e & 1), row row0 + 8 (e >> 1).
   if (splits == 1) {
@@ -689,7 +472,7 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  sum_split_partials<F>(p, row_base, p.B * kDecodeRowsPerCta, splits, x_amax);
+  sum_split_partials<F>(p, row_base, p.B * kDecodeRowsPerCta, splits);
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;
 }
 
@@ -700,15 +483,15 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
 // A second barrier keeps every CTA's shared memory alive until all reads are done.
 template <DecodeWeightFormat F, int NT>
 __device__ __forceinline__ void finish_cluster(const DecodeGemvParams& p, const float (&acc)[NT][4], int64_t row0,
-                                               int64_t row_base, int t, int splits, const float* x_amax) {
+                                               int64_t row_base, int t, int splits) {
   __shared__ float partial[NT * 8 * kDecodeRowsPerCta];  // [token][row within the block]
   const int local0 = (int)(row0 - row_base);
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) partial[(8 * j + 2 * t + (e & 1)) * kDecodeRowsPerCta + local0 + 8 * (e >> 1)] = acc[j][e];
-  const float alpha0 = alpha_eff<F>(p, 0, x_amax);  // as in finish()
-  auto alpha = [&](int token) { return p.x_amax_per_row ? alpha_eff<F>(p, token, x_amax) : alpha0; };
+  const float alpha0 = alpha_eff<F>(p, 0);  // as in finish()
+  auto alpha = [&](int token) { return p.x_amax_per_row ? alpha_eff<F>(p, token) : alpha0; };
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   const int rank = (int)cluster.block_rank();
@@ -737,7 +520,6 @@ __device__ __forceinline__ GemvShape gemv_shape(const DecodeGemvParams& p) {
   sh.N = p.N;
   sh.K = p.K;
   sh.vec_x = p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
-  sh.vec_up = sh.vec_x && p.K % 8 == 0;
   if constexpr (F == DecodeWeightFormat::kNvfp4) {
     sh.vec_w = ((p.K + 1) / 2) % 16 == 0 && (reinterpret_cast<uintptr_t>(p.w_data) & 15) == 0;
     sh.vec_s = ((p.K + 15) / 16) % 2 == 0 && (reinterpret_cast<uintptr_t>(p.w_scales) & 1) == 0;
@@ -785,7 +567,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvP
     cur = next;
   }
 
-  finish<F, NT>(p, acc, row0, row_base, t, splits, p.x_amax);
+  finish<F, NT>(p, acc, row0, row_base, t, splits);
 }
 
 // Weight chunks a staged launch keeps in flight per thread (the register ring): NVFP4 holds 10
@@ -797,9 +579,7 @@ constexpr int kRingDepth = F == DecodeWeightFormat::kNvfp4 ? 4 : 2;
 // out first, then x of the whole split is staged in shared memory (dynamic, chunks_per_split
 // tiles), one barrier, and the chunks are computed with each ring slot reloaded kRingDepth chunks
 // ahead as soon as it is consumed.
-// kFused: the launch has a fused producer or quantizer (its own instantiation, so that the
-// registers of the prologue and of the fused staging do not cost the plain launches occupancy).
-template <DecodeWeightFormat F, bool kXF16, int NT, bool kFused>
+template <DecodeWeightFormat F, bool kXF16, int NT>
 __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const DecodeGemvParams p, int chunks,
                                                                       int chunks_per_split, int splits,
                                                                       bool cluster) {
@@ -822,15 +602,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
   // The weights have no producer in the stream: their loads above overlap the kernel before (PDL);
   // x, x_amax, the residual and y belong to earlier kernels.
   core::pdl_wait_for_producer();
-  const float* x_amax = p.x_amax;
-  if constexpr (kFused) {
-    __shared__ FusedState fused;
-    fused_prologue(p, sh, fused);
-    stage_x_fused<F, kXF16, NT>(p, sh, c_begin, c_end - c_begin, x_tiles, fused);
-    if (p.quantize_x) x_amax = fused.amax;
-  } else {
-    stage_x<F, kXF16, NT>(p, sh, c_begin, c_end - c_begin, x_tiles);
-  }
+  stage_x<F, kXF16, NT>(p, sh, c_begin, c_end - c_begin, x_tiles);
   __syncthreads();
 
   float acc[NT][4];
@@ -847,9 +619,9 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
   }
 
   if (cluster) {
-    finish_cluster<F, NT>(p, acc, row0, row_base, t, splits, x_amax);
+    finish_cluster<F, NT>(p, acc, row0, row_base, t, splits);
   } else {
-    finish<F, NT>(p, acc, row0, row_base, t, splits, x_amax);
+    finish<F, NT>(p, acc, row0, row_base, t, splits);
   }
 }
 
@@ -863,17 +635,17 @@ void launch_ex(void (*kernel)(KernelArgs...), dim3 grid, int threads, int smem_b
 }
 
 // A staged launch, as a cluster of plan.splits CTAs along grid.y when plan.cluster.
-template <DecodeWeightFormat F, bool kXF16, int NT, bool kFused>
+template <DecodeWeightFormat F, bool kXF16, int NT>
 void launch_staged(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   // 32 KB of x (plan_decode_gemv) plus the cluster epilogue's static partials (16 KB at 64 tokens)
   // can pass the 48 KB that a launch may use without opting in.
   static const bool opted_in = [] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(decode_gemv_staged_kernel<F, kXF16, NT, kFused>,
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(decode_gemv_staged_kernel<F, kXF16, NT>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
     return true;
   }();
   (void)opted_in;
-  launch_ex(decode_gemv_staged_kernel<F, kXF16, NT, kFused>, dim3((unsigned)plan.row_blocks, (unsigned)plan.splits),
+  launch_ex(decode_gemv_staged_kernel<F, kXF16, NT>, dim3((unsigned)plan.row_blocks, (unsigned)plan.splits),
             kThreads, plan.x_smem_bytes, plan.cluster ? (unsigned)plan.splits : 1u, core::pdl_enabled(), stream, p, plan.chunks,
             plan.chunks_per_split, plan.splits, plan.cluster);
 }
@@ -882,13 +654,11 @@ template <DecodeWeightFormat F, bool kXF16>
 void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   const dim3 grid((unsigned)plan.row_blocks, (unsigned)plan.splits);
   if (plan.staged) {
-    // Fused producers and quantizers take at most kDecodeFusedMaxTokens = 16 tokens: two n-tiles.
-    const bool fused = is_fused_params(p);
     switch (plan.n_tiles) {
-      case 1: fused ? launch_staged<F, kXF16, 1, true>(p, plan, stream) : launch_staged<F, kXF16, 1, false>(p, plan, stream); break;
-      case 2: fused ? launch_staged<F, kXF16, 2, true>(p, plan, stream) : launch_staged<F, kXF16, 2, false>(p, plan, stream); break;
-      case 4: launch_staged<F, kXF16, 4, false>(p, plan, stream); break;
-      default: launch_staged<F, kXF16, 8, false>(p, plan, stream); break;
+      case 1: launch_staged<F, kXF16, 1>(p, plan, stream); break;
+      case 2: launch_staged<F, kXF16, 2>(p, plan, stream); break;
+      case 4: launch_staged<F, kXF16, 4>(p, plan, stream); break;
+      default: launch_staged<F, kXF16, 8>(p, plan, stream); break;
     }
     return;
   }
@@ -902,6 +672,16 @@ void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStr
 // ---- activation quantization -------------------------------------------------------------------
 
 constexpr int kQuantThreads = 256;
+
+// One element into a thread's running amax; NaN and Inf set `bad` instead.
+__device__ __forceinline__ void accumulate_amax(float& m, bool& bad, uint16_t bits) {
+  const float a = formats::abs_f32(formats::decode_bf16(bits));
+  if (!(a <= formats::kFloatMax)) {
+    bad = true;
+  } else {
+    m = formats::fmax_ieee(m, a);
+  }
+}
 
 // The CTA's maximum of the threads' running amaxes (returned in every thread); a `bad` thread ORs
 // the non-finite flag when `report` is set.
@@ -923,6 +703,13 @@ __device__ float cta_amax(const DecodeQuantizeParams& p, float m, bool bad, bool
 
 // What produces the quantizer's input from x (DecodeQuantizeParams::norm_weight / swiglu).
 enum class Producer { kNone, kNorm, kSwiglu };
+
+// ops::swiglu_forward's output for gate g and up u: bf16(g * sigmoid(g) * u), sigmoid(g) =
+// 1 / (1 + exp(-g)), in that order.
+__device__ __forceinline__ uint16_t swiglu_bits(float g, float u) {
+  const float sig = 1.0f / (1.0f + expf(-g));
+  return formats::encode_bf16_rn(g * sig * u);
+}
 
 // Element (r, c) as the quantizer sees it: x itself; (kNorm) the RMSNorm output
 // bf16(f32(x * rstd[r]) * w[c]); or (kSwiglu) bf16(g * sigmoid(g) * u) with g = x[r, c] and
@@ -1064,6 +851,16 @@ static_assert(kDecodeFusedNormElements <= kRedundantAmaxElements, "the fused nor
 constexpr int kNormPairsPerThread = 8;
 static_assert(kNormPairsPerThread * kQuantThreads == kDecodeFusedNormPairs, "decode_quantize_can_fuse_norm's bound");
 
+__device__ __forceinline__ uint4 load_x8(const uint16_t* at) {
+  if ((reinterpret_cast<uintptr_t>(at) & 15) == 0) return __ldg(reinterpret_cast<const uint4*>(at));
+  return load_bf16x8_tail(at, 0, 8);  // misaligned row: element by element, all 8 present
+}
+
+__device__ __forceinline__ float element_of(const uint4& v, int e) {
+  const uint32_t w = word(v, e / 2);
+  return formats::decode_bf16((uint16_t)(e % 2 ? w >> 16 : w & 0xFFFFu));
+}
+
 __device__ void norm_rows(const DecodeQuantizeParams& p, float* rstd, float* warp_sums, float& m, bool& bad) {
   const int T = p.norm_threads, J = p.norm_groups, tid = (int)threadIdx.x, lane = tid % 32;
   const int pairs = p.B * T;
@@ -1193,7 +990,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kerne
 void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   if (p.format == DecodeWeightFormat::kBf16) {
     launch_typed<DecodeWeightFormat::kBf16, false>(p, plan, stream);
-  } else if (p.x_amax != nullptr || p.quantize_x) {
+  } else if (p.x_amax != nullptr) {
     launch_typed<DecodeWeightFormat::kNvfp4, true>(p, plan, stream);
   } else {
     launch_typed<DecodeWeightFormat::kNvfp4, false>(p, plan, stream);

@@ -50,8 +50,6 @@ inline constexpr int kDecodeClusterMax = 8;    // most splits summed in a cluste
 inline constexpr int kDecodeXTileBytes = 8 * kDecodeChunk * 2;  // x of one chunk and one n-tile
 
 enum class DecodeWeightFormat : uint8_t { kBf16, kNvfp4 };
-// What computes the GEMV's x from its input when the producer is fused (DecodeGemvParams).
-enum class DecodeProducer : uint8_t { kNone, kNorm, kSwiglu };
 
 // How a launch divides the work; a pure function of the shape and the SM count, shared by the
 // workspace sizing (host) and the launch.
@@ -131,35 +129,7 @@ struct DecodeGemvParams {
   // Workspace (plan.splits > 1): partials f32 [splits, B, N]; counters u32 [row_blocks], zero.
   float* partials = nullptr;
   unsigned* counters = nullptr;
-  // Fused producer of x (staged launches only: decode_gemv_fusion_fits). x then holds the
-  // producer's input and every CTA stages the producer's output for its own chunks:
-  //   kNorm:   x [B, K]; x_k -> bf16(f32(x_k * rstd_b) * norm_weight[k]), rstd_b replayed in
-  //            ops::rmsnorm_forward's summation order (norm_threads, norm_groups: its block shape),
-  //            reduced over the whole row by every CTA (a prologue: at most kDecodeFusedRowElements
-  //            B * K elements, read from L2);
-  //   kSwiglu: x [B, 2K] gate | up; x_k -> bf16(g * sigmoid(g) * u), ops::swiglu_forward's bits.
-  DecodeProducer producer = DecodeProducer::kNone;
-  const float* norm_weight = nullptr;  // f32 [K]
-  float norm_eps = 0.0f;
-  int norm_threads = 0, norm_groups = 0;
-  // Fused activation quantizer (staged launches only; x_amax null): the producer's output is
-  // quantized to NVFP4 1x16 (round to nearest, amax-to-6) as it is staged, with the global amax of
-  // each token (quant_per_row) or of all B tokens, which every CTA reduces itself over the whole
-  // rows in the prologue: bit for bit launch_decode_quantize_x's scaled-domain values, so the
-  // GEMV's result is the unfused pair's bit for bit. CTA (0, 0) writes the amax(es) to x_amax_out
-  // (if set) and ORs quant::kDeviceErrNonFinite into *error_flags for a NaN or Inf.
-  bool quantize_x = false;
-  bool quant_per_row = false;
-  float quant_scale_constant = 0.0f;  // QuantConfig::nvfp4_scale_constant()
-  float* x_amax_out = nullptr;
-  int* error_flags = nullptr;
 };
-// Most tokens of a launch with a fused producer or quantizer, and the most B * K elements whose
-// rows each CTA of such a launch reduces itself (norm, amax); with the SwiGLU and the quantizer
-// (an exp per element of the whole rows per CTA) half as many.
-inline constexpr int kDecodeFusedMaxTokens = 16;
-inline constexpr int64_t kDecodeFusedRowElements = 32768;
-FOURBIT_HD bool is_fused_params(const DecodeGemvParams& p) { return p.producer != DecodeProducer::kNone || p.quantize_x; }
 void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream);
 
 // NVFP4 1x16 row-wise quantization of a small activation x bf16 [B, K] (round to nearest), written

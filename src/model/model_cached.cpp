@@ -347,10 +347,8 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     return L;
   };
   // One dense linear layer: y = x W^T under the rl_sampler recipe through the decode GEMV.
-  // norm_param >= 0: x is the input of that RMSNorm; swiglu: x is the [B, 2 d_ff] gate/up input
-  // of the SwiGLU. Either runs inside the GEMV (decode_gemv_fusion_fits, with the activation
-  // quantizer if any: one kernel) or else inside the activation quantizer (norm_fusable,
-  // swiglu_fusable); its output is never written.
+  // norm_param >= 0: x is the input of that RMSNorm, fused into the activation quantizer
+  // (norm_fusable); the normalized activation is never written.
   auto decode_linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
                            const TensorView& residual, int norm_param, bool swiglu) {
     const SamplerWeights::Layer& L = check_layer(l, kind, param);
@@ -361,22 +359,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     Scope scope(im, sec, Work::kLinear);
     gemm::DecodeGemvArgs g;
     g.x = x;
-    const gemm::DecodeProducer producer =
-        norm_param >= 0 ? gemm::DecodeProducer::kNorm : swiglu ? gemm::DecodeProducer::kSwiglu : gemm::DecodeProducer::kNone;
-    const quant::QuantConfig* xq = r.fprop_x.quant ? &*r.fprop_x.quant : nullptr;
-    const int64_t k_in = swiglu ? x.shape[1] / 2 : x.shape[1];
-    if (gemm::decode_gemv_fusion_fits(x.shape[0], k_in, producer, xq)) {
-      // One kernel: the GEMV computes the norm / SwiGLU and quantizes its x itself.
-      if (norm_param >= 0) {
-        g.norm_weight = im.master(norm_param);
-        g.norm_eps = (float)c.norm_eps;
-      }
-      g.swiglu = swiglu;
-      if (xq != nullptr) {
-        g.x_quant = *xq;
-        g.error_flag = im.flag();
-      }
-    } else if (r.fprop_x.quant) {
+    if (r.fprop_x.quant) {
       gemm::DecodeQuantizeArgs q;
       q.x = x;
       q.config = *r.fprop_x.quant;
@@ -396,10 +379,6 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       g.x_nvfp4_amax = sw->amax.ptr<const float>();
       g.x_amax_per_row = q.config.nvfp4_row_amax;
       g.x_global_constant = r.fprop_x.quant->nvfp4_global_constant();
-    } else {
-      FOURBIT_CHECK(producer == gemm::DecodeProducer::kNone,
-                    "forward_cached: {}: internal: a fused norm or SwiGLU that neither the GEMV nor a quantizer takes",
-                    name);
     }
     g.w = L.w_config ? gemm::DecodeWeights::packed(L.packed, name) : gemm::DecodeWeights::plain(wt, name);
     g.y = y;
@@ -413,22 +392,13 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   // The decode GEMV adds a block's residual in its epilogue (the same bits as ops::add_inplace after
   // it), except for an observer, which must see the GEMM's own output.
   const bool fuse_residual = sw != nullptr && !gemm_observer_;
-  // Whether the RMSNorm before layer (l, kind) runs inside the decode GEMV or inside its
-  // activation quantizer (decode path, a small enough activation; not under an observer, which must
-  // see the norm's output as the GEMM's input). decode_linear picks which.
+  // Whether the RMSNorm before layer (l, kind) runs inside its activation quantizer (decode path,
+  // NVFP4 activations, a small enough activation; not under an observer, which must see the norm's
+  // output as the GEMM's input).
   auto norm_fusable = [&](int l, LinearKind kind, int64_t rows) {
     const std::optional<quant::QuantConfig>& xq = im.linear_recipe(l, kind).fprop_x.quant;
-    if (sw == nullptr || gemm_observer_) return false;
-    return gemm::decode_gemv_fusion_fits(rows, c.d_model, gemm::DecodeProducer::kNorm, xq ? &*xq : nullptr) ||
-           (xq.has_value() && gemm::decode_quantize_can_fuse_norm(rows, c.d_model, xq->nvfp4_row_amax));
-  };
-  // Whether the SwiGLU before mlp_down runs inside its GEMV or its activation quantizer (which
-  // fuses it at any size).
-  auto swiglu_fusable = [&](int l, int64_t rows) {
-    const std::optional<quant::QuantConfig>& xq = im.linear_recipe(l, LinearKind::kMlpDown).fprop_x.quant;
-    if (sw == nullptr || gemm_observer_) return false;
-    return xq.has_value() ||
-           gemm::decode_gemv_fusion_fits(rows, c.d_ff, gemm::DecodeProducer::kSwiglu, nullptr);
+    return sw != nullptr && !gemm_observer_ && xq.has_value() &&
+           gemm::decode_quantize_can_fuse_norm(rows, c.d_model, xq->nvfp4_row_amax);
   };
   auto linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
                     bool bf16_output, const TensorView& residual = TensorView{}, int norm_param = -1,
@@ -527,8 +497,8 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
         } else {
           linear(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, p.mlp_up, gu, true);
         }
-        // The SwiGLU runs inside mlp_down's GEMV or activation quantizer where it can (swiglu_fusable).
-        if (swiglu_fusable(l, N)) {
+        // The SwiGLU runs inside mlp_down's activation quantizer where there is one (as norm_fusable).
+        if (!gemm_observer_ && im.linear_recipe(l, LinearKind::kMlpDown).fprop_x.quant.has_value()) {
           linear(Section::kMlp, l, LinearKind::kMlpDown, gu, p.mlp_down, out, true, mid, -1, true);
         } else {
           {
