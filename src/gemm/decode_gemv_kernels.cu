@@ -11,14 +11,11 @@
 //     chunk; piece elements (0,1),(2,3) feed one k-step, (4,5),(6,7) the next.
 //   - NVFP4 weights: thread t owns the 16 bytes 16t.. of each row's 64-byte chunk (elements
 //     32t..32t+31, pieces c = 4t + p, scale blocks 2t and 2t+1). A 32-bit word holds one piece
-//     (8 nibbles, element i in bits 4i..4i+3). The pair (n_i, n_i+4) becomes an f16x2 by shifts
-//     and masks alone: the nibble's sign to bit 15 and its 3-bit magnitude to bits 9..11 is exactly
-//     e2m1 * 2^-14 in FP16 (magnitude 1 is the subnormal 2^-15; E2M1's exponent bias 1 against
-//     FP16's 15), no conversion instruction. Each pair is then multiplied by 128 s_b (FP16, exact:
-//     s_b from the hardware cvt e4m3x2 -> f16x2 once per block, 128 s_b <= 57344), which gives
-//     e2m1 * s_b * 2^-7: at most 6 significant bits in [2^-17, 21], exact in FP16. The 2^-7
-//     (kNvfp4WeightShift) is restored in FP32 by alpha_eff (a power of two: the same rounding).
-//     The x pieces are staged in shared memory in the same order [x0,x4,x1,x5,x2,x6,x3,x7].
+//     (8 nibbles); the even and the odd nibbles are rebuilt as E4M3 bytes (sign << 7 | magnitude
+//     << 2 is exactly e2m1 * 2^-6 in E4M3) and converted by the hardware (cvt e4m3x2 -> f16x2)
+//     into the pairs (n0,n2), (n4,n6), (n1,n3), (n5,n7), then multiplied by 64 * s_b (FP16, exact:
+//     e2m1 * s_b has at most 6 significant bits and lies in [2^-10, 2688]). The x pieces are
+//     staged in shared memory in the same order [x0,x2,x4,x6,x1,x3,x5,x7].
 // Precision: when x is NVFP4 scaled-domain (x_amax given) its values are exact in FP16 too, so the
 // mma runs in FP16 (no conversion of the weights); otherwise (BF16 x) the exact FP16 weight values
 // are converted to BF16 (exact) and the mma runs in BF16. Either way the products are exact and the
@@ -62,20 +59,7 @@ namespace {
 
 constexpr int kThreads = kDecodeWarps * 32;
 constexpr int kPieces = kDecodeChunk / 8;  // 16-byte x pieces per token row of a chunk
-constexpr uint32_t kF16x2OneTwentyEight = 0x58005800u;  // (128, 128) in FP16
-// NVFP4 weight values enter the mma as e2m1 * s_b * 2^-kNvfp4WeightShift (compute_chunk).
-constexpr int kNvfp4WeightShift = 7;
-
-// The f16x2 pair (e2m1(n_i) * 2^-14, e2m1(n_i+4) * 2^-14) of the nibbles i and i + 4 of w.
-template <int I>
-__device__ __forceinline__ uint32_t e2m1_pair_f16x2(uint32_t w) {
-  constexpr uint32_t kSign = 0x80008000u, kMagnitude = 0x0E000E00u;
-  if constexpr (I == 3) {
-    return (w & kSign) | ((w >> 3) & kMagnitude);
-  } else {
-    return ((w << (12 - 4 * I)) & kSign) | ((w << (9 - 4 * I)) & kMagnitude);
-  }
-}
+constexpr uint32_t kF16x2Sixtyfour = 0x54005400u;  // (64, 64) in FP16
 
 __device__ __forceinline__ uint32_t cvt_e4m3x2_to_f16x2(uint32_t v16) {
   uint32_t d;
@@ -263,12 +247,12 @@ __device__ __forceinline__ uint4 load_x_piece(const DecodeGemvParams& p, const G
 template <DecodeWeightFormat F, bool kXF16>
 __device__ __forceinline__ void store_x_piece(uint4 v, uint4* tile, int token, int c) {
   if constexpr (F == DecodeWeightFormat::kNvfp4) {
-    // [x0..x7] -> [x0, x4, x1, x5, x2, x6, x3, x7], the order of the decoded weight pairs.
+    // [x0..x7] -> [x0, x2, x4, x6, x1, x3, x5, x7], the order of the decoded weight pairs.
     uint4 o;
-    o.x = __byte_perm(v.x, v.z, 0x5410);
-    o.y = __byte_perm(v.x, v.z, 0x7632);
-    o.z = __byte_perm(v.y, v.w, 0x5410);
-    o.w = __byte_perm(v.y, v.w, 0x7632);
+    o.x = __byte_perm(v.x, v.y, 0x5410);
+    o.y = __byte_perm(v.z, v.w, 0x5410);
+    o.z = __byte_perm(v.x, v.y, 0x7632);
+    o.w = __byte_perm(v.z, v.w, 0x7632);
     if constexpr (kXF16) {
       o.x = bf16x2_to_f16x2(o.x);
       o.y = bf16x2_to_f16x2(o.y);
@@ -331,24 +315,26 @@ __device__ __forceinline__ void stage_x(const DecodeGemvParams& p, const GemvSha
 template <bool kXF16, int NT>
 __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const WeightRegs<DecodeWeightFormat::kNvfp4>& w,
                                               const uint4* tile, int g, int t) {
-  uint32_t sc[2][2];  // [row][block]: (128 s_b, 128 s_b) in FP16
+  uint32_t sc[2][2];  // [row][block]: (64 s_b, 64 s_b) in FP16
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const uint32_t s2 = mul_f16x2(cvt_e4m3x2_to_f16x2(w.s[i]), kF16x2OneTwentyEight);
+    const uint32_t s2 = mul_f16x2(cvt_e4m3x2_to_f16x2(w.s[i]), kF16x2Sixtyfour);
     sc[i][0] = __byte_perm(s2, s2, 0x1010);
     sc[i][1] = __byte_perm(s2, s2, 0x3232);
   }
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    uint32_t a[2][4];  // [row]: pairs (n0,n4), (n1,n5), (n2,n6), (n3,n7)
+    uint32_t a[2][4];  // [row]: pairs (n0,n2), (n4,n6), (n1,n3), (n5,n7)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const uint32_t wd = word(w.w[i], q);
+      const uint32_t even = ((wd << 4) & 0x80808080u) | ((wd << 2) & 0x1C1C1C1Cu);
+      const uint32_t odd = (wd & 0x80808080u) | ((wd >> 2) & 0x1C1C1C1Cu);
       const uint32_t s = sc[i][q >> 1];
-      a[i][0] = mul_f16x2(e2m1_pair_f16x2<0>(wd), s);
-      a[i][1] = mul_f16x2(e2m1_pair_f16x2<1>(wd), s);
-      a[i][2] = mul_f16x2(e2m1_pair_f16x2<2>(wd), s);
-      a[i][3] = mul_f16x2(e2m1_pair_f16x2<3>(wd), s);
+      a[i][0] = mul_f16x2(cvt_e4m3x2_to_f16x2(even), s);
+      a[i][1] = mul_f16x2(cvt_e4m3x2_to_f16x2(even >> 16), s);
+      a[i][2] = mul_f16x2(cvt_e4m3x2_to_f16x2(odd), s);
+      a[i][3] = mul_f16x2(cvt_e4m3x2_to_f16x2(odd >> 16), s);
       if constexpr (!kXF16) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) a[i][j] = f16x2_to_bf16x2(a[i][j]);
@@ -403,9 +389,6 @@ __device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token)
   }
   if constexpr (F == DecodeWeightFormat::kNvfp4) {
     alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.w_amax, p.w_constant));
-    // The mma's sums carry 2^-kNvfp4WeightShift (compute_chunk): f32(sum' * f32(alpha * 2^7)) is
-    // f32(sum * alpha), power-of-two scalings being exact (short of FP32 over- and underflow).
-    alpha = formats::mul_rn(alpha, (float)(1 << kNvfp4WeightShift));
   }
   return alpha;
 }
