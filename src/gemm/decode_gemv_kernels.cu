@@ -571,11 +571,9 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvP
 }
 
 // Weight chunks a staged launch keeps in flight per thread (the register ring): NVFP4 holds 10
-// registers per chunk, BF16 32. NVFP4 at 8 = kDecodeStagedChunks: a split of up to 16 tokens has
-// all its weight loads in flight at once (256 bytes per thread, as BF16's 2 chunks; 168 registers,
-// still 3 CTAs per SM).
+// registers per chunk, BF16 32.
 template <DecodeWeightFormat F>
-constexpr int kRingDepth = F == DecodeWeightFormat::kNvfp4 ? 8 : 2;
+constexpr int kRingDepth = F == DecodeWeightFormat::kNvfp4 ? 4 : 2;
 
 // Batches of up to 16 tokens (plan.staged): the loads of the first kRingDepth chunks' weights go
 // out first, then x of the whole split is staged in shared memory (dynamic, chunks_per_split
