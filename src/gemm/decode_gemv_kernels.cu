@@ -29,9 +29,10 @@
 // its splits were capped at a cluster): ncu shows them latency-bound (0.5 waves, ~73% of cycles
 // without an eligible warp; each CTA waits for one load round trip, then the split-K partials'
 // round trip), and their times move 10-20% with the register allocation. NVFP4 at batch 1
-// streams at only ~1.5 TB/s marginal, cause not yet profiled (the decode costs ~2.5 instructions
-// per value: 4 shifts/logic ops and 1 cvt per 4 values, 1 FP16 multiply per 2; by count that is
-// well under the issue limit). Knobs: kDecodeWarps, kDecodeChunk, the ring depth,
+// streams at only ~1.5 TB/s marginal (lm_head 30% of copy bandwidth). The cause is not yet
+// identified. Two candidates are ruled out by measurement (bench/notes-decode.md, session 9):
+// building the FP16 pairs without cvt changed nothing, and a ring depth of 8 gained only 4-6% on
+// the large layers. Knobs: kDecodeWarps, kDecodeChunk, the ring depth,
 // plan_decode_gemv's CTAs per SM and minimum chunks per split, and the L2::256B prefetch.
 //
 // Shared memory: x of one chunk, [8 * NT tokens][16 pieces of 16 bytes], double-buffered (staged
