@@ -6,6 +6,8 @@
 // field; gradient accumulation equals one big batch; metrics.jsonl lines are well-formed.
 #include "train/trainer.h"
 
+#include "train/compare.h"
+
 #include "io/token_shards.h"
 #include "rl/synthetic_corpus.h"
 
@@ -278,6 +280,22 @@ TEST(Trainer, StopFlagSavesAndResumeFinishesBitExact) {
   EXPECT_FALSE(s.interrupted);
   EXPECT_EQ(bytes_of(r.model().params().flat()), bytes_of(straight.model().params().flat()));
   fs::remove_all(dir);
+}
+
+// compare_recipes resolves every recipe before the first run: an unknown one fails at once,
+// naming it, and no run (no output directory) was started.
+TEST(Trainer, CompareRefusesAnUnknownRecipeBeforeAnyRun) {
+  TrainConfig c = small_config();
+  const std::string root = temp_dir("compare_unknown");
+  try {
+    compare_recipes(c, {"bf16", "no-such-recipe"}, root, nullptr);
+    FAIL() << "an unknown recipe was accepted";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("no-such-recipe"), std::string::npos) << what;
+    EXPECT_NE(what.find("no run was started"), std::string::npos) << what;
+  }
+  EXPECT_FALSE(fs::exists(fs::path(root) / "bf16"));
 }
 
 }  // namespace

@@ -2,6 +2,9 @@
 #include "train/compare.h"
 
 #include "core/check.h"
+#include "core/error.h"
+
+#include <fmt/format.h>
 
 #include <cmath>
 #include <filesystem>
@@ -24,6 +27,18 @@ std::vector<RecipeRun> compare_recipes(const TrainConfig& base, const std::vecto
     for (const std::string& seen : labels)
       FOURBIT_CHECK(seen != l, "compare: recipe '{}' appears twice (label '{}')", r, l);
     labels.push_back(l);
+  }
+  // Every recipe resolves (preset name or readable file, with the --set patches) before the first
+  // run starts: a typo in the last recipe must not cost the runs before it.
+  for (const std::string& r : recipes) {
+    TrainConfig c = base;
+    c.recipe = r;
+    try {
+      (void)c.recipe_resolved();
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("compare: recipe '{}' of --recipes does not resolve, so no run was started: {}", r,
+                              e.what()));
+    }
   }
   std::vector<RecipeRun> runs;
   for (size_t i = 0; i < recipes.size(); ++i) {
