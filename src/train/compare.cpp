@@ -21,16 +21,15 @@ std::string recipe_label(const std::string& recipe) {
 std::vector<RecipeRun> compare_recipes(const TrainConfig& base, const std::vector<std::string>& recipes,
                                        const std::string& out_root, std::FILE* progress) {
   FOURBIT_CHECK(!recipes.empty(), "compare: give at least one recipe (--recipes bf16,e2e4)");
+  // Every recipe is checked (a distinct label; a preset name or readable file that resolves with
+  // the --set patches) before the first run starts: a typo in the last one must not cost the runs
+  // before it.
   std::vector<std::string> labels;
   for (const std::string& r : recipes) {
     const std::string l = recipe_label(r);
     for (const std::string& seen : labels)
       FOURBIT_CHECK(seen != l, "compare: recipe '{}' appears twice (label '{}')", r, l);
     labels.push_back(l);
-  }
-  // Every recipe resolves (preset name or readable file, with the --set patches) before the first
-  // run starts: a typo in the last recipe must not cost the runs before it.
-  for (const std::string& r : recipes) {
     TrainConfig c = base;
     c.recipe = r;
     try {
