@@ -74,6 +74,9 @@ Command add_bench_command(CLI::App& app) {
   dc->add_option("--recipes", decode_opts->recipe_filter, "only the recipes whose name contains this text (bf16, e2e4, nvfp4-weights)");
   dc->add_flag("!--no-steps", decode_opts->steps, "skip the model decode steps");
   dc->add_flag("!--no-gemv", decode_opts->gemv, "skip the GEMV-alone table");
+  dc->add_option("--layers", decode_opts->layer_filter,
+                 "GEMV table: only the layers whose name contains this text (qkv, attn_out, mlp_up, mlp_down, "
+                 "lm_head); with --no-steps it isolates one layer's launches for a profiler");
   dc->add_option("--csv", decode_opts->csv_path, "also write the table as CSV to this file");
   return {bench, [q, g, at, mo, md, dc, quant_opts, gemm_opts, attn_opts, moe_opts, model_opts, decode_opts] {
             if (q->parsed()) {

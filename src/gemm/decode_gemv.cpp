@@ -209,13 +209,30 @@ bool decode_cap_cluster() {
   }();
   return cap;
 }
+
+// FOURBIT_DECODE_PER_SM=n and FOURBIT_DECODE_STAGED_CHUNKS=n (positive integers; unset or 0: the
+// plan's own choice) override plan_decode_gemv's CTAs-per-SM target and most chunks per staged
+// split, for A/B runs of other work splits. Read once.
+int decode_env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  FOURBIT_CHECK(*end == '\0' && n >= 0 && n <= 1024, "{}='{}': expected an integer in [0, 1024] (0: the plan's own)",
+                name, v);
+  return (int)n;
+}
+kernels::DecodeGemvPlan decode_plan(int B, int64_t N, int64_t K, bool cap_cluster) {
+  static const int per_sm = decode_env_int("FOURBIT_DECODE_PER_SM");
+  static const int staged_chunks = decode_env_int("FOURBIT_DECODE_STAGED_CHUNKS");
+  return kernels::plan_decode_gemv(B, N, K, current_device_sm_count(), decode_stage_large_batches(), cap_cluster,
+                                   per_sm, staged_chunks);
+}
 }  // namespace
 
 // The workspace of the uncapped plan: a superset of the capped one's (a cluster needs no partials).
 void DecodeWorkspace::reserve_for(int B, int64_t N, int64_t K) {
-  const kernels::DecodeGemvPlan plan =
-      kernels::plan_decode_gemv(B, N, K, current_device_sm_count(), decode_stage_large_batches(),
-                                /*cap_cluster=*/false);
+  const kernels::DecodeGemvPlan plan = decode_plan(B, N, K, /*cap_cluster=*/false);
   reserve(plan.partial_floats, plan.row_blocks);
 }
 
@@ -256,9 +273,7 @@ void decode_gemv(const DecodeGemvArgs& a) {
                   r.describe());
   }
   FOURBIT_CHECK(a.workspace != nullptr, "{}: a DecodeWorkspace is required", where);
-  const kernels::DecodeGemvPlan plan =
-      kernels::plan_decode_gemv((int)B, N, K, current_device_sm_count(), decode_stage_large_batches(),
-                                decode_cap_cluster());
+  const kernels::DecodeGemvPlan plan = decode_plan((int)B, N, K, decode_cap_cluster());
   a.workspace->reserve(plan.partial_floats, plan.row_blocks);
 
   kernels::DecodeGemvParams p;

@@ -69,8 +69,11 @@ struct DecodeGemvPlan {
 // target split count passes kDecodeClusterMax takes kDecodeClusterMax longer splits instead,
 // summed in a cluster rather than through the workspace (of the 1.1B Llama's GEMVs at batch 1-16,
 // only the 2048 x 5632 one is concerned).
+// per_sm and staged_chunks, when positive, replace the CTAs-per-SM target and the most chunks per
+// staged split (A/B runs only: FOURBIT_DECODE_PER_SM, FOURBIT_DECODE_STAGED_CHUNKS in decode_gemv.cpp;
+// staged_chunks is clamped so that x stays within 32 KB of shared memory).
 inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count, bool stage_large,
-                                       bool cap_cluster) {
+                                       bool cap_cluster, int per_sm_override = 0, int staged_chunks_override = 0) {
   DecodeGemvPlan p;
   p.row_blocks = (int)((N + kDecodeRowsPerCta - 1) / kDecodeRowsPerCta);
   p.chunks = (int)std::max<int64_t>(1, (K + kDecodeChunk - 1) / kDecodeChunk);
@@ -78,13 +81,16 @@ inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count
   p.n_tiles = tiles <= 1 ? 1 : tiles <= 2 ? 2 : tiles <= 4 ? 4 : 8;
   // Aim for a few CTAs per SM (memory-level parallelism); larger batches need fewer splits (their
   // partials cost more and each CTA does more math per weight byte).
-  const int per_sm = p.n_tiles == 1 ? 6 : p.n_tiles == 2 ? 4 : 2;
+  const int per_sm = per_sm_override > 0 ? per_sm_override : p.n_tiles == 1 ? 6 : p.n_tiles == 2 ? 4 : 2;
   const int64_t target = (int64_t)std::max(1, sm_count) * per_sm;
   // At least two chunks per split: a CTA's fixed costs (prologue, partials, arrival) stay small.
   const int max_splits = std::max(1, p.chunks / 2);
   int splits = (int)std::min<int64_t>(max_splits, std::max<int64_t>(1, (target + p.row_blocks - 1) / p.row_blocks));
   // Chunks of x one staged CTA holds: 8 up to 16 tokens (16 KB), 32 KB of x above.
-  const int staged_max = p.n_tiles <= 2 ? kDecodeStagedChunks : kDecodeStagedChunks * 2 / p.n_tiles;
+  const int staged_default = p.n_tiles <= 2 ? kDecodeStagedChunks : kDecodeStagedChunks * 2 / p.n_tiles;
+  const int staged_max = staged_chunks_override > 0
+                             ? std::min(staged_chunks_override, 32 * 1024 / (p.n_tiles * kDecodeXTileBytes))
+                             : staged_default;
   const int staged_splits = (p.chunks + staged_max - 1) / staged_max;  // the fewest a staged launch takes
   p.staged = p.n_tiles <= 2 ||
              (stage_large && staged_splits <= kDecodeClusterMax &&

@@ -289,6 +289,7 @@ void bench_gemv(const DecodeBenchOptions& o, const ModelConfig& config, double c
   const int reps = std::max(5, std::min(o.reps, 25));
   print_gemv_header();
   for (const LayerShape& s : layer_shapes(config)) {
+    if (!o.layer_filter.empty() && std::string_view(s.name).find(o.layer_filter) == std::string_view::npos) continue;
     const bool f32_out = s.kind == recipe::LinearKind::kLmHead;
     // BF16 copies (also the cuBLASLt operands) and NVFP4 copies, from different random sources.
     const double bf16_bytes = 2.0 * (double)s.n * (double)s.k, nv_bytes = nvfp4_bytes(s.n, s.k) + 4;

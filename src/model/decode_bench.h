@@ -39,6 +39,7 @@ struct DecodeBenchOptions {
   std::string recipe_filter;  // only the recipes whose name contains this text (bf16, e2e4, nvfp4-weights)
   bool steps = true;          // the model decode steps
   bool gemv = true;           // the GEMV alone at each layer shape
+  std::string layer_filter;   // GEMV table: only the layers whose name contains this text (qkv, lm_head, ...)
   std::string csv_path;       // optional: also write the rows as CSV
 };
 
