@@ -512,5 +512,55 @@ TEST_F(GemmCuda, LinearLayerMatchesCpu) {
   }
 }
 
+// The Wgrad's X kept quantized (linear_fprop_saving_x): on the GPU too, Y and dW equal the
+// unsaved path's bit for bit, and the kept column-wise copy equals the CPU reference quantization
+// of stream 5 bit for bit (one pass or two: the presets share one, the row-amax variant does not).
+TEST_F(GemmCuda, LinearSavedQuantizedXMatchesTheUnsavedPath) {
+  const int64_t m = 128, n = 256, k = 384;
+  const Tensor x = random_matrix(m, k, 60, DType::kBF16), w = random_matrix(n, k, 61, DType::kBF16),
+               dy = random_matrix(m, n, 62, DType::kBF16);
+  const Tensor x_dev = x.to(Device::kCuda), w_dev = w.to(Device::kCuda), dy_dev = dy.to(Device::kCuda);
+  LinearRecipe nvfp4_row_amax = LinearRecipe::nvfp4();
+  nvfp4_row_amax.fprop_x.quant->nvfp4_row_amax = true;
+  LinearRecipe nvfp4_46 = LinearRecipe::nvfp4();
+  nvfp4_46.fprop_x.quant->nvfp4_scale_rule = quant::Nvfp4ScaleRule::kFourOverSix;
+  nvfp4_46.wgrad_x.quant->nvfp4_scale_rule = quant::Nvfp4ScaleRule::kFourOverSix;
+  struct R { const char* name; LinearRecipe r; bool one_pass; };
+  for (const R& rc : {R{"nvfp4", LinearRecipe::nvfp4(), true}, R{"fp8-block", LinearRecipe::fp8_block(), true},
+                      R{"mxfp8", LinearRecipe::mxfp8(), true}, R{"nvfp4 row amax", nvfp4_row_amax, false},
+                      R{"nvfp4 4/6", nvfp4_46, true}}) {
+    SCOPED_TRACE(rc.name);
+    EXPECT_EQ(fprop_and_wgrad_x_share_a_pass(rc.r), rc.one_pass);
+    LinearOptions o;
+    o.sr = {5, 6};
+    auto host = [](const Tensor& t) { return to_doubles(t.to(Device::kCpu)); };
+    Tensor y = Tensor::empty({m, n}, DType::kF32, Device::kCuda), y_saving = Tensor::empty({m, n}, DType::kF32, Device::kCuda);
+    linear_fprop(rc.r, x_dev.view(), w_dev.view(), y.view(), o);
+    quant::QuantizedTensor saved;
+    linear_fprop_saving_x(rc.r, x_dev.view(), w_dev.view(), y_saving.view(), saved, o);
+    device_synchronize();
+    EXPECT_EQ(host(y_saving), host(y)) << "Y";
+    ASSERT_TRUE(saved.colwise.has_value());
+    ASSERT_FALSE(saved.rowwise.has_value());
+    const quant::QuantizedTensor want =
+        quant::quantize_reference(x.view(), *rc.r.wgrad_x.quant, {false, true}, {"x", operand_stream(o, 5)});
+    auto bytes = [](const Tensor& t) {
+      const Tensor h = t.to(Device::kCpu);
+      const uint8_t* p = static_cast<const uint8_t*>(h.data());
+      return std::vector<uint8_t>(p, p + h.nbytes());
+    };
+    EXPECT_EQ(bytes(saved.colwise->data), bytes(want.colwise->data)) << "column-wise data";
+    EXPECT_EQ(bytes(saved.colwise->scales), bytes(want.colwise->scales)) << "column-wise scales";
+    if (want.colwise->amax.defined()) {
+      EXPECT_EQ(bytes(saved.colwise->amax), bytes(want.colwise->amax)) << "column-wise amax";
+    }
+    Tensor dw = Tensor::zeros({n, k}, DType::kF32, Device::kCuda), dw_saved = Tensor::zeros({n, k}, DType::kF32, Device::kCuda);
+    linear_wgrad(rc.r, dy_dev.view(), x_dev.view(), dw.view(), 0.0f, o);
+    linear_wgrad_from_saved_x(rc.r, dy_dev.view(), saved, dw_saved.view(), 0.0f, o);
+    device_synchronize();
+    EXPECT_EQ(host(dw_saved), host(dw)) << "dW";
+  }
+}
+
 }  // namespace
 }  // namespace fourbit::gemm

@@ -10,6 +10,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <string>
+#include <vector>
 
 namespace fourbit::gemm {
 namespace {
@@ -83,6 +85,79 @@ TEST(GemmLinear, EachGemmQuantizesItsOperandsInTheRightOrientation) {
     linear_wgrad(r, dy.view(), x.view(), dw2.view(), 1.0f, o);
     for (int64_t i = 0; i < n * k; ++i) ASSERT_EQ(dw2.ptr<float>()[i], 2.0f * dw.ptr<float>()[i]) << i;
   }
+}
+
+// Bytes of every tensor of one orientation, for bitwise comparison of quantized copies.
+std::vector<uint8_t> orientation_bytes(const quant::QuantizedData& d) {
+  std::vector<uint8_t> out;
+  for (const Tensor* t : {&d.data, &d.scales, &d.amax}) {
+    if (!t->defined()) continue;
+    const uint8_t* p = static_cast<const uint8_t*>(t->data());
+    out.insert(out.end(), p, p + t->nbytes());
+  }
+  return out;
+}
+
+// linear_fprop_saving_x + linear_wgrad_from_saved_x are linear_fprop + linear_wgrad bit for bit,
+// the kept copy is exactly the column-wise operand of stream 5, one pass is used exactly when the
+// two X configs allow it, and a copy saved under another recipe is refused.
+TEST(GemmLinear, SavedQuantizedXGivesTheSameGemms) {
+  const int64_t m = 64, n = 48, k = 80;
+  const Tensor x = random_matrix(m, k, 11), w = random_matrix(n, k, 12), dy = random_matrix(m, n, 13);
+  LinearOptions o;
+  o.backend = Backend::kCpuReference;
+  o.sr = {78, 2000};
+  std::vector<NamedRecipe> cases;
+  for (const NamedRecipe& nr : recipes())
+    if (wgrad_reads_quantized_x(nr.recipe)) cases.push_back(nr);
+  LinearRecipe sr_x = LinearRecipe::nvfp4();  // X rounded stochastically: two passes
+  sr_x.fprop_x.quant->rounding = quant::Rounding::kStochastic;
+  sr_x.wgrad_x.quant->rounding = quant::Rounding::kStochastic;
+  cases.push_back({"nvfp4 sr x", sr_x});
+  LinearRecipe row_amax = LinearRecipe::nvfp4();  // per-token amax on the Fprop copy: two passes
+  row_amax.fprop_x.quant->nvfp4_row_amax = true;
+  cases.push_back({"nvfp4 row amax", row_amax});
+  LinearRecipe four_six = LinearRecipe::nvfp4();  // 4/6 on both copies: one pass
+  four_six.fprop_x.quant->nvfp4_scale_rule = quant::Nvfp4ScaleRule::kFourOverSix;
+  four_six.wgrad_x.quant->nvfp4_scale_rule = quant::Nvfp4ScaleRule::kFourOverSix;
+  cases.push_back({"nvfp4 4/6", four_six});
+  ASSERT_EQ(cases.size(), 6u);
+  const std::vector<bool> one_pass = {true, true, true, false, false, true};
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    SCOPED_TRACE(cases[ci].name);
+    const LinearRecipe& r = cases[ci].recipe;
+    EXPECT_EQ(fprop_and_wgrad_x_share_a_pass(r), one_pass[ci]);
+    Tensor y = Tensor::empty({m, n}, DType::kF32, Device::kCpu), y_saving = y.to(Device::kCpu);
+    Tensor dw = Tensor::zeros({n, k}, DType::kF32, Device::kCpu), dw_saved = dw.to(Device::kCpu);
+    linear_fprop(r, x.view(), w.view(), y.view(), o);
+    quant::QuantizedTensor saved;
+    linear_fprop_saving_x(r, x.view(), w.view(), y_saving.view(), saved, o);
+    expect_equal(y_saving, y, "Y");
+    ASSERT_FALSE(saved.rowwise.has_value());
+    ASSERT_TRUE(saved.colwise.has_value());
+    const quant::QuantizedTensor want = quant::quantize_reference(
+        x.view(), *r.wgrad_x.quant, {false, true}, {"x", operand_stream(o, 5)});
+    EXPECT_EQ(orientation_bytes(*saved.colwise), orientation_bytes(*want.colwise));
+    EXPECT_EQ(quantized_bytes(saved), (int64_t)orientation_bytes(*want.colwise).size());
+    linear_wgrad(r, dy.view(), x.view(), dw.view(), 0.0f, o);
+    linear_wgrad_from_saved_x(r, dy.view(), saved, dw_saved.view(), 0.0f, o);
+    expect_equal(dw_saved, dw, "dW");
+  }
+  // NVFP4 [64, 80] kept column-wise: 80 x 64 nibbles + 80 x 4 E4M3 scales + one f32 amax.
+  quant::QuantizedTensor saved;
+  Tensor y = Tensor::empty({m, n}, DType::kF32, Device::kCpu);
+  linear_fprop_saving_x(LinearRecipe::nvfp4(), x.view(), w.view(), y.view(), saved, o);
+  EXPECT_EQ(quantized_bytes(saved), 80 * 64 / 2 + 80 * 4 + 4);
+  // A copy saved under NVFP4 is not an MXFP8 Wgrad's operand; a plain recipe keeps X itself.
+  Tensor dw = Tensor::zeros({n, k}, DType::kF32, Device::kCpu);
+  try {
+    linear_wgrad_from_saved_x(LinearRecipe::mxfp8(), dy.view(), saved, dw.view(), 0.0f, o);
+    ADD_FAILURE() << "an NVFP4 copy fed an MXFP8 Wgrad";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("linear_fprop_saving_x"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(wgrad_reads_quantized_x(LinearRecipe::plain()));
+  EXPECT_THROW(linear_fprop_saving_x(LinearRecipe::plain(), x.view(), w.view(), y.view(), saved, o), Error);
 }
 
 struct ErrorStats {

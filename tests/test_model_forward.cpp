@@ -236,6 +236,93 @@ TEST(ModelRecipes, EveryPresetRunsOnTheCpu) {
   }
 }
 
+// Keeping the Wgrads' X as their quantized column-wise copies (the default) changes no bit of the
+// losses or gradients against keeping X (ModelOptions::keep_wgrad_inputs), in pretraining and in
+// RL training, for every preset; it shrinks the arena exactly by the per-block ln1 / ln2 / act that
+// become per-pass scratch, and a GEMM observer makes the model keep X again.
+TEST(ModelRecipes, QuantizedWgradInputsKeepTheGradientsBitForBit) {
+  ModelConfig dense = small_dense();
+  dense.d_model = 32;
+  dense.d_ff = 64;
+  ModelConfig moe = small_moe();
+  moe.d_model = 32;
+  moe.d_ff = 64;
+  moe.moe.expert_d_ff = 32;
+  const int B = 2, T = 16;
+  for (const ModelConfig& c : {dense, moe}) {
+    SCOPED_TRACE(c.name);
+    const testing::Batch batch = make_batch(B, T, c.vocab, 62);
+    for (std::string_view name : recipe::preset_names()) {
+      SCOPED_TRACE(std::string(name));
+      recipe::Recipe r = recipe::preset(name);
+      r.high_precision.last_blocks = 0;  // quantize every block of this 2-block model
+      const recipe::ResolvedRecipe rr = recipe::resolve(r, c.recipe_shape());
+      ModelOptions o = cpu_options(DType::kF32, 72, B, T);
+      o.keep_wgrad_inputs = true;
+      Model keep(c, rr, o);
+      o.keep_wgrad_inputs = false;
+      Model saving(c, rr, o);
+      for (TrainingStage stage : {TrainingStage::kPretrain, TrainingStage::kRlTrainer}) {
+        SCOPED_TRACE(stage == TrainingStage::kPretrain ? "pretrain" : "rl_trainer");
+        ForwardOptions fo;
+        fo.stage = stage;
+        fo.step = 5;
+        keep.zero_grads();
+        saving.zero_grads();
+        const LossInfo lk = keep.forward(batch.tokens, batch.targets, fo);
+        const LossInfo ls = saving.forward(batch.tokens, batch.targets, fo);
+        EXPECT_EQ(lk.loss, ls.loss);
+        EXPECT_EQ(keep.saved_wgrad_input_bytes(), 0);
+        const std::vector<std::string> names = saving.activation_names();
+        const bool any_saved = saving.saved_wgrad_input_bytes() > 0;
+        EXPECT_EQ(any_saved, std::find(names.begin(), names.end(), "blocks.0.attn_norm") == names.end());
+        if (name != "bf16" && stage == TrainingStage::kPretrain) {
+          EXPECT_TRUE(any_saved) << "a quantized recipe kept its Wgrad inputs in full precision";
+        }
+        keep.backward();
+        saving.backward();
+        EXPECT_EQ(saving.saved_wgrad_input_bytes(), 0) << "the backward released every saved copy";
+        ASSERT_EQ(values(saving.grads().flat()), values(keep.grads().flat()));
+      }
+      if (name == "bf16") {
+        EXPECT_EQ(saving.activation_bytes(), keep.activation_bytes());
+      } else {
+        // Per block: ln1 (every block), ln2 and act (dense blocks) leave the arena; one scratch
+        // of each remains. The arena rounds every buffer to its alignment.
+        auto aligned = [](int64_t bytes) { return (bytes + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment; };
+        const int64_t N = (int64_t)B * T, C = c.d_model, F = c.d_ff, f32 = 4;
+        int64_t dense_blocks = 0;
+        for (int l = 0; l < c.n_layers; ++l) dense_blocks += c.is_moe_block(l) ? 0 : 1;
+        int64_t freed = (c.n_layers - 1) * aligned(N * C * f32);
+        if (dense_blocks > 0) freed += (dense_blocks - 1) * (aligned(N * C * f32) + aligned(N * F * f32));
+        EXPECT_EQ(keep.activation_bytes() - saving.activation_bytes(), freed);
+      }
+    }
+  }
+  // An evaluation forward keeps nothing for a backward, and a backward after it is refused.
+  Model m(dense, resolved(dense, "nvfp4"), cpu_options(DType::kF32, 73, B, T));
+  const testing::Batch batch = make_batch(B, T, dense.vocab, 63);
+  ForwardOptions eval;
+  eval.for_backward = false;
+  const double eval_loss = m.forward(batch.tokens, batch.targets, eval).loss;
+  EXPECT_EQ(m.saved_wgrad_input_bytes(), 0);
+  try {
+    m.backward();
+    ADD_FAILURE() << "a backward ran after an evaluation forward";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("for_backward"), std::string::npos) << e.what();
+  }
+  // An attached observer (an audit) sees X: the next forward keeps every X.
+  EXPECT_EQ(m.forward(batch.tokens, batch.targets).loss, eval_loss);
+  EXPECT_GT(m.saved_wgrad_input_bytes(), 0);
+  int observed = 0;
+  m.set_gemm_observer([&](const GemmObservation&) { ++observed; });
+  m.forward(batch.tokens, batch.targets);
+  m.backward();
+  EXPECT_EQ(m.saved_wgrad_input_bytes(), 0);
+  EXPECT_EQ(observed, 3 * (dense.n_layers * 4 + 1));  // fprop, dgrad, wgrad of 4 layers a block + lm_head
+}
+
 // The CPU model that mirrors the CUDA model's bf16 roundings: activations are bf16 values, and the
 // result stays close to the f32 model.
 TEST(ModelForward, Bf16RoundingMode) {

@@ -305,6 +305,7 @@ Recomputed recompute(model::Model& trainer, const std::vector<std::vector<int32_
   }
   model::ForwardOptions fo;
   fo.stage = model::TrainingStage::kRlTrainer;
+  fo.for_backward = false;  // log-probabilities only
   if (replay && rr > 0)
     fo.forced_expert_ids = TensorView::contiguous(routes.data(), DType::kI32, Shape{(int64_t)B * T, c.n_moe_layers(), c.moe.top_k}, Device::kCpu);
   trainer.forward(TensorView::contiguous(tokens.data(), DType::kI32, Shape{B, T}, Device::kCpu),
@@ -439,6 +440,7 @@ TEST(RlSampler, PrefillOfWholeSequencesMatchesTheTrainingForward) {
       const model::testing::Batch batch = model::testing::make_batch(B, T, c.vocab, 5, 0);
       model::ForwardOptions fo;
       fo.stage = model::TrainingStage::kRlTrainer;
+      fo.for_backward = false;  // logits only
       m.forward(batch.tokens, batch.targets, fo);
       const std::vector<double> train_logits = model::testing::values(m.logits());
       const int64_t rr = c.is_moe() ? (int64_t)c.n_moe_layers() * c.moe.top_k : 0;

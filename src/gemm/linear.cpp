@@ -4,6 +4,7 @@
 #include "core/check.h"
 
 #include <memory>
+#include <utility>
 
 namespace fourbit::gemm {
 
@@ -138,6 +139,134 @@ void linear_wgrad(const LinearRecipe& recipe, const TensorView& dy, const Tensor
   const std::string name = fmt::format("{} wgrad", o.name);
   const PreparedOperand a = prepare_operand(recipe.wgrad_dy, dy, Copy::kColwise, operand_stream(o, 4), "dy", o);
   const PreparedOperand b = prepare_operand(recipe.wgrad_x, x, Copy::kColwise, operand_stream(o, 5), "x", o);
+  run(a, b, dw, beta, o, name);
+}
+
+// ---- the Wgrad's X kept quantized ---------------------------------------------------------------
+
+bool wgrad_reads_quantized_x(const LinearRecipe& r) { return r.wgrad_x.quant.has_value(); }
+
+bool fprop_and_wgrad_x_share_a_pass(const LinearRecipe& r) {
+  if (!r.fprop_x.quant || !r.wgrad_x.quant) return false;
+  const quant::QuantConfig& f = *r.fprop_x.quant;
+  const quant::QuantConfig& w = *r.wgrad_x.quant;
+  if (f.rounding != quant::Rounding::kNearest || w.rounding != quant::Rounding::kNearest) return false;
+  if (f.nvfp4_row_amax || w.nvfp4_row_amax) return false;  // a per-row amax is row-wise only
+  quant::QuantConfig f_with_w_rht = f;  // the RHT fields act on the column-wise copy only
+  f_with_w_rht.rht = w.rht;
+  f_with_w_rht.rht_signs = w.rht_signs;
+  f_with_w_rht.rht_seed = w.rht_seed;
+  return f_with_w_rht == w;
+}
+
+int64_t quantized_bytes(const quant::QuantizedTensor& q) {
+  int64_t bytes = 0;
+  for (const std::optional<quant::QuantizedData>* d : {&q.rowwise, &q.colwise}) {
+    if (!d->has_value()) continue;
+    for (const Tensor* t : {&(*d)->data, &(*d)->scales, &(*d)->amax})
+      if (t->defined()) bytes += t->nbytes();
+  }
+  return bytes;
+}
+
+namespace {
+
+// X's column-wise copy alone, packed, as prepare_operand(wgrad_x, x, kColwise, stream 5) makes it.
+quant::QuantizedTensor quantize_colwise_packed(const quant::QuantConfig& cfg, const TensorView& x,
+                                               RandomStream sr, const LinearOptions& o) {
+  const quant::Orientations col_only{false, true};
+  if (x.device == Device::kCpu) return quant::quantize_reference(x, cfg, col_only, {"x", sr});
+#if defined(FOURBIT_WITH_CUDA)
+  quant::QuantizedTensor q = quant::allocate_quantized(cfg, x.rows(), x.cols(), col_only, Device::kCuda);
+  quant::CudaQuantizeOptions qo;
+  qo.tensor_name = "x";
+  qo.sr = sr;
+  qo.nonfinite_flag = o.error_flag;
+  qo.stream = o.stream;
+  quant::quantize_cuda(x, q, qo);
+  return q;
+#else
+  FOURBIT_CHECK(false, "linear '{}': operand 'x' is on cuda but this build has no CUDA", o.name);
+  return {};
+#endif
+}
+
+}  // namespace
+
+void linear_fprop_saving_x(const LinearRecipe& recipe, const TensorView& x, const TensorView& w,
+                           const TensorView& y, quant::QuantizedTensor& saved_x, const LinearOptions& o) {
+  FOURBIT_CHECK(wgrad_reads_quantized_x(recipe),
+                "linear '{}': linear_fprop_saving_x needs a recipe whose wgrad_x is quantized ({})",
+                o.name, recipe.describe());
+  const std::string name = fmt::format("{} fprop", o.name);
+  const PreparedOperand b = prepare_operand(recipe.fprop_w, w, Copy::kRowwise, operand_stream(o, 1), "w", o);
+  if (!fprop_and_wgrad_x_share_a_pass(recipe)) {
+    const PreparedOperand a = prepare_operand(recipe.fprop_x, x, Copy::kRowwise, operand_stream(o, 0), "x", o);
+    saved_x = quantize_colwise_packed(*recipe.wgrad_x.quant, x, operand_stream(o, 5), o);
+    run(a, b, y, 0.0f, o, name);
+    return;
+  }
+  // One pass: the row-wise copy for this GEMM (as prepare_operand makes it), the column-wise copy
+  // kept. Both round to nearest, so neither draws from its stream.
+  const quant::QuantConfig& cfg = *recipe.wgrad_x.quant;
+  const quant::Orientations both{true, true};
+  quant::QuantizedTensor q;
+  PreparedOperand a;
+  if (x.device == Device::kCpu) {
+    q = quant::quantize_reference(x, cfg, both, {"x", operand_stream(o, 0)});
+    a.operand = Operand::quant(q, Copy::kRowwise, "x");
+    run(a, b, y, 0.0f, o, name);
+  } else {
+#if defined(FOURBIT_WITH_CUDA)
+    q = quant::allocate_quantized(cfg, x.rows(), x.cols(), both, Device::kCuda);
+    quant::CudaQuantizeOptions qo;
+    qo.tensor_name = "x";
+    qo.sr = operand_stream(o, 0);
+    qo.nonfinite_flag = o.error_flag;
+    qo.stream = o.stream;
+    TensorView bf16_row;
+    const bool emulated = cfg.format == quant::Format::kNvfp4 || cfg.format == quant::Format::kMxfp8;
+    if (emulated) {
+      // The emulated GEMM reads the row-wise copy's scaled-domain BF16 values: its packed data and
+      // scales are not written (undefined tensors); the column-wise copy is written packed.
+      a.scaled_bf16 = Tensor::empty({x.rows(), x.cols()}, DType::kBF16, Device::kCuda);
+      bf16_row = a.scaled_bf16.view();
+      q.rowwise->data = Tensor();
+      q.rowwise->scales = Tensor();
+      qo.write_bf16_scaled = true;
+    }
+    quant::quantize_cuda(x, q, qo, emulated ? &bf16_row : nullptr, nullptr);
+    a.operand = Operand::quant(q, Copy::kRowwise, "x", bf16_row);
+    run(a, b, y, 0.0f, o, name);
+#else
+    FOURBIT_CHECK(false, "linear '{}': operand 'x' is on cuda but this build has no CUDA", o.name);
+#endif
+  }
+  // Keep the column-wise copy only (the row-wise one dies with this call).
+  saved_x = quant::QuantizedTensor{};
+  saved_x.config = q.config;
+  saved_x.rows = q.rows;
+  saved_x.cols = q.cols;
+  saved_x.device = q.device;
+  saved_x.colwise = std::move(q.colwise);
+}
+
+void linear_wgrad_from_saved_x(const LinearRecipe& recipe, const TensorView& dy,
+                               const quant::QuantizedTensor& saved_x, const TensorView& dw, float beta,
+                               const LinearOptions& o) {
+  FOURBIT_CHECK(recipe.wgrad_x.quant.has_value() && saved_x.colwise.has_value() &&
+                    saved_x.config == *recipe.wgrad_x.quant,
+                "linear '{}': the saved X ({}) is not the column-wise copy that this recipe's Wgrad "
+                "reads ({}); save it with linear_fprop_saving_x under the same recipe",
+                o.name, saved_x.colwise ? saved_x.config.describe() : std::string("no column-wise copy"),
+                recipe.wgrad_x.quant ? recipe.wgrad_x.quant->describe() : std::string("plain x"));
+  FOURBIT_CHECK(saved_x.rows == dy.rows(),
+                "linear '{}': the saved X has {} rows (tokens) but dy {} has {}", o.name, saved_x.rows,
+                dy.describe(), dy.rows());
+  const std::string name = fmt::format("{} wgrad", o.name);
+  const PreparedOperand a = prepare_operand(recipe.wgrad_dy, dy, Copy::kColwise, operand_stream(o, 4), "dy", o);
+  PreparedOperand b;
+  b.operand = Operand::quant(saved_x, Copy::kColwise, "x");
   run(a, b, dw, beta, o, name);
 }
 

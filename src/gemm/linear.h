@@ -80,4 +80,37 @@ void linear_dgrad(const LinearRecipe& recipe, const TensorView& dy, const Tensor
 void linear_wgrad(const LinearRecipe& recipe, const TensorView& dy, const TensorView& x,
                   const TensorView& dw, float beta, const LinearOptions& options);
 
+// ---- Keeping the Wgrad's X quantized between forward and backward ------------------------------
+// A training forward must keep X [M, K] for the Wgrad dW = dY^T X. When the recipe quantizes
+// wgrad_x, the backward only ever reads X's column-wise quantized copy, so the forward can keep that
+// instead of X (NVFP4: 4.5 bits per value instead of 16; FP8 / MXFP8: 8.25-8.5). The saved copy is
+// bit for bit the operand linear_wgrad would have made from X (same config, same stochastic-
+// rounding stream 5 of the call), so the gradients do not change.
+//
+// One pass over X writes both copies when fprop_x and wgrad_x differ at most in the RHT fields (RHT
+// touches only the column-wise copy) and both round to nearest (with stochastic rounding the two
+// copies draw from different streams of the call); otherwise the column-wise copy takes its own pass.
+
+// True when recipe.wgrad_x is quantized (the saved copy is then what the Wgrad reads).
+bool wgrad_reads_quantized_x(const LinearRecipe& recipe);
+
+// True when linear_fprop_saving_x quantizes X once for both copies.
+bool fprop_and_wgrad_x_share_a_pass(const LinearRecipe& recipe);
+
+// linear_fprop, and X's column-wise copy for the later linear_wgrad_from_saved_x into saved_x
+// (allocated here on x's device: [K, M] stored; packed data, scales and amax). Needs
+// wgrad_reads_quantized_x(recipe). `options.sr` must be the stream the Wgrad call would use (the
+// same call stream: operand 5 is taken from it).
+void linear_fprop_saving_x(const LinearRecipe& recipe, const TensorView& x, const TensorView& w,
+                           const TensorView& y, quant::QuantizedTensor& saved_x,
+                           const LinearOptions& options);
+
+// linear_wgrad with X's column-wise copy saved by linear_fprop_saving_x: dy [M, N] -> dw [N, K].
+void linear_wgrad_from_saved_x(const LinearRecipe& recipe, const TensorView& dy,
+                               const quant::QuantizedTensor& saved_x, const TensorView& dw, float beta,
+                               const LinearOptions& options);
+
+// Bytes held by a quantized bundle (data, scales and amax of every orientation present).
+int64_t quantized_bytes(const quant::QuantizedTensor& q);
+
 }  // namespace fourbit::gemm

@@ -313,8 +313,16 @@ int64_t Model::Impl::max_perm_rows(int64_t n_tokens) const {
          rows_tile_max - 1;
 }
 
+bool Model::Impl::saves_quantized_x(Mode plan_mode, int block, LinearKind kind) const {
+  if (m.options_.keep_wgrad_inputs || m.gemm_observer_) return false;
+  if (kind != LinearKind::kQkv && kind != LinearKind::kMlpUp && kind != LinearKind::kMlpDown) return false;
+  // MoE blocks: ln2 also feeds the router (and its Wgrad); the shared expert keeps its inputs.
+  if (kind != LinearKind::kQkv && cfg.is_moe_block(block)) return false;
+  return gemm::wgrad_reads_quantized_x(recipes[(size_t)plan_mode][(size_t)tensor_id(block, kind)]);
+}
+
 Acts Model::Impl::plan(detail::Carver& c, int B, int T, bool training, int64_t logits_rows,
-                       DType logits_dtype, bool gather_last) const {
+                       DType logits_dtype, bool gather_last, Mode plan_mode) const {
   const DType adt = m.act_dtype_, sdt = m.stat_dtype_, i32 = DType::kI32;
   const int64_t N = (int64_t)B * T, C = cfg.d_model, D = cfg.head_dim();
   const int64_t HD = (int64_t)cfg.n_heads * D, QKV = cfg.qkv_dim();
@@ -335,6 +343,12 @@ Acts Model::Impl::plan(detail::Carver& c, int B, int T, bool training, int64_t l
   const int64_t E = cfg.moe.n_experts, k = cfg.moe.top_k, Fe = cfg.moe.expert_d_ff;
   const int64_t R = cfg.is_moe() ? max_perm_rows(N) : 0;
   int64_t f_max = 0;
+  // Per-pass scratch for the Wgrad inputs kept quantized (carved on first need).
+  std::optional<TensorView> scratch_ln1, scratch_ln2, scratch_act;
+  auto scratch = [&](std::optional<TensorView>& buf, Shape shape, std::string_view name) {
+    if (!buf) buf = c.take(shape, adt, name);
+    return *buf;
+  };
   for (int l = 0; l < n_blocks; ++l) {
     // The KV-cache path reuses one BlockActs for every block: size it for the largest block.
     const bool any_moe = cfg.is_moe();
@@ -344,19 +358,25 @@ Acts Model::Impl::plan(detail::Carver& c, int B, int T, bool training, int64_t l
     const bool shared = cfg.moe.n_shared_experts > 0 && moe;
     a.mid.push_back(c.take({N, C}, adt, "attention residual"));
     BlockActs b;
-    b.ln1 = c.take({N, C}, adt, "attn_norm out");
+    b.save_ln1 = training && saves_quantized_x(plan_mode, l, LinearKind::kQkv);
+    b.save_ln2 = training && dense_mlp && saves_quantized_x(plan_mode, l, LinearKind::kMlpUp);
+    b.save_act = training && dense_mlp && saves_quantized_x(plan_mode, l, LinearKind::kMlpDown);
+    b.ln1 = b.save_ln1 ? scratch(scratch_ln1, {N, C}, "attn_norm out (per-pass scratch)")
+                       : c.take({N, C}, adt, "attn_norm out");
     b.ln1_rstd = c.take({N}, sdt, "attn_norm rstd");
     b.qkv = c.take({N, QKV}, adt, "qkv");
     b.attn = c.take({N, HD}, adt, "attention out");
     if (training) b.lse = c.take({B, cfg.n_heads, T}, sdt, "attention lse");
-    b.ln2 = c.take({N, C}, adt, "mlp_norm out");
+    b.ln2 = b.save_ln2 ? scratch(scratch_ln2, {N, C}, "mlp_norm out (per-pass scratch)")
+                       : c.take({N, C}, adt, "mlp_norm out");
     b.ln2_rstd = c.take({N}, sdt, "mlp_norm rstd");
     int64_t F = 0;
     if (dense_mlp) F = cfg.d_ff;
     if (shared) F = std::max<int64_t>(F, Fe);
     if (F > 0) {
       b.gate_up = c.take({N, 2 * F}, adt, "mlp gate_up");
-      b.act = c.take({N, F}, adt, "mlp act");
+      b.act = b.save_act ? scratch(scratch_act, {N, cfg.d_ff}, "mlp act (per-pass scratch)")
+                         : c.take({N, F}, adt, "mlp act");
     }
     f_max = std::max(f_max, F);
     if (moe) {
@@ -433,13 +453,18 @@ std::string layer_name(int block, LinearKind kind) {
 }  // namespace
 
 void Model::Impl::fprop(Section s, int block, LinearKind kind, const TensorView& x,
-                        const TensorView& wt, const TensorView& y, bool bf16_output) {
+                        const TensorView& wt, const TensorView& y, bool bf16_output,
+                        std::optional<quant::QuantizedTensor>* saved_x) {
   const gemm::LinearRecipe& r = linear_recipe(block, kind);
   if (m.profiler_) m.profiler_->linear_call({s, recipe::Gemm::kFprop, &r, x.shape[0], wt.shape[0], x.shape[1], 1});
   const std::string name = layer_name(block, kind);
   Scope scope(*this, s, Work::kLinear);
   const gemm::LinearOptions o = linear_options(block, kind, name);
-  gemm::linear_fprop(r, x, wt, y, o);
+  if (saved_x != nullptr) {
+    gemm::linear_fprop_saving_x(r, x, wt, y, saved_x->emplace(), o);
+  } else {
+    gemm::linear_fprop(r, x, wt, y, o);
+  }
   if (bf16_output) bf16(y);
   observe(name, recipe::Gemm::kFprop, r, x, wt, y, {}, o.sr);
 }
@@ -457,12 +482,19 @@ void Model::Impl::dgrad(Section s, int block, LinearKind kind, const TensorView&
 }
 
 void Model::Impl::wgrad(Section s, int block, LinearKind kind, const TensorView& dy,
-                        const TensorView& x, const TensorView& dw) {
+                        const TensorView& x, const TensorView& dw,
+                        std::optional<quant::QuantizedTensor>* saved_x) {
   const gemm::LinearRecipe& r = linear_recipe(block, kind);
   if (m.profiler_) m.profiler_->linear_call({s, recipe::Gemm::kWgrad, &r, dy.shape[0], dy.shape[1], x.shape[1], 1});
   const std::string name = layer_name(block, kind);
   Scope scope(*this, s, Work::kLinear);
   const gemm::LinearOptions o = linear_options(block, kind, name);
+  if (saved_x != nullptr && saved_x->has_value()) {
+    // No observation: X itself was not kept (saves_quantized_x is false while observed).
+    gemm::linear_wgrad_from_saved_x(r, dy, **saved_x, dw, 1.0f, o);
+    saved_x->reset();
+    return;
+  }
   gemm::linear_wgrad(r, dy, x, dw, 1.0f, o);
   observe(name, recipe::Gemm::kWgrad, r, dy, x, dw, {}, o.sr);
 }
@@ -500,16 +532,18 @@ void Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& ou
   const detail::BlockParams& p = bp[(size_t)l];
   const int64_t N = a.N, F = cfg.d_ff;
   const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
-  fprop(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, w(p.mlp_up), gu);
+  fprop(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, w(p.mlp_up), gu, true,
+        b.save_ln2 && a.for_backward ? &b.saved_ln2 : nullptr);
   {
     Scope s(*this, Section::kMlp, Work::kOther);
     ops::swiglu_forward(act, gu, stream());
     bf16(act);
   }
-  fprop(Section::kMlp, l, LinearKind::kMlpDown, act, w(p.mlp_down), out);
+  fprop(Section::kMlp, l, LinearKind::kMlpDown, act, w(p.mlp_down), out, true,
+        b.save_act && a.for_backward ? &b.saved_act : nullptr);
   if (a.training) {
     record(fmt::format("blocks.{}.mlp.gate_up", l), gu, true);
-    record(fmt::format("blocks.{}.mlp.act", l), act);
+    if (!b.save_act) record(fmt::format("blocks.{}.mlp.act", l), act);  // scratch otherwise
   }
 }
 
@@ -637,14 +671,14 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale) 
     const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
     const TensorView d_act = prefix(s.d_act, N, F);
     dgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act);
-    wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, act, g(p.mlp_down));
+    wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, act, g(p.mlp_down), &b.saved_act);
     {
       Scope sc(*this, sec, Work::kOther);
       ops::swiglu_backward_inplace(gu, d_act, stream());  // gu now holds d_gate_up
       bf16(gu);
     }
     dgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_ln);
-    wgrad(sec, l, LinearKind::kMlpUp, gu, b.ln2, g(p.mlp_up));
+    wgrad(sec, l, LinearKind::kMlpUp, gu, b.ln2, g(p.mlp_up), &b.saved_ln2);
     return;
   }
   const int64_t E = cfg.moe.n_experts, Fe = cfg.moe.expert_d_ff;
@@ -804,12 +838,18 @@ void Model::check_recipe_shape() const {
                 fmt::join(recipe_.shape().moe_blocks, ", "));
 }
 
-void Model::size_arena() {
-  detail::Carver counter(nullptr, options_.device);
-  impl_->plan(counter, options_.max_batch, max_seq_, true, (int64_t)options_.max_batch * max_seq_,
-              act_dtype_, false);
-  if (!arena_ || arena_->capacity() < counter.bytes())
-    arena_ = std::make_unique<Arena>(counter.bytes(), options_.device);
+bool Model::size_arena() {
+  // A training forward plans under the pretrain or the rl_trainer recipes: room for either.
+  int64_t bytes = 0;
+  for (Mode plan_mode : {Mode::kPretrain, Mode::kRlTrainer}) {
+    detail::Carver counter(nullptr, options_.device);
+    impl_->plan(counter, options_.max_batch, max_seq_, true, (int64_t)options_.max_batch * max_seq_,
+                act_dtype_, false, plan_mode);
+    bytes = std::max(bytes, counter.bytes());
+  }
+  if (arena_ && arena_->capacity() >= bytes) return false;
+  arena_ = std::make_unique<Arena>(bytes, options_.device);
+  return true;
 }
 
 void Model::set_recipe(recipe::ResolvedRecipe resolved) {
@@ -843,6 +883,22 @@ void Model::params_changed() {
 
 int64_t Model::activation_bytes() const { return arena_->capacity(); }
 int64_t Model::activation_peak_bytes() const { return arena_->peak(); }
+
+int64_t Model::saved_wgrad_input_bytes() const {
+  if (!impl_->have_forward) return 0;
+  int64_t bytes = 0;
+  for (const BlockActs& b : impl_->acts.blocks)
+    for (const std::optional<quant::QuantizedTensor>* q : {&b.saved_ln1, &b.saved_ln2, &b.saved_act})
+      if (q->has_value()) bytes += gemm::quantized_bytes(**q);
+  return bytes;
+}
+
+void Model::set_gemm_observer(GemmObserver observer) {
+  gemm_observer_ = std::move(observer);
+  // An observed training forward keeps every Wgrad input (saves_quantized_x): a larger arena.
+  // A new arena drops the last forward's activations.
+  if (size_arena()) impl_->have_forward = false;
+}
 
 TensorView Model::logits() const {
   FOURBIT_CHECK(impl_->have_forward && !impl_->backward_done,
@@ -944,8 +1000,9 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
 
   arena_->reset();
   detail::Carver carver(arena_.get(), options_.device);
-  im.acts = im.plan(carver, B, T, true, N, act_dtype_, false);
+  im.acts = im.plan(carver, B, T, true, N, act_dtype_, false, im.mode);
   Acts& a = im.acts;
+  a.for_backward = o.for_backward;
   void* st = options_.stream;
 
   detail::copy_to_device(a.tokens, tokens.data, st);
@@ -974,7 +1031,8 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
       ops::rmsnorm_forward(b.ln1, b.ln1_rstd, a.resid[(size_t)l], im.master(p.attn_norm), eps, st);
       im.bf16(b.ln1);
     }
-    im.fprop(Section::kAttention, l, LinearKind::kQkv, b.ln1, im.w(p.qkv), b.qkv);
+    im.fprop(Section::kAttention, l, LinearKind::kQkv, b.ln1, im.w(p.qkv), b.qkv, true,
+             b.save_ln1 && a.for_backward ? &b.saved_ln1 : nullptr);
     {
       Scope s(im, Section::kAttention, Work::kOther);
       ops::rope_forward_inplace(detail::qkv_part3(b.qkv, 0, H, D), detail::qkv_part3(b.qkv, H * D, Hkv, D),
@@ -1004,11 +1062,12 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
       ops::rmsnorm_forward(b.ln2, b.ln2_rstd, mid, im.master(p.mlp_norm), eps, st);
       im.bf16(b.ln2);
     }
-    im.record(pfx + "attn_norm", b.ln1);
+    // ln1 / ln2 in per-pass scratch (their Wgrad copies kept quantized) are not kept: not named.
+    if (!b.save_ln1) im.record(pfx + "attn_norm", b.ln1);
     im.record(pfx + "attn.qkv", b.qkv);
     im.record(pfx + "attn.out", b.attn);
     im.record(pfx + "attn.residual", mid);
-    im.record(pfx + "mlp_norm", b.ln2);
+    if (!b.save_ln2) im.record(pfx + "mlp_norm", b.ln2);
     const TensorView out = a.resid[(size_t)l + 1];
     im.forward_ffn(l, a, b, out, o.forced_expert_ids);
     {
@@ -1061,6 +1120,9 @@ void Model::backward(const BackwardOptions& o) {
   Impl& im = *impl_;
   FOURBIT_CHECK(im.have_forward && !im.backward_done,
                 "Model::backward: needs a forward first (and one backward per forward)");
+  FOURBIT_CHECK(im.acts.for_backward,
+                "Model::backward: the last forward ran with ForwardOptions::for_backward = false "
+                "(evaluation: it kept nothing for a backward); run the forward again without it");
   const ModelConfig& c = config_;
   Acts& a = im.acts;
   detail::Scratch& s = a.s;
@@ -1147,7 +1209,7 @@ void Model::backward(const BackwardOptions& o) {
       im.bf16(s.d_qkv);
     }
     im.dgrad(Section::kAttention, l, LinearKind::kQkv, s.d_qkv, im.w(p.qkv), s.d_ln);
-    im.wgrad(Section::kAttention, l, LinearKind::kQkv, s.d_qkv, b.ln1, im.g(p.qkv));
+    im.wgrad(Section::kAttention, l, LinearKind::kQkv, s.d_qkv, b.ln1, im.g(p.qkv), &b.saved_ln1);
     {
       Scope sc(im, Section::kAttention, Work::kOther);
       ops::rmsnorm_backward(s.d_tmp, im.g(p.attn_norm), s.d_ln, a.resid[(size_t)l],

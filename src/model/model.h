@@ -20,6 +20,8 @@
 // Memory. Activations (what the backward needs) and the backward's scratch come from one Arena
 // per model, sized at construction for ModelOptions::max_batch x max_seq tokens by the same code
 // that carves the buffers (so the size is exact, not an estimate); activation_bytes() reports it.
+// Quantized recipes keep the Wgrads' X as quantized copies outside the arena (allocated per
+// forward, released by the backward; ModelOptions::keep_wgrad_inputs, saved_wgrad_input_bytes()).
 // A KvCache holds its own cache tensors and step arena.
 //
 // Conventions. forward() overwrites the activations of the previous call; backward() differentiates
@@ -84,6 +86,13 @@ struct ModelOptions {
   // reference). The gpu tests build the reference twice, once per CPU backend, to measure how far
   // FP32 summation order alone moves a quantized model's results.
   gemm::Backend cpu_gemm_backend = gemm::Backend::kAuto;
+  // Training forwards keep X [N, K] of a linear layer until its Wgrad. When the recipe quantizes
+  // the Wgrad's X (all quantized presets), the backward reads only X's column-wise quantized copy,
+  // so by default the forward keeps that copy instead (gemm::linear_fprop_saving_x; NVFP4: 4.5 bits
+  // per value instead of 16) for the layers whose X nothing else in the backward reads: qkv (ln1),
+  // and in dense blocks mlp_up (ln2) and mlp_down (act). The gradients are bit for bit the same.
+  // Those X are then not named activations (they live in per-pass scratch). true: keep every X.
+  bool keep_wgrad_inputs = false;
 };
 
 struct ForwardOptions {
@@ -94,6 +103,9 @@ struct ForwardOptions {
   TensorView forced_expert_ids;
   // A non-finite loss: find the first non-finite activation (forward order) and throw naming it.
   bool check_finite = true;
+  // false: no backward follows (evaluation, log-probabilities only): the forward skips what only
+  // the backward reads (the Wgrads' quantized X copies), and backward() refuses to run.
+  bool for_backward = true;
 };
 
 struct BackwardOptions {
@@ -226,6 +238,7 @@ class Model {
   void check_activations_finite() const;
   // The activations of the last forward by name, in forward order ("embedding",
   // "blocks.0.attn_norm", "blocks.0.attn.qkv", ..., "logits"); views valid until the next forward.
+  // attn_norm, mlp_norm and mlp.act appear only where they are kept (ModelOptions::keep_wgrad_inputs).
   // Those the backward overwrites in place (gate_up, h_perm, logits) hold gradients after it.
   std::vector<std::string> activation_names() const;
   TensorView activation(std::string_view name) const;  // throws listing the names
@@ -235,6 +248,9 @@ class Model {
 
   int64_t activation_bytes() const;       // the arena's capacity
   int64_t activation_peak_bytes() const;  // the most it has held
+  // Bytes of the quantized Wgrad inputs the last training forward kept outside the arena
+  // (ModelOptions::keep_wgrad_inputs); the backward releases each after its Wgrad.
+  int64_t saved_wgrad_input_bytes() const;
 
   // ---- generation ------------------------------------------------------------------------------
   // A cache for `batch` sequences of up to max_len positions (<= config.max_seq), whose forward
@@ -273,13 +289,16 @@ class Model {
   // Timing hooks (profile.h); null detaches. Not owned.
   void set_profiler(Profiler* profiler) { profiler_ = profiler; }
   // Called after every linear-layer GEMM (GemmObservation); an empty function detaches.
-  void set_gemm_observer(GemmObserver observer) { gemm_observer_ = std::move(observer); }
+  // While one is attached, training forwards keep every Wgrad input X (the audit measures X's
+  // quantization), as with ModelOptions::keep_wgrad_inputs; attaching may grow the arena, which
+  // drops the last forward's activations (run forward again).
+  void set_gemm_observer(GemmObserver observer);
 
   struct Impl;  // the forward/backward machinery (model.cpp)
 
  private:
   void check_recipe_shape() const;
-  void size_arena();
+  bool size_arena();  // true when it made a new (larger) arena
 
   ModelConfig config_;
   recipe::ResolvedRecipe recipe_;

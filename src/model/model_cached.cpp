@@ -112,7 +112,7 @@ KvCache Model::make_kv_cache(int batch, int max_len, int max_step_tokens) const 
   c.lengths_device_ = Tensor::zeros({batch}, DType::kI32, options_.device);
   const int64_t n_tokens = (int64_t)batch * max_step_tokens;
   detail::Carver counter(nullptr, options_.device);
-  impl_->plan(counter, batch, max_step_tokens, false, n_tokens, stat_dtype_, true);
+  impl_->plan(counter, batch, max_step_tokens, false, n_tokens, stat_dtype_, true, Mode::kRlSampler);
   c.arena_ = std::make_unique<Arena>(counter.bytes(), options_.device);
   if (options_.device == Device::kCuda) c.attention_ws_ = std::make_shared<ops::AttentionDecodeWorkspace>(Device::kCuda);
   return c;
@@ -412,7 +412,8 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
 
   cache.arena_->reset();
   detail::Carver carver(cache.arena_.get(), options_.device);
-  Acts a = im.plan(carver, B, Tq, false, o.all_logits ? N : B, stat_dtype_, !o.all_logits);
+  Acts a = im.plan(carver, B, Tq, false, o.all_logits ? N : B, stat_dtype_, !o.all_logits,
+                   Mode::kRlSampler);
   void* st = options_.stream;
   detail::copy_to_device(a.tokens, tokens.data, st);
   detail::copy_to_device(a.positions, positions.data(), st);

@@ -8,6 +8,7 @@
 #include "ops/moe.h"
 
 #include <array>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -38,6 +39,11 @@ struct BlockParams {
 // The activations of one block. N = tokens, C = d_model, R = rows of the permuted MoE buffers
 // (the worst case moe_permuted_rows, which moe_plan requires; the expert GEMMs use the first
 // `rows` of them, the rest are padding that nothing reads).
+//
+// Training blocks whose recipe quantizes the Wgrad's X (Model::Impl::saves_quantized_x) keep that
+// operand's column-wise quantized copy (saved_*, gemm::linear_fprop_saving_x) instead of X: ln1,
+// ln2 and act then point at per-pass scratch that every block overwrites (only the forward reads
+// them), and save_* says so. The backward's Wgrad reads saved_* and releases it.
 struct BlockActs {
   TensorView ln1;        // [N, C]       attn_norm output
   TensorView ln1_rstd;   // [N]          stat dtype
@@ -48,6 +54,10 @@ struct BlockActs {
   TensorView ln2_rstd;   // [N]
   TensorView gate_up;    // [N, 2F]      dense MLP or shared expert (F = d_ff or expert_d_ff)
   TensorView act;        // [N, F]
+  bool save_ln1 = false, save_ln2 = false, save_act = false;
+  std::optional<quant::QuantizedTensor> saved_ln1;  // qkv's X: stored [C, N]
+  std::optional<quant::QuantizedTensor> saved_ln2;  // mlp_up's X (dense blocks): stored [C, N]
+  std::optional<quant::QuantizedTensor> saved_act;  // mlp_down's X (dense blocks): stored [F, N]
   // MoE
   TensorView router_logits;  // [N, E]  stat dtype
   TensorView probs;          // [N, E]  stat dtype
@@ -91,6 +101,7 @@ struct Scratch {
 // Every buffer of one forward (and backward) over B x T tokens.
 struct Acts {
   bool training = false;  // per-block activations kept for the backward
+  bool for_backward = true;  // ForwardOptions::for_backward of the training forward
   int B = 0, T = 0;
   int64_t N = 0;
   TensorView tokens;     // i32 [N]
@@ -155,8 +166,14 @@ struct Model::Impl {
   std::vector<Named> named;  // the activations in forward order
 
   // ---- planning ----
+  // `mode` picks the recipes that decide which Wgrad inputs a training plan keeps quantized.
   detail::Acts plan(detail::Carver& c, int B, int T, bool training, int64_t logits_rows,
-                    DType logits_dtype, bool gather_last) const;
+                    DType logits_dtype, bool gather_last, detail::Mode mode) const;
+  // Whether a training forward in `mode` keeps only the quantized column-wise copy of layer
+  // (block, kind)'s X for its Wgrad: the recipe quantizes wgrad_x, X is read by nothing else in the
+  // backward (qkv's ln1; in dense blocks mlp_up's ln2 and mlp_down's act), and neither
+  // ModelOptions::keep_wgrad_inputs nor a GEMM observer (it audits from X) asks to keep X.
+  bool saves_quantized_x(detail::Mode mode, int block, recipe::LinearKind kind) const;
   int64_t max_perm_rows(int64_t n_tokens) const;
 
   // ---- linear layers ----
@@ -164,12 +181,15 @@ struct Model::Impl {
   gemm::LinearOptions linear_options(int block, recipe::LinearKind kind, const std::string& name) const;
   // fprop and dgrad round their output to bf16 under cpu_bf16_rounding (bf16_output: the output
   // is a bf16 activation on CUDA; the router's FP32 logits are not).
+  // saved_x: keep X's column-wise quantized copy there for the Wgrad (gemm::linear_fprop_saving_x).
   void fprop(Section s, int block, recipe::LinearKind kind, const TensorView& x, const TensorView& w,
-             const TensorView& y, bool bf16_output = true);
+             const TensorView& y, bool bf16_output = true,
+             std::optional<quant::QuantizedTensor>* saved_x = nullptr);
   void dgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy, const TensorView& w,
              const TensorView& dx);
+  // saved_x holding a copy: the Wgrad reads it instead of x (ignored) and releases it.
   void wgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy, const TensorView& x,
-             const TensorView& dw);
+             const TensorView& dw, std::optional<quant::QuantizedTensor>* saved_x = nullptr);
   // Reports a GEMM that just ran to the model's GemmObserver, if any (model.h GemmObservation).
   void observe(std::string_view layer, recipe::Gemm gemm, const gemm::LinearRecipe& r,
                const TensorView& a, const TensorView& b, const TensorView& out,

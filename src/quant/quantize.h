@@ -160,7 +160,9 @@ struct CudaQuantizeOptions {
   // Non-finite inputs set this device flag (int32); when null, quantize_cuda synchronizes and
   // throws naming the tensor. Training passes a monitor that is checked once per step.
   int* nonfinite_flag = nullptr;
-  // Also (or only) write the scaled-domain BF16 values for the exact GEMM emulation.
+  // Also (or only) write the scaled-domain BF16 values for the exact GEMM emulation. An
+  // orientation whose QuantizedData::data is an undefined Tensor is never written packed (its BF16
+  // copy must then be requested): e.g. a row-wise copy only for this GEMM, a column-wise one kept.
   bool write_packed = true;
   bool write_bf16_scaled = false;
   void* stream = nullptr;  // cudaStream_t

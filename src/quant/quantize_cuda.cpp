@@ -105,14 +105,17 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
                   RandomStream sr) {
     oo.sr = sr;
     if (!d) return;
-    if (o.write_packed) {
+    // An orientation whose data tensor is undefined gets no packed output (only its BF16 copy).
+    const bool packed = o.write_packed && d->data.defined();
+    if (packed) {
       oo.data = d->data.ptr<uint8_t>();
       oo.scales = d->scales.data();
     }
-    if (want_bf16) {
+    if (want_bf16 && (bf16 != nullptr || !packed)) {
       FOURBIT_CHECK(bf16 != nullptr && bf16->dtype == DType::kBF16 && bf16->device == Device::kCuda &&
                         bf16->numel() == d->rows * d->cols,
-                    "quantize_cuda('{}'): write_bf16_scaled needs a bf16 CUDA output of {} x {}",
+                    "quantize_cuda('{}'): write_bf16_scaled needs a bf16 CUDA output of {} x {} for "
+                    "each orientation that is not written packed",
                     o.tensor_name, d->rows, d->cols);
       oo.bf16 = bf16->ptr<uint16_t>();
     }

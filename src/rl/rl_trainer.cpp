@@ -335,7 +335,9 @@ StepMetrics RlTrainer::step() {
   const auto t_train = Clock::now();
   if (reference_) {
     fo.step = (uint64_t)step_;
-    reference_->forward(tv, gv, fo);
+    model::ForwardOptions ref_fo = fo;
+    ref_fo.for_backward = false;  // log-probabilities only
+    reference_->forward(tv, gv, ref_fo);
     const std::vector<double> l = host_f64(reference_->token_losses());
     lp_ref.resize(seq_of_row.size());
     for (size_t j = 0; j < seq_of_row.size(); ++j) lp_ref[j] = -l[(size_t)seq_of_row[j]];

@@ -409,6 +409,7 @@ EvalMetrics Trainer::evaluate() {
     fo.stage = model::TrainingStage::kPretrain;
     fo.step = 0;
     fo.check_finite = false;
+    fo.for_backward = false;
     const model::LossInfo li = model_->forward(inputs_, targets_, fo);
     e.loss += li.loss / (double)config_.eval_batches;
     e.ce += li.ce / (double)config_.eval_batches;
