@@ -33,14 +33,20 @@ TEST(TrainBench, CpuRowsAndCsv) {
     EXPECT_GT(r.step_ms, 0);
     EXPECT_NEAR(r.tokens_per_s, 64 / (r.step_ms / 1e3), 1e-6 * r.tokens_per_s);
     EXPECT_NEAR(r.loss, std::log(256.0), 0.3);  // random targets over the 256-token vocabulary
+    EXPECT_GT(r.arena_gib, 0);
   }
+  // One model for both recipes, its arena resized per recipe: nvfp4 keeps its Wgrad inputs as
+  // quantized copies (outside the arena), so its arena is smaller; bf16 keeps none.
+  EXPECT_EQ(rows[0].saved_gib, 0);
+  EXPECT_GT(rows[1].saved_gib, 0);
+  EXPECT_LT(rows[1].arena_gib, rows[0].arena_gib);
   std::ifstream f(o.csv_path);
   std::string header, line;
   std::getline(f, header);
-  EXPECT_EQ(header, "preset,recipe,batch,seq_len,params,step_ms,tokens_per_s,mfu,peak_gib,loss");
+  EXPECT_EQ(header, "preset,recipe,batch,seq_len,params,step_ms,tokens_per_s,mfu,peak_gib,loss,arena_gib,saved_gib");
   int n = 0;
   while (std::getline(f, line)) {
-    EXPECT_EQ(std::count(line.begin(), line.end(), ','), 9) << line;
+    EXPECT_EQ(std::count(line.begin(), line.end(), ','), 11) << line;
     ++n;
   }
   EXPECT_EQ(n, 2);

@@ -847,7 +847,9 @@ bool Model::size_arena() {
                 act_dtype_, false, plan_mode);
     bytes = std::max(bytes, counter.bytes());
   }
-  if (arena_ && arena_->capacity() >= bytes) return false;
+  // Exactly that size: a recipe that keeps less (quantized Wgrad inputs) gives memory back.
+  if (arena_ && arena_->capacity() == bytes) return false;
+  arena_.reset();  // the old arena's memory is free for the new one
   arena_ = std::make_unique<Arena>(bytes, options_.device);
   return true;
 }
@@ -895,7 +897,7 @@ int64_t Model::saved_wgrad_input_bytes() const {
 
 void Model::set_gemm_observer(GemmObserver observer) {
   gemm_observer_ = std::move(observer);
-  // An observed training forward keeps every Wgrad input (saves_quantized_x): a larger arena.
+  // An observed training forward keeps every Wgrad input (saves_quantized_x): another arena size.
   // A new arena drops the last forward's activations.
   if (size_arena()) impl_->have_forward = false;
 }

@@ -195,8 +195,9 @@ class Model {
   DType stat_dtype() const { return stat_dtype_; }       // f32 on CUDA, cpu_dtype on the CPU
   int max_batch() const { return options_.max_batch; }
   // The same weights under another recipe (resolved for this config's shape). The activation
-  // arena grows if the new recipe's MoE group alignment needs more rows; make KV caches after it
-  // (a cache's step arena is sized for the recipe of its time).
+  // arena is resized to what the new recipe's training forward needs (MoE group alignment, Wgrad
+  // inputs kept quantized or not); make KV caches after it (a cache's step arena is sized for the
+  // recipe of its time).
   void set_recipe(recipe::ResolvedRecipe recipe);
   int max_seq() const { return max_seq_; }
 
@@ -290,15 +291,15 @@ class Model {
   void set_profiler(Profiler* profiler) { profiler_ = profiler; }
   // Called after every linear-layer GEMM (GemmObservation); an empty function detaches.
   // While one is attached, training forwards keep every Wgrad input X (the audit measures X's
-  // quantization), as with ModelOptions::keep_wgrad_inputs; attaching may grow the arena, which
-  // drops the last forward's activations (run forward again).
+  // quantization), as with ModelOptions::keep_wgrad_inputs; attaching or detaching may resize the
+  // arena, which drops the last forward's activations (run forward again).
   void set_gemm_observer(GemmObserver observer);
 
   struct Impl;  // the forward/backward machinery (model.cpp)
 
  private:
   void check_recipe_shape() const;
-  bool size_arena();  // true when it made a new (larger) arena
+  bool size_arena();  // exactly what a training forward needs; true when it made a new arena
 
   ModelConfig config_;
   recipe::ResolvedRecipe recipe_;

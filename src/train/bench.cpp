@@ -61,6 +61,7 @@ std::vector<TrainBenchRow> run_train_bench(const TrainBenchOptions& o) {
       }
       std::vector<double> ms;
       double loss = 0;
+      int64_t saved_bytes = 0;
       for (int s = 0; s < o.warmup + o.steps; ++s) {
         const auto t0 = std::chrono::steady_clock::now();
         m->zero_grads();
@@ -68,6 +69,7 @@ std::vector<TrainBenchRow> run_train_bench(const TrainBenchOptions& o) {
         fo.step = (uint64_t)s;
         fo.check_finite = false;
         loss = m->forward(tokens, targets, fo).loss;
+        saved_bytes = m->saved_wgrad_input_bytes();
         m->backward();
         opt.step(1e-5);  // reads the norm: synchronizes
         const double dt = std::chrono::duration<double, std::milli>(
@@ -90,20 +92,24 @@ std::vector<TrainBenchRow> run_train_bench(const TrainBenchOptions& o) {
       r.peak_gib = o.device == Device::kCuda
                        ? (double)device_memory_stats().used_peak / (1024.0 * 1024 * 1024)
                        : 0;
+      constexpr double kGiB = 1024.0 * 1024 * 1024;
+      r.arena_gib = (double)m->activation_bytes() / kGiB;
+      r.saved_gib = (double)saved_bytes / kGiB;
       r.loss = loss;
-      log_info("bench train: {} {}: {:.1f} ms/step, {:.0f} tokens/s, MFU {:.1f}%, peak {:.2f} GiB",
-               name, rname, r.step_ms, r.tokens_per_s, 100 * r.mfu, r.peak_gib);
+      log_info("bench train: {} {}: {:.1f} ms/step, {:.0f} tokens/s, MFU {:.1f}%, peak {:.2f} GiB "
+               "(activation arena {:.2f}, quantized Wgrad inputs {:.2f})",
+               name, rname, r.step_ms, r.tokens_per_s, 100 * r.mfu, r.peak_gib, r.arena_gib, r.saved_gib);
       rows.push_back(r);
     }
   }
   if (!o.csv_path.empty()) {
     std::ofstream f(o.csv_path);
     FOURBIT_CHECK(f.good(), "bench train: cannot write '{}'", o.csv_path);
-    f << "preset,recipe,batch,seq_len,params,step_ms,tokens_per_s,mfu,peak_gib,loss\n";
+    f << "preset,recipe,batch,seq_len,params,step_ms,tokens_per_s,mfu,peak_gib,loss,arena_gib,saved_gib\n";
     for (const TrainBenchRow& r : rows) {
-      f << fmt::format("{},{},{},{},{},{:.3f},{:.0f},{:.4f},{:.3f},{:.4f}\n", r.preset, r.recipe,
-                       r.batch_size, r.seq_len, r.params, r.step_ms, r.tokens_per_s, r.mfu,
-                       r.peak_gib, r.loss);
+      f << fmt::format("{},{},{},{},{},{:.3f},{:.0f},{:.4f},{:.3f},{:.4f},{:.4f},{:.4f}\n", r.preset,
+                       r.recipe, r.batch_size, r.seq_len, r.params, r.step_ms, r.tokens_per_s, r.mfu,
+                       r.peak_gib, r.loss, r.arena_gib, r.saved_gib);
     }
     FOURBIT_CHECK(f.good(), "bench train: failed writing '{}'", o.csv_path);
   }
@@ -111,19 +117,22 @@ std::vector<TrainBenchRow> run_train_bench(const TrainBenchOptions& o) {
 }
 
 std::string train_bench_table(const std::vector<TrainBenchRow>& rows) {
-  std::string out = fmt::format("{:<12} {:<8} {:>4} {:>6} {:>10} {:>12} {:>7} {:>9} {:>9}\n",
+  std::string out = fmt::format("{:<12} {:<8} {:>4} {:>6} {:>10} {:>12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9}\n",
                                 "preset", "recipe", "B", "T", "ms/step", "tokens/s", "MFU",
-                                "peak GiB", "vs bf16");
+                                "peak GiB", "arena", "saved X", "vs bf16", "mem");
   out += std::string(out.size() - 1, '-') + "\n";
   for (const TrainBenchRow& r : rows) {
-    double base = 0;
+    const TrainBenchRow* base = nullptr;
     for (const TrainBenchRow& b : rows)
-      if (b.preset == r.preset && b.recipe == "bf16") base = b.tokens_per_s;
-    out += fmt::format("{:<12} {:<8} {:>4} {:>6} {:>10.2f} {:>12.0f} {:>6.1f}% {:>9.2f} {:>9}\n",
+      if (b.preset == r.preset && b.recipe == "bf16") base = &b;
+    out += fmt::format("{:<12} {:<8} {:>4} {:>6} {:>10.2f} {:>12.0f} {:>6.1f}% {:>9.2f} {:>9.2f} {:>9.2f} {:>9} {:>9}\n",
                        r.preset, r.recipe, r.batch_size, r.seq_len, r.step_ms, r.tokens_per_s,
-                       100 * r.mfu, r.peak_gib,
-                       base > 0 ? fmt::format("{:.2f}x", r.tokens_per_s / base) : "-");
+                       100 * r.mfu, r.peak_gib, r.arena_gib, r.saved_gib,
+                       base ? fmt::format("{:.2f}x", r.tokens_per_s / base->tokens_per_s) : "-",
+                       base && base->peak_gib > 0 ? fmt::format("{:.2f}x", r.peak_gib / base->peak_gib) : "-");
   }
+  out += "arena: the activation arena; saved X: the quantized Wgrad inputs a forward keeps (GiB); "
+         "mem: peak over bf16's\n";
   out += "MFU: model FLOPs (6 N_active + 6 L T d) per second over the H200 dense BF16 peak, 989 "
          "TFLOP/s\n";
   return out;

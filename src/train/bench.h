@@ -1,7 +1,8 @@
 // `fourbit bench train`: whole training steps (forward, backward, gradient norm, AdamW with the
 // BF16 copy) of real-size models per recipe on the GPU: tokens/s, MFU (train/trainer.h: model
 // FLOPs over the H200 dense BF16 peak of 989 TFLOP/s), step time and peak device memory
-// (fourbit tensors: the stream-ordered pool's used peak, reset before each recipe).
+// (fourbit tensors: the stream-ordered pool's used peak, reset before each recipe), with the
+// activation arena and the quantized Wgrad inputs a forward keeps reported next to it.
 //
 // The shapes are those of /work/shared/docs/BENCHMARKS.md: gpt2-124m at T 1024, B 32 and 1.3b at
 // T 1024, B 16 (or --batch / --seq-len). One model per shape (random tokens; the weights are
@@ -38,6 +39,10 @@ struct TrainBenchRow {
   double tokens_per_s = 0;
   double mfu = 0;
   double peak_gib = 0;  // CUDA only
+  // Where the memory goes (both devices): the activation arena (Model::activation_bytes) and the
+  // quantized Wgrad inputs held at the end of a forward (Model::saved_wgrad_input_bytes).
+  double arena_gib = 0;
+  double saved_gib = 0;
   double loss = 0;      // of the last step (a sanity value)
 };
 
