@@ -562,5 +562,38 @@ TEST_F(GemmCuda, LinearSavedQuantizedXMatchesTheUnsavedPath) {
   }
 }
 
+// linear_dgrad_wgrad on the GPU: dY quantized once for both GEMMs (the fused row + column pass with
+// the two stochastic-rounding streams) gives dX and dW bit for bit as the separate calls, with X
+// given or kept quantized by linear_fprop_saving_x.
+TEST_F(GemmCuda, LinearDgradWgradOfOneDyMatchesTheSeparateCalls) {
+  const int64_t m = 128, n = 256, k = 384;
+  const Tensor x = random_matrix(m, k, 70, DType::kBF16), w = random_matrix(n, k, 71, DType::kBF16),
+               dy = random_matrix(m, n, 72, DType::kBF16);
+  const Tensor x_dev = x.to(Device::kCuda), w_dev = w.to(Device::kCuda), dy_dev = dy.to(Device::kCuda);
+  struct R { const char* name; LinearRecipe r; };
+  for (const R& rc : {R{"nvfp4", LinearRecipe::nvfp4()}, R{"fp8-block", LinearRecipe::fp8_block()},
+                      R{"mxfp8", LinearRecipe::mxfp8()}}) {
+    SCOPED_TRACE(rc.name);
+    ASSERT_TRUE(dgrad_and_wgrad_dy_share_a_pass(rc.r));
+    LinearOptions o;
+    o.sr = {8, 9};
+    auto host = [](const Tensor& t) { return to_doubles(t.to(Device::kCpu)); };
+    auto f32 = [](int64_t r, int64_t c) { return Tensor::zeros({r, c}, DType::kF32, Device::kCuda); };
+    Tensor dx = f32(m, k), dw = f32(n, k), dx2 = f32(m, k), dw2 = f32(n, k), dx3 = f32(m, k), dw3 = f32(n, k);
+    linear_dgrad(rc.r, dy_dev.view(), w_dev.view(), dx.view(), o);
+    linear_wgrad(rc.r, dy_dev.view(), x_dev.view(), dw.view(), 0.0f, o);
+    linear_dgrad_wgrad(rc.r, dy_dev.view(), w_dev.view(), dx2.view(), x_dev.view(), nullptr, dw2.view(), 0.0f, o);
+    Tensor y = f32(m, n);
+    quant::QuantizedTensor saved;
+    linear_fprop_saving_x(rc.r, x_dev.view(), w_dev.view(), y.view(), saved, o);
+    linear_dgrad_wgrad(rc.r, dy_dev.view(), w_dev.view(), dx3.view(), TensorView{}, &saved, dw3.view(), 0.0f, o);
+    device_synchronize();
+    EXPECT_EQ(host(dx2), host(dx)) << "dX";
+    EXPECT_EQ(host(dw2), host(dw)) << "dW";
+    EXPECT_EQ(host(dx3), host(dx)) << "dX (saved X)";
+    EXPECT_EQ(host(dw3), host(dw)) << "dW (saved X)";
+  }
+}
+
 }  // namespace
 }  // namespace fourbit::gemm

@@ -160,6 +160,46 @@ TEST(GemmLinear, SavedQuantizedXGivesTheSameGemms) {
   EXPECT_THROW(linear_fprop_saving_x(LinearRecipe::plain(), x.view(), w.view(), y.view(), saved, o), Error);
 }
 
+// linear_dgrad_wgrad is linear_dgrad + linear_wgrad bit for bit (X given or saved), with one pass
+// over dY exactly when the two dY configs allow it; dY's stochastic rounding keeps its two streams.
+TEST(GemmLinear, DgradAndWgradOfOneDyGiveTheSameGemms) {
+  const int64_t m = 64, n = 48, k = 80;
+  const Tensor x = random_matrix(m, k, 21), w = random_matrix(n, k, 22), dy = random_matrix(m, n, 23);
+  LinearOptions o;
+  o.backend = Backend::kCpuReference;
+  o.sr = {79, 3000};
+  std::vector<NamedRecipe> cases = recipes();
+  LinearRecipe dy_row_amax = LinearRecipe::nvfp4();  // a per-row amax on Dgrad's dY: two passes
+  dy_row_amax.dgrad_dy.quant->nvfp4_row_amax = true;
+  cases.push_back({"nvfp4 dy row amax", dy_row_amax});
+  LinearRecipe dy_rn = LinearRecipe::nvfp4();  // Dgrad's dY rounded to nearest, Wgrad's SR: two
+  dy_rn.dgrad_dy.quant->rounding = quant::Rounding::kNearest;
+  cases.push_back({"nvfp4 dy rn/sr", dy_rn});
+  const std::vector<bool> one_pass = {false, true, true, true, false, false};
+  ASSERT_EQ(cases.size(), one_pass.size());
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    SCOPED_TRACE(cases[ci].name);
+    const LinearRecipe& r = cases[ci].recipe;
+    EXPECT_EQ(dgrad_and_wgrad_dy_share_a_pass(r), one_pass[ci]);
+    Tensor dx = Tensor::empty({m, k}, DType::kF32, Device::kCpu), dx2 = dx.to(Device::kCpu);
+    Tensor dw = Tensor::zeros({n, k}, DType::kF32, Device::kCpu), dw2 = dw.to(Device::kCpu);
+    linear_dgrad(r, dy.view(), w.view(), dx.view(), o);
+    linear_wgrad(r, dy.view(), x.view(), dw.view(), 0.0f, o);
+    linear_dgrad_wgrad(r, dy.view(), w.view(), dx2.view(), x.view(), nullptr, dw2.view(), 0.0f, o);
+    expect_equal(dx2, dx, "dX");
+    expect_equal(dw2, dw, "dW");
+    if (!wgrad_reads_quantized_x(r)) continue;
+    // With X's kept copy, and beta = 1 accumulating onto the first result.
+    Tensor y = Tensor::empty({m, n}, DType::kF32, Device::kCpu);
+    quant::QuantizedTensor saved;
+    linear_fprop_saving_x(r, x.view(), w.view(), y.view(), saved, o);
+    Tensor dx3 = Tensor::empty({m, k}, DType::kF32, Device::kCpu), dw3 = dw.to(Device::kCpu);
+    linear_dgrad_wgrad(r, dy.view(), w.view(), dx3.view(), TensorView{}, &saved, dw3.view(), 1.0f, o);
+    expect_equal(dx3, dx, "dX (saved X)");
+    for (int64_t i = 0; i < n * k; ++i) ASSERT_EQ(dw3.ptr<float>()[i], 2.0f * dw.ptr<float>()[i]) << i;
+  }
+}
+
 struct ErrorStats {
   double relative_error, relative_bias;
 };

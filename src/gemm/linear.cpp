@@ -270,4 +270,93 @@ void linear_wgrad_from_saved_x(const LinearRecipe& recipe, const TensorView& dy,
   run(a, b, dw, beta, o, name);
 }
 
+// ---- Dgrad and Wgrad of one dY ------------------------------------------------------------------
+
+bool dgrad_and_wgrad_dy_share_a_pass(const LinearRecipe& r) {
+  if (!r.dgrad_dy.quant || !r.wgrad_dy.quant) return false;
+  const quant::QuantConfig& d = *r.dgrad_dy.quant;
+  const quant::QuantConfig& w = *r.wgrad_dy.quant;
+  if (d.nvfp4_row_amax || w.nvfp4_row_amax || d.block_2d || w.block_2d) return false;
+  quant::QuantConfig d_with_w_rht = d;  // the RHT fields act on the column-wise copy only
+  d_with_w_rht.rht = w.rht;
+  d_with_w_rht.rht_signs = w.rht_signs;
+  d_with_w_rht.rht_seed = w.rht_seed;
+  return d_with_w_rht == w;
+}
+
+void linear_dgrad_wgrad(const LinearRecipe& recipe, const TensorView& dy, const TensorView& w,
+                        const TensorView& dx, const TensorView& x, const quant::QuantizedTensor* saved_x,
+                        const TensorView& dw, float beta, const LinearOptions& o) {
+  if (!dgrad_and_wgrad_dy_share_a_pass(recipe)) {
+    linear_dgrad(recipe, dy, w, dx, o);
+    if (saved_x != nullptr) {
+      linear_wgrad_from_saved_x(recipe, dy, *saved_x, dw, beta, o);
+    } else {
+      linear_wgrad(recipe, dy, x, dw, beta, o);
+    }
+    return;
+  }
+  // One pass over dY: the row-wise copy with stream 2 (Dgrad), the column-wise one with stream 4
+  // (Wgrad), as prepare_operand draws them in the separate calls.
+  const quant::QuantConfig& cfg = *recipe.wgrad_dy.quant;
+  const RandomStream row_sr = operand_stream(o, 2);
+  const RandomStream col_src = operand_stream(o, 4);
+  const RandomStream col_sr{col_src.seed, col_src.stream ^ quant::kColwiseStreamBit};
+  const quant::Orientations both{true, true};
+  quant::QuantizedTensor q;
+  PreparedOperand dy_row, dy_col;
+  if (dy.device == Device::kCpu) {
+    q = quant::quantize_reference(dy, cfg, both, {"dy", row_sr}, col_sr);
+    dy_row.operand = Operand::quant(q, Copy::kRowwise, "dy");
+    dy_col.operand = Operand::quant(q, Copy::kColwise, "dy");
+  } else {
+#if defined(FOURBIT_WITH_CUDA)
+    q = quant::allocate_quantized(cfg, dy.rows(), dy.cols(), both, Device::kCuda);
+    quant::CudaQuantizeOptions qo;
+    qo.tensor_name = "dy";
+    qo.sr = row_sr;
+    qo.colwise_sr = col_sr;
+    qo.nonfinite_flag = o.error_flag;
+    qo.stream = o.stream;
+    TensorView bf16_row, bf16_col;
+    const bool emulated = cfg.format == quant::Format::kNvfp4 || cfg.format == quant::Format::kMxfp8;
+    if (emulated) {
+      // Both GEMMs read scaled-domain BF16 copies; the packed data is not written.
+      dy_row.scaled_bf16 = Tensor::empty({dy.rows(), dy.cols()}, DType::kBF16, Device::kCuda);
+      dy_col.scaled_bf16 = Tensor::empty({dy.cols(), dy.rows()}, DType::kBF16, Device::kCuda);
+      bf16_row = dy_row.scaled_bf16.view();
+      bf16_col = dy_col.scaled_bf16.view();
+      for (std::optional<quant::QuantizedData>* d : {&q.rowwise, &q.colwise}) {
+        (*d)->data = Tensor();
+        (*d)->scales = Tensor();
+      }
+      qo.write_bf16_scaled = true;
+    }
+    quant::quantize_cuda(dy, q, qo, emulated ? &bf16_row : nullptr, emulated ? &bf16_col : nullptr);
+    dy_row.operand = Operand::quant(q, Copy::kRowwise, "dy", bf16_row);
+    dy_col.operand = Operand::quant(q, Copy::kColwise, "dy", bf16_col);
+#else
+    FOURBIT_CHECK(false, "linear '{}': operand 'dy' is on cuda but this build has no CUDA", o.name);
+#endif
+  }
+  {
+    const PreparedOperand wc = prepare_operand(recipe.dgrad_w, w, Copy::kColwise, operand_stream(o, 3), "w", o);
+    run(dy_row, wc, dx, 0.0f, o, fmt::format("{} dgrad", o.name));
+  }
+  dy_row = PreparedOperand{};  // its BF16 copy goes back to the pool before the Wgrad's operands
+  const std::string wgrad_name = fmt::format("{} wgrad", o.name);
+  if (saved_x != nullptr) {
+    FOURBIT_CHECK(recipe.wgrad_x.quant.has_value() && saved_x->colwise.has_value() &&
+                      saved_x->config == *recipe.wgrad_x.quant && saved_x->rows == dy.rows(),
+                  "linear '{}': the saved X does not match this recipe's Wgrad operand or dy {}; save "
+                  "it with linear_fprop_saving_x under the same recipe", o.name, dy.describe());
+    PreparedOperand xs;
+    xs.operand = Operand::quant(*saved_x, Copy::kColwise, "x");
+    run(dy_col, xs, dw, beta, o, wgrad_name);
+  } else {
+    const PreparedOperand xc = prepare_operand(recipe.wgrad_x, x, Copy::kColwise, operand_stream(o, 5), "x", o);
+    run(dy_col, xc, dw, beta, o, wgrad_name);
+  }
+}
+
 }  // namespace fourbit::gemm

@@ -110,6 +110,21 @@ void linear_wgrad_from_saved_x(const LinearRecipe& recipe, const TensorView& dy,
                                const quant::QuantizedTensor& saved_x, const TensorView& dw, float beta,
                                const LinearOptions& options);
 
+// ---- Dgrad and Wgrad of one dY together ----------------------------------------------------------
+// Both backward GEMMs read dY: Dgrad its row-wise copy, Wgrad its column-wise one. When dgrad_dy
+// and wgrad_dy differ at most in the RHT fields and neither has a per-row amax, one pass over dY
+// (one amax pass for both global amaxes) writes both copies, each rounded with its own stream (2
+// and 4 of the call, as the separate calls draw), so the results are bit for bit theirs.
+bool dgrad_and_wgrad_dy_share_a_pass(const LinearRecipe& recipe);
+
+// linear_dgrad and then linear_wgrad: dy [M, N], w [N, K] -> dx [M, K]; dw [N, K] (beta as in
+// linear_wgrad) from x [M, K], or from X's saved column-wise copy when saved_x is non-null (x is
+// then not read).
+void linear_dgrad_wgrad(const LinearRecipe& recipe, const TensorView& dy, const TensorView& w,
+                        const TensorView& dx, const TensorView& x,
+                        const quant::QuantizedTensor* saved_x, const TensorView& dw, float beta,
+                        const LinearOptions& options);
+
 // Bytes held by a quantized bundle (data, scales and amax of every orientation present).
 int64_t quantized_bytes(const quant::QuantizedTensor& q);
 

@@ -113,63 +113,86 @@ class Timer {
   cudaEvent_t a_, b_;
 };
 
-// One operand quantization of a linear call, as gemm/linear.cpp (and model/expert_linear.cpp)
-// perform it.
+// One quantization pass of a linear call, as gemm/linear.cpp (and model/expert_linear.cpp) run it:
+// one or both orientations of one source; each written as the scaled-domain BF16 copy (the NVFP4 /
+// MXFP8 GEMM operands) or packed (FP8, and X's copies kept for the Wgrad).
 struct QuantOp {
   quant::QuantConfig config;
   int64_t rows, cols;
-  bool colwise;
+  bool rowwise, colwise;
+  bool row_packed = false, col_packed = false;  // emulated formats: packed instead of BF16
+  quant::Orientations orientations() const { return {rowwise, colwise}; }
 };
 
 std::vector<QuantOp> quant_ops(const EventProfiler::Call& c) {
   std::vector<QuantOp> ops;
   const gemm::LinearRecipe& r = c.recipe;
   const LinearCall& l = c.call;
-  auto add = [&](const gemm::OperandRecipe& o, int64_t rows, int64_t cols, bool colwise, int times) {
+  auto add = [&](const gemm::OperandRecipe& o, int64_t rows, int64_t cols, bool colwise, int times,
+                 bool packed = false) {
     if (!o.quant) return;
-    for (int i = 0; i < times; ++i) ops.push_back({*o.quant, rows, cols, colwise});
+    for (int i = 0; i < times; ++i) ops.push_back({*o.quant, rows, cols, !colwise, colwise, false, packed});
   };
   switch (l.gemm) {
     case recipe::Gemm::kFprop:
-      add(r.fprop_x, l.m, l.k, false, 1);
+      if (l.fprop_saves_x && gemm::fprop_and_wgrad_x_share_a_pass(r)) {
+        ops.push_back({*r.wgrad_x.quant, l.m, l.k, true, true, false, true});  // X: both, col packed
+      } else {
+        add(r.fprop_x, l.m, l.k, false, 1);
+        if (l.fprop_saves_x) add(r.wgrad_x, l.m, l.k, true, 1, true);
+      }
       add(r.fprop_w, l.n, l.k, false, l.groups);
       break;
     case recipe::Gemm::kDgrad:
-      add(r.dgrad_dy, l.m, l.n, false, 1);
+      if (l.dy_one_pass) {
+        ops.push_back({*r.wgrad_dy.quant, l.m, l.n, true, true});  // dY: both copies, BF16
+      } else {
+        add(r.dgrad_dy, l.m, l.n, false, 1);
+      }
       add(r.dgrad_w, l.n, l.k, true, l.groups);
       break;
     case recipe::Gemm::kWgrad:
-      add(r.wgrad_dy, l.m, l.n, true, 1);
-      add(r.wgrad_x, l.m, l.k, true, 1);
+      if (!l.dy_one_pass) add(r.wgrad_dy, l.m, l.n, true, 1);
+      if (!l.wgrad_saved_x) add(r.wgrad_x, l.m, l.k, true, 1);  // a kept copy: converted in the GEMM
       break;
   }
   return ops;
 }
 
-// Times one quantization like gemm/linear.cpp's prepare(): allocate, quantize (the fused
-// scaled-domain BF16 copy for NVFP4 / MXFP8), free. Median of 3.
+// Times one quantization pass like gemm/linear.cpp: allocate, quantize (the scaled-domain BF16
+// copies the emulated GEMMs read, packed data where the op says so), free. Median of 3.
 double time_quant(const QuantOp& op, const Tensor& source, int* flag, Timer& timer) {
   TensorView src = TensorView::contiguous(source.data(), DType::kBF16, {op.rows, op.cols}, Device::kCuda);
   std::vector<double> ms;
   for (int rep = 0; rep < 3; ++rep) {
     timer.start();
     {
-      quant::QuantizedTensor q = quant::allocate_quantized(
-          op.config, op.rows, op.cols, {!op.colwise, op.colwise}, Device::kCuda);
+      quant::QuantizedTensor q =
+          quant::allocate_quantized(op.config, op.rows, op.cols, op.orientations(), Device::kCuda);
       quant::CudaQuantizeOptions qo;
       qo.tensor_name = "bench";
       qo.nonfinite_flag = flag;
       const bool emulated = op.config.format == quant::Format::kNvfp4 || op.config.format == quant::Format::kMxfp8;
-      Tensor scaled;
-      TensorView view;
+      Tensor row_bf16, col_bf16;
+      TensorView row_view, col_view;
       if (emulated) {
-        scaled = op.colwise ? Tensor::empty({op.cols, op.rows}, DType::kBF16, Device::kCuda)
-                            : Tensor::empty({op.rows, op.cols}, DType::kBF16, Device::kCuda);
-        view = scaled.view();
-        qo.write_packed = false;
         qo.write_bf16_scaled = true;
+        if (op.rowwise && !op.row_packed) {
+          row_bf16 = Tensor::empty({op.rows, op.cols}, DType::kBF16, Device::kCuda);
+          row_view = row_bf16.view();
+          q.rowwise->data = Tensor();
+          q.rowwise->scales = Tensor();
+        }
+        if (op.colwise && !op.col_packed) {
+          col_bf16 = Tensor::empty({op.cols, op.rows}, DType::kBF16, Device::kCuda);
+          col_view = col_bf16.view();
+          q.colwise->data = Tensor();
+          q.colwise->scales = Tensor();
+        }
+        qo.write_bf16_scaled = row_bf16.defined() || col_bf16.defined();
       }
-      quant::quantize_cuda(src, q, qo, op.colwise ? nullptr : &view, op.colwise ? &view : nullptr);
+      quant::quantize_cuda(src, q, qo, row_bf16.defined() ? &row_view : nullptr,
+                           col_bf16.defined() ? &col_view : nullptr);
     }
     ms.push_back(timer.stop_ms());
   }

@@ -313,8 +313,12 @@ int64_t Model::Impl::max_perm_rows(int64_t n_tokens) const {
          rows_tile_max - 1;
 }
 
+bool Model::Impl::keeps_wgrad_inputs() const {
+  return m.options_.keep_wgrad_inputs || static_cast<bool>(m.gemm_observer_);
+}
+
 bool Model::Impl::saves_quantized_x(Mode plan_mode, int block, LinearKind kind) const {
-  if (m.options_.keep_wgrad_inputs || m.gemm_observer_) return false;
+  if (keeps_wgrad_inputs()) return false;
   if (kind != LinearKind::kQkv && kind != LinearKind::kMlpUp && kind != LinearKind::kMlpDown) return false;
   // MoE blocks: ln2 also feeds the router (and its Wgrad); the shared expert keeps its inputs.
   if (kind != LinearKind::kQkv && cfg.is_moe_block(block)) return false;
@@ -456,7 +460,11 @@ void Model::Impl::fprop(Section s, int block, LinearKind kind, const TensorView&
                         const TensorView& wt, const TensorView& y, bool bf16_output,
                         std::optional<quant::QuantizedTensor>* saved_x) {
   const gemm::LinearRecipe& r = linear_recipe(block, kind);
-  if (m.profiler_) m.profiler_->linear_call({s, recipe::Gemm::kFprop, &r, x.shape[0], wt.shape[0], x.shape[1], 1});
+  if (m.profiler_) {
+    LinearCall call{s, recipe::Gemm::kFprop, &r, x.shape[0], wt.shape[0], x.shape[1], 1};
+    call.fprop_saves_x = saved_x != nullptr;
+    m.profiler_->linear_call(call);
+  }
   const std::string name = layer_name(block, kind);
   Scope scope(*this, s, Work::kLinear);
   const gemm::LinearOptions o = linear_options(block, kind, name);
@@ -485,7 +493,14 @@ void Model::Impl::wgrad(Section s, int block, LinearKind kind, const TensorView&
                         const TensorView& x, const TensorView& dw,
                         std::optional<quant::QuantizedTensor>* saved_x) {
   const gemm::LinearRecipe& r = linear_recipe(block, kind);
-  if (m.profiler_) m.profiler_->linear_call({s, recipe::Gemm::kWgrad, &r, dy.shape[0], dy.shape[1], x.shape[1], 1});
+  FOURBIT_CHECK(saved_x == nullptr || saved_x->has_value(),
+                "model: {}'s Wgrad input was planned as a kept quantized copy, but the forward made "
+                "none (internal error)", layer_name(block, kind));
+  if (m.profiler_) {
+    LinearCall call{s, recipe::Gemm::kWgrad, &r, dy.shape[0], dy.shape[1], x.shape[1], 1};
+    call.wgrad_saved_x = saved_x != nullptr && saved_x->has_value();
+    m.profiler_->linear_call(call);
+  }
   const std::string name = layer_name(block, kind);
   Scope scope(*this, s, Work::kLinear);
   const gemm::LinearOptions o = linear_options(block, kind, name);
@@ -497,6 +512,37 @@ void Model::Impl::wgrad(Section s, int block, LinearKind kind, const TensorView&
   }
   gemm::linear_wgrad(r, dy, x, dw, 1.0f, o);
   observe(name, recipe::Gemm::kWgrad, r, dy, x, dw, {}, o.sr);
+}
+
+void Model::Impl::dgrad_wgrad(Section s, int block, LinearKind kind, const TensorView& dy,
+                              const TensorView& wt, const TensorView& dx, const TensorView& x,
+                              const TensorView& dw, std::optional<quant::QuantizedTensor>* saved_x) {
+  if (keeps_wgrad_inputs()) {  // the reference path: one quantization per operand and GEMM
+    dgrad(s, block, kind, dy, wt, dx);
+    wgrad(s, block, kind, dy, x, dw, saved_x);
+    return;
+  }
+  const gemm::LinearRecipe& r = linear_recipe(block, kind);
+  FOURBIT_CHECK(saved_x == nullptr || saved_x->has_value(),
+                "model: {}'s Wgrad input was planned as a kept quantized copy, but the forward made "
+                "none (internal error)", layer_name(block, kind));
+  const bool saved = saved_x != nullptr;
+  if (m.profiler_) {
+    const bool one_pass = gemm::dgrad_and_wgrad_dy_share_a_pass(r);
+    LinearCall d{s, recipe::Gemm::kDgrad, &r, dy.shape[0], wt.shape[0], wt.shape[1], 1};
+    d.dy_one_pass = one_pass;
+    m.profiler_->linear_call(d);
+    LinearCall w{s, recipe::Gemm::kWgrad, &r, dy.shape[0], dy.shape[1], wt.shape[1], 1};
+    w.dy_one_pass = one_pass;
+    w.wgrad_saved_x = saved;
+    m.profiler_->linear_call(w);
+  }
+  const std::string name = layer_name(block, kind);
+  Scope scope(*this, s, Work::kLinear);
+  const gemm::LinearOptions o = linear_options(block, kind, name);
+  gemm::linear_dgrad_wgrad(r, dy, wt, dx, x, saved ? &**saved_x : nullptr, dw, 1.0f, o);
+  bf16(dx);
+  if (saved) saved_x->reset();
 }
 
 void Model::Impl::observe(std::string_view layer, recipe::Gemm gemm_kind, const gemm::LinearRecipe& r,
@@ -670,15 +716,14 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale) 
     const int64_t F = cfg.d_ff;
     const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
     const TensorView d_act = prefix(s.d_act, N, F);
-    dgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act);
-    wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, act, g(p.mlp_down), &b.saved_act);
+    dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, g(p.mlp_down),
+                b.save_act ? &b.saved_act : nullptr);
     {
       Scope sc(*this, sec, Work::kOther);
       ops::swiglu_backward_inplace(gu, d_act, stream());  // gu now holds d_gate_up
       bf16(gu);
     }
-    dgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_ln);
-    wgrad(sec, l, LinearKind::kMlpUp, gu, b.ln2, g(p.mlp_up), &b.saved_ln2);
+    dgrad_wgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_ln, b.ln2, g(p.mlp_up), b.save_ln2 ? &b.saved_ln2 : nullptr);
     return;
   }
   const int64_t E = cfg.moe.n_experts, Fe = cfg.moe.expert_d_ff;
@@ -762,8 +807,7 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale) 
     }
   }
   const TensorView d_logits = s.d_logits_c.data != nullptr ? s.d_logits_c : s.d_logits;
-  dgrad(sec, l, LinearKind::kRouter, d_logits, w(p.router), s.d_tmp);
-  wgrad(sec, l, LinearKind::kRouter, d_logits, b.ln2, g(p.router));
+  dgrad_wgrad(sec, l, LinearKind::kRouter, d_logits, w(p.router), s.d_tmp, b.ln2, g(p.router));
   {
     Scope sc(*this, sec, Work::kOther);
     ops::add_inplace(s.d_ln, s.d_tmp, stream());
@@ -772,15 +816,13 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale) 
   if (p.mlp_up < 0) return;
   const TensorView gu = prefix(b.gate_up, N, 2 * Fe), act = prefix(b.act, N, Fe);
   const TensorView d_act = prefix(s.d_act, N, Fe);
-  dgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act);
-  wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, act, g(p.mlp_down));
+  dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, g(p.mlp_down));
   {
     Scope sc(*this, sec, Work::kOther);
     ops::swiglu_backward_inplace(gu, d_act, stream());
     bf16(gu);
   }
-  dgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_tmp);
-  wgrad(sec, l, LinearKind::kMlpUp, gu, b.ln2, g(p.mlp_up));
+  dgrad_wgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_tmp, b.ln2, g(p.mlp_up));
   {
     Scope sc(*this, sec, Work::kOther);
     ops::add_inplace(s.d_ln, s.d_tmp, stream());
@@ -1164,8 +1206,8 @@ void Model::backward(const BackwardOptions& o) {
     }
     im.bf16(a.logits);
   }
-  im.dgrad(Section::kLmHead, L, LinearKind::kLmHead, a.logits, im.w(im.lm_head), s.d_ln);
-  im.wgrad(Section::kLmHead, L, LinearKind::kLmHead, a.logits, a.lnf, im.g(im.lm_head));
+  im.dgrad_wgrad(Section::kLmHead, L, LinearKind::kLmHead, a.logits, im.w(im.lm_head), s.d_ln, a.lnf,
+                 im.g(im.lm_head));
   {
     Scope sc(im, Section::kLmHead, Work::kOther);
     ops::rmsnorm_backward(s.d_resid, im.g(im.final_norm), s.d_ln, a.resid[(size_t)L],
@@ -1188,8 +1230,8 @@ void Model::backward(const BackwardOptions& o) {
       im.bf16(s.d_resid);
     }
     // Attention half.
-    im.dgrad(Section::kAttention, l, LinearKind::kAttnOut, s.d_resid, im.w(p.attn_out), s.d_attn);
-    im.wgrad(Section::kAttention, l, LinearKind::kAttnOut, s.d_resid, b.attn, im.g(p.attn_out));
+    im.dgrad_wgrad(Section::kAttention, l, LinearKind::kAttnOut, s.d_resid, im.w(p.attn_out), s.d_attn,
+                   b.attn, im.g(p.attn_out));
     {
       Scope sc(im, Section::kAttention, Work::kAttention);
       const int B = a.B, T = a.T;
@@ -1210,8 +1252,8 @@ void Model::backward(const BackwardOptions& o) {
                                  detail::qkv_part3(s.d_qkv, H * D, Hkv, D), a.positions, theta, st);
       im.bf16(s.d_qkv);
     }
-    im.dgrad(Section::kAttention, l, LinearKind::kQkv, s.d_qkv, im.w(p.qkv), s.d_ln);
-    im.wgrad(Section::kAttention, l, LinearKind::kQkv, s.d_qkv, b.ln1, im.g(p.qkv), &b.saved_ln1);
+    im.dgrad_wgrad(Section::kAttention, l, LinearKind::kQkv, s.d_qkv, im.w(p.qkv), s.d_ln, b.ln1,
+                   im.g(p.qkv), b.save_ln1 ? &b.saved_ln1 : nullptr);
     {
       Scope sc(im, Section::kAttention, Work::kOther);
       ops::rmsnorm_backward(s.d_tmp, im.g(p.attn_norm), s.d_ln, a.resid[(size_t)l],

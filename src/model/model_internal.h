@@ -190,6 +190,13 @@ struct Model::Impl {
   // saved_x holding a copy: the Wgrad reads it instead of x (ignored) and releases it.
   void wgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy, const TensorView& x,
              const TensorView& dw, std::optional<quant::QuantizedTensor>* saved_x = nullptr);
+  // dgrad then wgrad of one layer, dY quantized once for both where the recipe allows it
+  // (gemm::linear_dgrad_wgrad); separate calls when the model keeps its Wgrad inputs
+  // (keep_wgrad_inputs or an observer: the reference path). saved_x as in wgrad.
+  void dgrad_wgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy,
+                   const TensorView& w, const TensorView& dx, const TensorView& x, const TensorView& dw,
+                   std::optional<quant::QuantizedTensor>* saved_x = nullptr);
+  bool keeps_wgrad_inputs() const;  // ModelOptions::keep_wgrad_inputs or an attached observer
   // Reports a GEMM that just ran to the model's GemmObserver, if any (model.h GemmObservation).
   void observe(std::string_view layer, recipe::Gemm gemm, const gemm::LinearRecipe& r,
                const TensorView& a, const TensorView& b, const TensorView& out,

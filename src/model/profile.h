@@ -34,6 +34,12 @@ struct LinearCall {
   const gemm::LinearRecipe* recipe;  // valid during the call only
   int64_t m = 0, n = 0, k = 0;
   int groups = 1;
+  // How the token-side operands were quantized (gemm/linear.h), when not one pass per operand:
+  bool fprop_saves_x = false;  // fprop: X's column-wise copy made too and kept for the Wgrad
+                               // (in the same pass when gemm::fprop_and_wgrad_x_share_a_pass)
+  bool wgrad_saved_x = false;  // wgrad: X read from that kept copy (no quantization of X)
+  bool dy_one_pass = false;    // dgrad and wgrad: dY's two copies made in one pass (counted on
+                               // the dgrad call)
 };
 
 class Profiler {

@@ -27,7 +27,9 @@
 //
 // Stochastic rounding draws 8 bits per element from Philox-4x32-10 (core/rng.h) at
 // counter = (stored element index r*C + c) / 16, byte (index % 16), with stream
-// `sr.stream` for the row-wise copy and `sr.stream ^ kColwiseStreamBit` for the column-wise copy.
+// `sr.stream` for the row-wise copy and `sr.stream ^ kColwiseStreamBit` for the column-wise copy
+// (or the stream given as colwise_sr: one pass can then write two copies that separate calls with
+// their own streams would write, e.g. a gradient's Dgrad and Wgrad operands).
 //
 // NaN or Inf anywhere in the source is an error naming the tensor; nothing non-finite is encoded.
 #pragma once
@@ -120,6 +122,12 @@ QuantizedTensor allocate_quantized(const QuantConfig& config, int64_t src_rows, 
 // src: f32 or bf16, contiguous, on the CPU.
 QuantizedTensor quantize_reference(const TensorView& src, const QuantConfig& config,
                                    Orientations orientations, const QuantizeOptions& options);
+// The same with the column-wise copy's draws from exactly `colwise_sr` (instead of
+// options.sr.stream ^ kColwiseStreamBit). 1D blocks only (a 2D column-wise copy is the transpose
+// of the row-wise one).
+QuantizedTensor quantize_reference(const TensorView& src, const QuantConfig& config,
+                                   Orientations orientations, const QuantizeOptions& options,
+                                   RandomStream colwise_sr);
 
 // Dequantizes one orientation to f32 [R, C] in its stored layout (column-wise: transposed, and in
 // the Hadamard domain when RHT was applied).
@@ -152,6 +160,8 @@ void check_finite_reference(const TensorView& src, std::string_view tensor_name)
 struct CudaQuantizeOptions {
   std::string_view tensor_name = "tensor";
   RandomStream sr{};
+  // The column-wise copy's draws exactly (default: sr.stream ^ kColwiseStreamBit); 1D blocks only.
+  std::optional<RandomStream> colwise_sr;
   // If set, the global amax (row-wise, column-wise post-RHT) is taken from these device scalars
   // instead of being computed by an extra pass over the source (e.g. produced by the previous op).
   // Not with nvfp4_row_amax (its per-row amaxes are always computed here).

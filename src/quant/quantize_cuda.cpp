@@ -121,7 +121,11 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
     }
   };
   bind(out.rowwise, p.row, bf16_rowwise, o.sr);
-  bind(out.colwise, p.col, bf16_colwise, RandomStream{o.sr.seed, o.sr.stream ^ kColwiseStreamBit});
+  FOURBIT_CHECK(!o.colwise_sr || !cfg.block_2d,
+                "quantize_cuda('{}'): colwise_sr applies to 1D blocks only (a 2D column-wise copy "
+                "is the transpose of the row-wise one)", o.tensor_name);
+  bind(out.colwise, p.col, bf16_colwise,
+       o.colwise_sr ? *o.colwise_sr : RandomStream{o.sr.seed, o.sr.stream ^ kColwiseStreamBit});
 
   // Global amax (NVFP4: per orientation, column-wise after RHT, or per row; FP8 tensor: one).
   if (cfg.nvfp4_row_amax) {

@@ -447,14 +447,37 @@ void rht_reference(float* data, int64_t rows, int64_t cols, uint16_t sign_mask, 
     }
 }
 
+namespace {
+QuantizedTensor quantize_reference_impl(const TensorView& src, const QuantConfig& config,
+                                        Orientations orientations, const QuantizeOptions& options,
+                                        const std::optional<RandomStream>& colwise_sr);
+}  // namespace
+
 QuantizedTensor quantize_reference(const TensorView& src, const QuantConfig& config,
                                    Orientations orientations, const QuantizeOptions& options) {
+  return quantize_reference_impl(src, config, orientations, options, std::nullopt);
+}
+
+QuantizedTensor quantize_reference(const TensorView& src, const QuantConfig& config,
+                                   Orientations orientations, const QuantizeOptions& options,
+                                   RandomStream colwise_sr) {
+  return quantize_reference_impl(src, config, orientations, options, colwise_sr);
+}
+
+namespace {
+QuantizedTensor quantize_reference_impl(const TensorView& src, const QuantConfig& config,
+                                        Orientations orientations, const QuantizeOptions& options,
+                                        const std::optional<RandomStream>& colwise_sr) {
   config.validate();
   check_finite_reference(src, options.tensor_name);
   const Matrix m = load_source(src);
   QuantizedTensor q = allocate_quantized(config, m.rows, m.cols, orientations, Device::kCpu);
   const RandomStream row_stream = options.sr;
-  const RandomStream col_stream{options.sr.seed, options.sr.stream ^ kColwiseStreamBit};
+  FOURBIT_CHECK(!colwise_sr || !config.block_2d,
+                "tensor '{}': a column-wise stream of its own applies to 1D blocks only (a 2D "
+                "column-wise copy is the transpose of the row-wise one)", options.tensor_name);
+  const RandomStream col_stream =
+      colwise_sr ? *colwise_sr : RandomStream{options.sr.seed, options.sr.stream ^ kColwiseStreamBit};
   const bool two_d = config.block_2d;
   const float amax = matrix_amax(m);
   if (orientations.rowwise || (orientations.colwise && two_d)) {
@@ -478,6 +501,7 @@ QuantizedTensor quantize_reference(const TensorView& src, const QuantConfig& con
   }
   return q;
 }
+}  // namespace
 
 Tensor dequantize_reference(const QuantizedTensor& q, bool colwise) {
   const std::optional<QuantizedData>& od = colwise ? q.colwise : q.rowwise;
