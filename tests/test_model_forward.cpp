@@ -179,7 +179,8 @@ TEST(ModelKvCache, ForcedRoutingReplaysTheSampler) {
 // Every recipe preset runs forward and backward on the CPU (reference quantizers); the quantized
 // losses stay near the BF16 one and the gradients point the same way; stochastic rounding is keyed
 // by the step.
-TEST(ModelRecipes, EveryPresetRunsOnTheCpu) {
+// The dense and MoE models that every recipe preset runs on (widths the quantizers' blocks divide).
+std::vector<ModelConfig> preset_test_configs() {
   ModelConfig dense = small_dense();
   dense.d_model = 32;
   dense.d_ff = 64;
@@ -187,7 +188,11 @@ TEST(ModelRecipes, EveryPresetRunsOnTheCpu) {
   moe.d_model = 32;
   moe.d_ff = 64;
   moe.moe.expert_d_ff = 32;
-  for (const ModelConfig& c : {dense, moe}) {
+  return {dense, moe};
+}
+
+TEST(ModelRecipes, EveryPresetRunsOnTheCpu) {
+  for (const ModelConfig& c : preset_test_configs()) {
     SCOPED_TRACE(c.name);
     const int B = 2, T = 16;
     const testing::Batch batch = make_batch(B, T, c.vocab, 61);
@@ -241,15 +246,10 @@ TEST(ModelRecipes, EveryPresetRunsOnTheCpu) {
 // RL training, for every preset; it shrinks the arena exactly by the per-block ln1 / ln2 / act that
 // become per-pass scratch, and a GEMM observer makes the model keep X again.
 TEST(ModelRecipes, QuantizedWgradInputsKeepTheGradientsBitForBit) {
-  ModelConfig dense = small_dense();
-  dense.d_model = 32;
-  dense.d_ff = 64;
-  ModelConfig moe = small_moe();
-  moe.d_model = 32;
-  moe.d_ff = 64;
-  moe.moe.expert_d_ff = 32;
+  const std::vector<ModelConfig> configs = preset_test_configs();
+  const ModelConfig& dense = configs[0];
   const int B = 2, T = 16;
-  for (const ModelConfig& c : {dense, moe}) {
+  for (const ModelConfig& c : configs) {
     SCOPED_TRACE(c.name);
     const testing::Batch batch = make_batch(B, T, c.vocab, 62);
     for (std::string_view name : recipe::preset_names()) {
