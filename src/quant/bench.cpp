@@ -63,20 +63,24 @@ struct BenchCase {
   bool packed = true;
   bool bf16_scaled = false;
   bool amax_given = false;
+  // The training Fprop's X pass (gemm::linear_fprop_saving_x): the row-wise copy as scaled-domain
+  // BF16 only, the column-wise one packed only (packed and bf16_scaled are ignored).
+  bool row_bf16_col_packed = false;
 };
 
 double output_bytes(const QuantConfig& c, int64_t rows, int64_t cols, const BenchCase& bc) {
   const double n = (double)rows * cols;
   const int orientations = (bc.orientations.rowwise ? 1 : 0) + (bc.orientations.colwise ? 1 : 0);
-  double per = 0;
-  if (bc.packed) {
-    switch (c.format) {
-      case Format::kNvfp4: per += n / 2 + n / 16; break;
-      case Format::kMxfp8: per += n + n / 32; break;
-      case Format::kFp8Block: per += n + (c.block_2d ? 4.0 * n / (128 * 128) : 4.0 * n / 128); break;
-      case Format::kFp8Tensor: per += n; break;
-    }
+  double packed = 0;
+  switch (c.format) {
+    case Format::kNvfp4: packed = n / 2 + n / 16; break;
+    case Format::kMxfp8: packed = n + n / 32; break;
+    case Format::kFp8Block: packed = n + (c.block_2d ? 4.0 * n / (128 * 128) : 4.0 * n / 128); break;
+    case Format::kFp8Tensor: packed = n; break;
   }
+  if (bc.row_bf16_col_packed) return 2 * n + packed;
+  double per = 0;
+  if (bc.packed) per += packed;
   if (bc.bf16_scaled) per += 2 * n;
   return per * orientations;
 }
@@ -98,6 +102,10 @@ std::vector<BenchCase> bench_cases() {
   QuantConfig rht = c;
   rht.rht = true;
   v.push_back({"nvfp4 wgrad x: col rht -> bf16", rht, {false, true}, false, true});
+  // The same operands as one training step now quantizes them (gemm/linear.h): dY once for Dgrad
+  // and Wgrad (both copies BF16), X once in the Fprop (row-wise BF16, column-wise packed and kept).
+  v.push_back({"nvfp4 train dy: row sr + col rht sr -> bf16", grad, {true, true}, false, true});
+  v.push_back({"nvfp4 train x: row -> bf16, col rht packed", rht, {true, true}, true, false, false, true});
   QuantConfig w = c;
   w.block_2d = true;
   v.push_back({"nvfp4 16x16 weight row+col", w, {true, true}});
@@ -162,19 +170,23 @@ std::vector<QuantBenchRow> run_quant_bench(const QuantBenchOptions& o) {
   const double src_bytes = 2.0 * (double)o.rows * o.cols;
   for (const BenchCase& bc : bench_cases()) {
     QuantizedTensor q = allocate_quantized(bc.config, o.rows, o.cols, bc.orientations, Device::kCuda);
+    if (bc.row_bf16_col_packed) {  // no packed row-wise output (see quantize.h)
+      q.rowwise->data = Tensor();
+      q.rowwise->scales = Tensor();
+    }
     CudaQuantizeOptions co;
     co.tensor_name = bc.name;
     co.sr = RandomStream{1, 2};
     co.nonfinite_flag = flag.ptr<int>();
-    co.write_packed = bc.packed;
-    co.write_bf16_scaled = bc.bf16_scaled;
+    co.write_packed = bc.packed || bc.row_bf16_col_packed;
+    co.write_bf16_scaled = bc.bf16_scaled || bc.row_bf16_col_packed;
     if (bc.amax_given) {
       co.given_rowwise_amax = amax.ptr<float>();
       co.given_colwise_amax = amax.ptr<float>() + 1;
     }
     const TensorView row_view = bf16_row.view(), col_view = bf16_col.view();
     const double ms = timer.median_ms(o.reps, [&] {
-      quantize_cuda(src.view(), q, co, &row_view, &col_view);
+      quantize_cuda(src.view(), q, co, &row_view, bc.row_bf16_col_packed ? nullptr : &col_view);
     });
     const bool amax_pass = !bc.amax_given && (bc.config.format == Format::kNvfp4 ||
                                               bc.config.format == Format::kFp8Tensor);
