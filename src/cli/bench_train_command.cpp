@@ -30,6 +30,9 @@ Command add_bench_train_command(CLI::App& app) {
   sub->add_option("--device", a->device, "cuda (cpu: small presets, for testing)")
       ->capture_default_str();
   sub->add_option("--csv", a->o.csv_path, "also write the rows as CSV");
+  sub->add_flag("--keep-wgrad-inputs", a->o.keep_wgrad_inputs,
+                "keep every Wgrad input X at full precision and quantize each GEMM operand in its "
+                "own pass (the path before the fused training passes: for A/B comparisons)");
   return {sub, [a] {
             a->o.presets = split_list(a->presets);
             a->o.recipes = split_list(a->recipes);

@@ -29,6 +29,7 @@ struct TrainBenchOptions {
   int steps = 5;
   Device device = Device::kCuda;
   std::string csv_path;
+  bool keep_wgrad_inputs = false;  // model::ModelOptions::keep_wgrad_inputs
 };
 
 struct TrainBenchRow {
