@@ -35,7 +35,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 namespace fourbit::model {
 
@@ -314,7 +316,13 @@ int64_t Model::Impl::max_perm_rows(int64_t n_tokens) const {
 }
 
 bool Model::Impl::keeps_wgrad_inputs() const {
-  return m.options_.keep_wgrad_inputs || static_cast<bool>(m.gemm_observer_);
+  // FOURBIT_KEEP_WGRAD_INPUTS=1: the same for every model of the process (A/B runs of any command;
+  // the results are bit for bit the same either way, only memory and time differ).
+  static const bool from_env = [] {
+    const char* v = std::getenv("FOURBIT_KEEP_WGRAD_INPUTS");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  return m.options_.keep_wgrad_inputs || from_env || static_cast<bool>(m.gemm_observer_);
 }
 
 bool Model::Impl::saves_quantized_x(Mode plan_mode, int block, LinearKind kind) const {

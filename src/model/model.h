@@ -91,7 +91,9 @@ struct ModelOptions {
   // so by default the forward keeps that copy instead (gemm::linear_fprop_saving_x; NVFP4: 4.5 bits
   // per value instead of 16) for the layers whose X nothing else in the backward reads: qkv (ln1),
   // and in dense blocks mlp_up (ln2) and mlp_down (act). The gradients are bit for bit the same.
-  // Those X are then not named activations (they live in per-pass scratch). true: keep every X.
+  // Those X are then not named activations (they live in per-pass scratch). true (or the
+  // environment variable FOURBIT_KEEP_WGRAD_INPUTS=1): keep every X, one quantization pass per
+  // GEMM operand (the reference path).
   bool keep_wgrad_inputs = false;
 };
 
