@@ -12,7 +12,9 @@
 // copy the emulated GEMM reads; the packed copy is not materialized). The quantized operands are
 // temporaries of each call, taken from and returned to the device's stream-ordered memory pool
 // (core/device.h: no device synchronization, the freed bytes are reused by the next call). Nothing
-// is cached between calls: a weight is quantized again at every GEMM that reads it.
+// is cached between calls (a weight is quantized again at every GEMM that reads it), except the
+// one copy a caller asks to keep: X's column-wise copy from linear_fprop_saving_x (below), which
+// the training forward holds for the backward's Wgrad instead of X.
 #pragma once
 
 #include "core/rng.h"
