@@ -95,6 +95,7 @@ std::vector<BenchCase> bench_cases() {
   grad.rounding = Rounding::kStochastic;
   grad.rht = true;
   v.push_back({"nvfp4 grad: row sr + col rht sr", grad, {true, true}});
+  v.push_back({"nvfp4 grad: row sr + col rht sr (amax given)", grad, {true, true}, true, false, true});
   // What a training step runs for each NVFP4 linear (one orientation a call, scaled-domain BF16
   // for the emulated GEMM): Dgrad's dY, Wgrad's dY and Wgrad's X.
   v.push_back({"nvfp4 dgrad dy: row sr -> bf16", grad, {true, false}, false, true});
@@ -105,7 +106,9 @@ std::vector<BenchCase> bench_cases() {
   // The same operands as one training step now quantizes them (gemm/linear.h): dY once for Dgrad
   // and Wgrad (both copies BF16), X once in the Fprop (row-wise BF16, column-wise packed and kept).
   v.push_back({"nvfp4 train dy: row sr + col rht sr -> bf16", grad, {true, true}, false, true});
+  v.push_back({"nvfp4 train dy (amax given)", grad, {true, true}, false, true, true});
   v.push_back({"nvfp4 train x: row -> bf16, col rht packed", rht, {true, true}, true, false, false, true});
+  v.push_back({"nvfp4 train x (amax given)", rht, {true, true}, true, false, true, true});
   QuantConfig w = c;
   w.block_2d = true;
   v.push_back({"nvfp4 16x16 weight row+col", w, {true, true}});
@@ -201,6 +204,14 @@ std::vector<QuantBenchRow> run_quant_bench(const QuantBenchOptions& o) {
   });
   rows.push_back({"global amax pass (read only)", shape, amax_ms, src_bytes, src_bytes / (amax_ms * 1e6),
                   src_bytes / (amax_ms * 1e6) / copy_gbps});
+  // With RHT: the plain and the post-RHT column-wise amax in one read (what the RHT rows include).
+  Tensor amax2_out = Tensor::empty({2}, DType::kF32, Device::kCuda);
+  const double rht_amax_ms = timer.median_ms(o.reps, [&] {
+    amax_cuda(src.view(), amax2_out.ptr<float>(), amax2_out.ptr<float>() + 1, true, kRhtFixedSignMask,
+              flag.ptr<int>(), nullptr);
+  });
+  rows.push_back({"global amax pass with rht (read only)", shape, rht_amax_ms, src_bytes,
+                  src_bytes / (rht_amax_ms * 1e6), src_bytes / (rht_amax_ms * 1e6) / copy_gbps});
   int host_flag = 0;
   FOURBIT_CUDA_CHECK(cudaMemcpy(&host_flag, flag.data(), sizeof(int), cudaMemcpyDeviceToHost));
   FOURBIT_CHECK(host_flag == 0, "bench quant: the kernels flagged errors ({}) on random data", host_flag);

@@ -168,12 +168,16 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 // v <- bf16(v H) (block_math.h rht16_forward: the same operations; the final rounding to BF16 is
 // the hardware conversion, two values per instruction, which rounds like encode_bf16_rn: RNE,
 // overflow to Inf, canonical NaN 0x7FFF).
-__device__ __forceinline__ void rht16_forward_fast(float v[16], uint16_t sign_mask) {
+// v <- (v with the signs of sign_mask) H, unscaled and unrounded (rht16_forward's first steps).
+__device__ __forceinline__ void rht16_signs_and_butterfly(float v[16], uint16_t sign_mask) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     v[i] = __uint_as_float(__float_as_uint(v[i]) ^ (((uint32_t)sign_mask << (31 - i)) & 0x80000000u));
   }
   fwht16(v);
+}
+__device__ __forceinline__ void rht16_forward_fast(float v[16], uint16_t sign_mask) {
+  rht16_signs_and_butterfly(v, sign_mask);
 #pragma unroll
   for (int i = 0; i < 16; i += 2) {
     const __nv_bfloat162 h = __floats2bfloat162_rn(formats::mul_rn(v[i], 0.25f),
@@ -962,6 +966,65 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const InT* src, int64_t 
   if (bad) atomicOr(error_flags, kErrNonFinite);
 }
 
+// The same amaxes with RHT, the fast path (8-byte aligned source, a whole number of 8-byte chunks
+// per row): each thread reduces a 16-row strip of kPer = 4 BF16 (2 FP32) columns read with 16
+// independent 8-byte loads, so a warp reads 256 contiguous bytes of each of 16 rows (amax_kernel
+// above reads 2 bytes a load). The column-wise amax is max |bf16(RN(0.25 y))| over the transformed
+// segments y = fwht16(signs * x); RN to FP32 and then to BF16 are both monotone and odd, so
+// max_i |round(y_i)| = round(max_i |y_i|): the rounding is applied once per segment to its max |y|
+// instead of to each of its 16 values. Equal, bit for bit, to amax_kernel (NaN left out by fmaxf
+// in both; Inf kept).
+template <typename InT>
+__global__ void __launch_bounds__(kThreads) amax_rht_kernel(const InT* src, int64_t rows, int64_t cols,
+                                                            uint16_t sign_mask, float* row_amax,
+                                                            float* col_amax, int* error_flags) {
+  core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
+  core::pdl_wait_for_producer();
+  constexpr int kPer = 8 / (int)sizeof(InT);
+  const int64_t col_groups = cols / kPer;  // 8-byte chunks per row
+  const int64_t strips = (rows / 16) * col_groups;
+  float a_row = 0.0f, a_col = 0.0f;
+  bool bad = false;
+  for (int64_t s = (int64_t)blockIdx.x * kThreads + threadIdx.x; s < strips;
+       s += (int64_t)gridDim.x * kThreads) {
+    const int64_t rb = s / col_groups, cg = s % col_groups;
+    const uint2* chunk = reinterpret_cast<const uint2*>(src + rb * 16 * cols) + cg;
+    uint2 q[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) q[i] = __ldg(chunk + i * col_groups);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        if constexpr (sizeof(InT) == 2) {
+          const uint32_t w = j < 2 ? q[i].x : q[i].y;
+          v[i] = (j & 1) ? bf16_hi(w) : bf16_lo(w);
+        } else {
+          v[i] = __uint_as_float(j == 0 ? q[i].x : q[i].y);
+        }
+        const float x = abs_f32(v[i]);
+        bad |= !(x <= formats::kFloatMax);
+        a_row = fmaxf(a_row, x);
+      }
+      rht16_signs_and_butterfly(v, sign_mask);
+      float m = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) m = fmaxf(m, abs_f32(v[i]));
+      a_col = fmaxf(a_col, __bfloat162float(__float2bfloat16_rn(formats::mul_rn(m, 0.25f))));
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    a_row = fmaxf(a_row, __shfl_xor_sync(0xFFFFFFFFu, a_row, off));
+    a_col = fmaxf(a_col, __shfl_xor_sync(0xFFFFFFFFu, a_col, off));
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicMax(reinterpret_cast<unsigned int*>(row_amax), __float_as_uint(a_row));
+    if (col_amax) atomicMax(reinterpret_cast<unsigned int*>(col_amax), __float_as_uint(a_col));
+  }
+  if (bad) atomicOr(error_flags, kErrNonFinite);
+}
+
 // Folds the 8 BF16 or 4 FP32 values of a 16-byte chunk into the running amax `a`; a NaN is left out
 // (fmaxf) and an Inf kept, and either sets `bad`.
 template <typename InT>
@@ -1182,6 +1245,23 @@ void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, 
                                           row_amax, col_amax, error_flags));
     } else {
       FOURBIT_CUDA_CHECK(core::launch_pdl(amax_flat_kernel<float>, dim3(blocks), dim3(kThreads), 0, stream, s4, chunks,
+                                          row_amax, col_amax, error_flags));
+    }
+    FOURBIT_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const int element_bytes = bf16_source ? 2 : 4;
+  if (rht && (cols * element_bytes) % 8 == 0 && reinterpret_cast<uintptr_t>(src) % 8 == 0) {
+    const int64_t strips = (rows / 16) * (cols * element_bytes / 8);
+    const int blocks = (int)std::max<int64_t>(
+        1, std::min<int64_t>((strips + kThreads - 1) / kThreads, (int64_t)sms * 8));
+    if (bf16_source) {
+      FOURBIT_CUDA_CHECK(core::launch_pdl(amax_rht_kernel<uint16_t>, dim3(blocks), dim3(kThreads), 0, stream,
+                                          static_cast<const uint16_t*>(src), rows, cols, sign_mask,
+                                          row_amax, col_amax, error_flags));
+    } else {
+      FOURBIT_CUDA_CHECK(core::launch_pdl(amax_rht_kernel<float>, dim3(blocks), dim3(kThreads), 0, stream,
+                                          static_cast<const float*>(src), rows, cols, sign_mask,
                                           row_amax, col_amax, error_flags));
     }
     FOURBIT_CUDA_CHECK_LAUNCH();
