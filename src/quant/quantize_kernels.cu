@@ -57,6 +57,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 namespace fourbit::quant {
 namespace {
@@ -321,7 +323,33 @@ struct Tile {
 // cycles waiting for instruction fetch with every option compiled in).
 enum Variant : int { kRoundNearest = 0, kSrRht = 1, kAll = 2 };
 
-template <typename InT, Format F, bool kTwoD, int kVariant>
+// Asynchronous 16-byte global -> shared copies (cp.async, cached in L2 only) and their groups.
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+  const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem_dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+// Waits until at most `pending` (0..3) of this thread's committed groups are still in flight.
+__device__ __forceinline__ void cp_async_wait_at_most(int pending) {
+  switch (pending) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    default: cp_async_wait<3>(); break;
+  }
+}
+
+// kBanded (NVFP4 1x16 only): the tile arrives in kBands bands of 16 rows, each its own cp.async
+// group, and the CTA encodes band b (its row micro-blocks and its column micro-blocks, which are
+// exactly 16 rows) while bands b+1.. are still in flight, so a CTA's load and its arithmetic
+// overlap instead of running one after the other. Threads 0..127 take a band's 128 row
+// micro-blocks, the next TC / kColPair threads its column tasks. The bits are those of the
+// unbanded kernel: only the order of independent work changes.
+template <typename InT, Format F, bool kTwoD, int kVariant, bool kBanded = false>
 __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
   core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
   core::pdl_wait_for_producer();
@@ -348,16 +376,34 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
   const int64_t M = p.rows, K = p.cols;
   const InT* src = static_cast<const InT*>(p.src);
 
-  // 1. Load the tile (16-byte chunks, coalesced along rows, swizzled in shared memory).
+  // 1. Load the tile (16-byte chunks, coalesced along rows, swizzled in shared memory); banded:
+  //    asynchronously, one cp.async group per 16-row band, waited for band by band below.
   constexpr int kChunksPerRow = TC / T::kChunk;
+  constexpr int kBands = TR / 16;
+  static_assert(!kBanded || (T::kSinglePhase && kBands <= 4 && (16 * kChunksPerRow) % kThreads == 0 &&
+                             128 + TC / kColPair <= kThreads && T::kRowTasks / kBands == 128),
+                "banded tile geometry");
+  if constexpr (kBanded) {
 #pragma unroll
-  for (int chunk = threadIdx.x; chunk < TR * kChunksPerRow; chunk += kThreads) {
-    const int r = chunk / kChunksPerRow, cc = chunk % kChunksPerRow;
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + (r0 + r) * K + c0 + cc * T::kChunk));
-    *reinterpret_cast<uint4*>(tile + r * T::kStride + T::phys_chunk(cc) * T::kChunk) = v;
+    for (int band = 0; band < kBands; ++band) {
+#pragma unroll
+      for (int k = 0; k < 16 * kChunksPerRow / kThreads; ++k) {
+        const int chunk = band * 16 * kChunksPerRow + k * kThreads + threadIdx.x;
+        const int r = chunk / kChunksPerRow, cc = chunk % kChunksPerRow;
+        cp_async16(tile + r * T::kStride + T::phys_chunk(cc) * T::kChunk, src + (r0 + r) * K + c0 + cc * T::kChunk);
+      }
+      cp_async_commit();
+    }
+  } else {
+#pragma unroll
+    for (int chunk = threadIdx.x; chunk < TR * kChunksPerRow; chunk += kThreads) {
+      const int r = chunk / kChunksPerRow, cc = chunk % kChunksPerRow;
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + (r0 + r) * K + c0 + cc * T::kChunk));
+      *reinterpret_cast<uint4*>(tile + r * T::kStride + T::phys_chunk(cc) * T::kChunk) = v;
+    }
+    if (kTwoD && threadIdx.x == 0) block_amax_2d = 0.0f;
+    __syncthreads();
   }
-  if (kTwoD && threadIdx.x == 0) block_amax_2d = 0.0f;
-  __syncthreads();
 
   const bool do_row = p.row.data != nullptr || p.row.bf16 != nullptr;
   const bool do_col = p.col.data != nullptr || p.col.bf16 != nullptr;
@@ -476,9 +522,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
       return packed;
     };
     // BF16 sources: block amaxes (and the NaN/Inf check) on BF16 pairs, two values an instruction.
-    if (do_row) {
-#pragma unroll 1
-      for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) {
+    auto row_task = [&](int task) {
         const int r = task / (TC / 16), b = task % (TC / 16);
         float v[16];
         float amax;
@@ -501,11 +545,8 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
         const uint2 packed = encode(v, amax, p.row.amax_per_row ? nvfp4_tensor(p, p.row.amax + r0 + r) : nv_row,
                                     p.row, r0 + r, c0 + b * 16, K);
         if (p.row.data) *reinterpret_cast<uint2*>(p.row.data + ((r0 + r) * K + c0 + b * 16) / 2) = packed;
-      }
-    }
-    if (do_col) {
-#pragma unroll 1
-      for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) {
+    };
+    auto col_task = [&](int task) {
         const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
         float v[kColPair][16];
         float amax[kColPair];
@@ -535,9 +576,30 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
           const uint2 packed = encode(v[j], amax[j], nv_col, p.col, c0 + c, r0 + mb * 16, M);
           *reinterpret_cast<uint2*>(stage + c * T::kStageStride + mb * 8) = packed;
         }
+    };
+    if constexpr (kBanded) {
+      constexpr int kColTasksPerBand = TC / kColPair;
+#pragma unroll 1
+      for (int band = 0; band < kBands; ++band) {
+        cp_async_wait_at_most(kBands - 1 - band);
+        __syncthreads();  // every thread's share of band `band` has landed
+        if (threadIdx.x < 128) {
+          if (do_row) row_task(band * 128 + threadIdx.x);
+        } else if (threadIdx.x < 128 + kColTasksPerBand) {
+          if (do_col) col_task(band * kColTasksPerBand + threadIdx.x - 128);
+        }
       }
-      flush_stage();
+    } else {
+      if (do_row) {
+#pragma unroll 1
+        for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) row_task(task);
+      }
+      if (do_col) {
+#pragma unroll 1
+        for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) col_task(task);
+      }
     }
+    if (do_col) flush_stage();
     if (bad) atomicOr(p.error_flags, kErrNonFinite);
   } else {
     // --- two phases: micro-block amaxes, then scale blocks ------------------------------------
@@ -1147,10 +1209,19 @@ __global__ void dequantize_kernel(DequantParams p) {
   }
 }
 
-template <typename InT, Format F, bool kTwoD, int kVariant>
-void launch_tile_variant(const Params& p, cudaStream_t stream) {
+// FOURBIT_QUANT_BANDED=0 (read once) launches the NVFP4 1x16 tile kernel unbanded (A/B runs).
+bool banded_tiles_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("FOURBIT_QUANT_BANDED");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
+template <typename InT, Format F, bool kTwoD, int kVariant, bool kBanded>
+void launch_tile_kernel(const Params& p, cudaStream_t stream) {
   using T = Tile<InT, F, kTwoD>;
-  auto kernel = quantize_tile_kernel<InT, F, kTwoD, kVariant>;
+  auto kernel = quantize_tile_kernel<InT, F, kTwoD, kVariant, kBanded>;
   static bool configured = false;  // per instantiation; the device is set once per process
   if (!configured) {
     FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1160,6 +1231,17 @@ void launch_tile_variant(const Params& p, cudaStream_t stream) {
   const dim3 grid((unsigned)(p.cols / T::kCols), (unsigned)(p.rows / T::kRows));
   FOURBIT_CUDA_CHECK(core::launch_pdl(kernel, grid, dim3(kThreads), T::kSmemBytes, stream, p));
   FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+template <typename InT, Format F, bool kTwoD, int kVariant>
+void launch_tile_variant(const Params& p, cudaStream_t stream) {
+  if constexpr (F == Format::kNvfp4 && !kTwoD) {
+    if (banded_tiles_enabled()) {
+      launch_tile_kernel<InT, F, kTwoD, kVariant, true>(p, stream);
+      return;
+    }
+  }
+  launch_tile_kernel<InT, F, kTwoD, kVariant, false>(p, stream);
 }
 
 template <typename InT, Format F, bool kTwoD>
