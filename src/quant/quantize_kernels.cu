@@ -523,59 +523,59 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
     };
     // BF16 sources: block amaxes (and the NaN/Inf check) on BF16 pairs, two values an instruction.
     auto row_task = [&](int task) {
-        const int r = task / (TC / 16), b = task % (TC / 16);
-        float v[16];
-        float amax;
-        if constexpr (sizeof(InT) == 2) {
-          uint32_t w[8];
+      const int r = task / (TC / 16), b = task % (TC / 16);
+      float v[16];
+      float amax;
+      if constexpr (sizeof(InT) == 2) {
+        uint32_t w[8];
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const uint4 q = *reinterpret_cast<const uint4*>(tile + r * T::kStride + T::phys_chunk(2 * b + j) * T::kChunk);
-            w[4 * j] = q.x, w[4 * j + 1] = q.y, w[4 * j + 2] = q.z, w[4 * j + 3] = q.w;
-          }
-          const uint32_t m2 = bf16x2_amax<8>(w);
-          amax = bf16_lo(bf16x2_absmax_nan(m2, __byte_perm(m2, 0, 0x1032)));
-          bad |= !(amax <= formats::kFloatMax);
-#pragma unroll
-          for (int k = 0; k < 8; ++k) v[2 * k] = bf16_lo(w[k]), v[2 * k + 1] = bf16_hi(w[k]);
-        } else {
-          read_row16(r, b, v);
-          amax = amax16(v, bad);
+        for (int j = 0; j < 2; ++j) {
+          const uint4 q = *reinterpret_cast<const uint4*>(tile + r * T::kStride + T::phys_chunk(2 * b + j) * T::kChunk);
+          w[4 * j] = q.x, w[4 * j + 1] = q.y, w[4 * j + 2] = q.z, w[4 * j + 3] = q.w;
         }
-        const uint2 packed = encode(v, amax, p.row.amax_per_row ? nvfp4_tensor(p, p.row.amax + r0 + r) : nv_row,
-                                    p.row, r0 + r, c0 + b * 16, K);
-        if (p.row.data) *reinterpret_cast<uint2*>(p.row.data + ((r0 + r) * K + c0 + b * 16) / 2) = packed;
+        const uint32_t m2 = bf16x2_amax<8>(w);
+        amax = bf16_lo(bf16x2_absmax_nan(m2, __byte_perm(m2, 0, 0x1032)));
+        bad |= !(amax <= formats::kFloatMax);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[2 * k] = bf16_lo(w[k]), v[2 * k + 1] = bf16_hi(w[k]);
+      } else {
+        read_row16(r, b, v);
+        amax = amax16(v, bad);
+      }
+      const uint2 packed = encode(v, amax, p.row.amax_per_row ? nvfp4_tensor(p, p.row.amax + r0 + r) : nv_row,
+                                  p.row, r0 + r, c0 + b * 16, K);
+      if (p.row.data) *reinterpret_cast<uint2*>(p.row.data + ((r0 + r) * K + c0 + b * 16) / 2) = packed;
     };
     auto col_task = [&](int task) {
-        const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
-        float v[kColPair][16];
-        float amax[kColPair];
-        if constexpr (sizeof(InT) == 2) {
-          uint32_t w[16];
+      const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
+      float v[kColPair][16];
+      float amax[kColPair];
+      if constexpr (sizeof(InT) == 2) {
+        uint32_t w[16];
 #pragma unroll
-          for (int i = 0; i < 16; ++i) w[i] = *reinterpret_cast<const uint32_t*>(tile + T::element_offset(mb * 16 + i, cp * 2));
-          const uint32_t m2 = bf16x2_amax<16>(w);
-          amax[0] = bf16_lo(m2);
-          amax[1] = bf16_hi(m2);
-          if (!do_row) bad |= !(amax[0] <= formats::kFloatMax && amax[1] <= formats::kFloatMax);
+        for (int i = 0; i < 16; ++i) w[i] = *reinterpret_cast<const uint32_t*>(tile + T::element_offset(mb * 16 + i, cp * 2));
+        const uint32_t m2 = bf16x2_amax<16>(w);
+        amax[0] = bf16_lo(m2);
+        amax[1] = bf16_hi(m2);
+        if (!do_row) bad |= !(amax[0] <= formats::kFloatMax && amax[1] <= formats::kFloatMax);
 #pragma unroll
-          for (int i = 0; i < 16; ++i) v[0][i] = bf16_lo(w[i]), v[1][i] = bf16_hi(w[i]);
-        } else {
-          read_cols16(mb, cp, v);
-          bool ignore = false;  // the row-wise pass (or below) reports non-finite inputs
-          amax[0] = amax16(v[0], do_row ? ignore : bad);
+        for (int i = 0; i < 16; ++i) v[0][i] = bf16_lo(w[i]), v[1][i] = bf16_hi(w[i]);
+      } else {
+        read_cols16(mb, cp, v);
+        bool ignore = false;  // the row-wise pass (or below) reports non-finite inputs
+        amax[0] = amax16(v[0], do_row ? ignore : bad);
+      }
+#pragma unroll
+      for (int j = 0; j < kColPair; ++j) {
+        const int c = cp * kColPair + j;
+        if (rht) {
+          rht16_forward_fast(v[j], p.rht_sign_mask);
+          bool ignore = false;
+          amax[j] = amax16(v[j], ignore);
         }
-#pragma unroll
-        for (int j = 0; j < kColPair; ++j) {
-          const int c = cp * kColPair + j;
-          if (rht) {
-            rht16_forward_fast(v[j], p.rht_sign_mask);
-            bool ignore = false;
-            amax[j] = amax16(v[j], ignore);
-          }
-          const uint2 packed = encode(v[j], amax[j], nv_col, p.col, c0 + c, r0 + mb * 16, M);
-          *reinterpret_cast<uint2*>(stage + c * T::kStageStride + mb * 8) = packed;
-        }
+        const uint2 packed = encode(v[j], amax[j], nv_col, p.col, c0 + c, r0 + mb * 16, M);
+        *reinterpret_cast<uint2*>(stage + c * T::kStageStride + mb * 8) = packed;
+      }
     };
     if constexpr (kBanded) {
       constexpr int kColTasksPerBand = TC / kColPair;
