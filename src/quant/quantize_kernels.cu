@@ -1209,11 +1209,12 @@ __global__ void dequantize_kernel(DequantParams p) {
   }
 }
 
-// FOURBIT_QUANT_BANDED=0 (read once) launches the NVFP4 1x16 tile kernel unbanded (A/B runs).
+// FOURBIT_QUANT_BANDED=1 (read once) launches the banded NVFP4 1x16 tile kernel. Opt-in until a
+// GPU run has passed test_quant_cuda with it and measured it (bench/notes-quant-kernels.md).
 bool banded_tiles_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("FOURBIT_QUANT_BANDED");
-    return v == nullptr || std::string(v) != "0";
+    return v != nullptr && std::string(v) == "1";
   }();
   return on;
 }
@@ -1333,7 +1334,13 @@ void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, 
     return;
   }
   const int element_bytes = bf16_source ? 2 : 4;
-  if (rht && (cols * element_bytes) % 8 == 0 && reinterpret_cast<uintptr_t>(src) % 8 == 0) {
+  // amax_rht_kernel is opt-in (FOURBIT_QUANT_AMAX_RHT=1, read once) until a GPU run has passed
+  // test_quant_cuda with it and measured it (bench/notes-quant-kernels.md).
+  static const bool amax_rht_on = [] {
+    const char* v = std::getenv("FOURBIT_QUANT_AMAX_RHT");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  if (rht && amax_rht_on && (cols * element_bytes) % 8 == 0 && reinterpret_cast<uintptr_t>(src) % 8 == 0) {
     const int64_t strips = (rows / 16) * (cols * element_bytes / 8);
     const int blocks = (int)std::max<int64_t>(
         1, std::min<int64_t>((strips + kThreads - 1) / kThreads, (int64_t)sms * 8));
