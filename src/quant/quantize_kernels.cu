@@ -981,6 +981,21 @@ void launch_rowwise(const Params& p, cudaStream_t stream) {
 
 // --- global amax ---------------------------------------------------------------------------------
 
+// The end of both global-amax kernels: a warp max of this thread's amaxes, one atomicMax per warp
+// (non-negative floats order like their bits), and the non-finite flag.
+__device__ __forceinline__ void publish_amaxes(float a_row, float a_col, float* row_amax, float* col_amax,
+                                               bool bad, int* error_flags) {
+  for (int off = 16; off > 0; off >>= 1) {
+    a_row = fmaxf(a_row, __shfl_xor_sync(0xFFFFFFFFu, a_row, off));
+    a_col = fmaxf(a_col, __shfl_xor_sync(0xFFFFFFFFu, a_col, off));
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicMax(reinterpret_cast<unsigned int*>(row_amax), __float_as_uint(a_row));
+    if (col_amax) atomicMax(reinterpret_cast<unsigned int*>(col_amax), __float_as_uint(a_col));
+  }
+  if (bad) atomicOr(error_flags, kErrNonFinite);
+}
+
 // Each thread reduces a 16-row strip of kColPair columns: the plain amax (row-wise) and, when
 // `rht`, the amax of the BF16-rounded Hadamard transform of each 16-row column segment.
 template <typename InT>
@@ -1015,17 +1030,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const InT* src, int64_t 
       }
     }
   }
-  for (int off = 16; off > 0; off >>= 1) {
-    a_row = fmaxf(a_row, __shfl_xor_sync(0xFFFFFFFFu, a_row, off));
-    a_col = fmaxf(a_col, __shfl_xor_sync(0xFFFFFFFFu, a_col, off));
-  }
-  if ((threadIdx.x & 31) == 0) {
-    atomicMax(reinterpret_cast<unsigned int*>(row_amax), __float_as_uint(a_row));
-    if (col_amax) {
-      atomicMax(reinterpret_cast<unsigned int*>(col_amax), __float_as_uint(rht ? a_col : a_row));
-    }
-  }
-  if (bad) atomicOr(error_flags, kErrNonFinite);
+  publish_amaxes(a_row, rht ? a_col : a_row, row_amax, col_amax, bad, error_flags);
 }
 
 // The same amaxes with RHT, the fast path (8-byte aligned source, a whole number of 8-byte chunks
@@ -1076,15 +1081,7 @@ __global__ void __launch_bounds__(kThreads) amax_rht_kernel(const InT* src, int6
       a_col = fmaxf(a_col, __bfloat162float(__float2bfloat16_rn(formats::mul_rn(m, 0.25f))));
     }
   }
-  for (int off = 16; off > 0; off >>= 1) {
-    a_row = fmaxf(a_row, __shfl_xor_sync(0xFFFFFFFFu, a_row, off));
-    a_col = fmaxf(a_col, __shfl_xor_sync(0xFFFFFFFFu, a_col, off));
-  }
-  if ((threadIdx.x & 31) == 0) {
-    atomicMax(reinterpret_cast<unsigned int*>(row_amax), __float_as_uint(a_row));
-    if (col_amax) atomicMax(reinterpret_cast<unsigned int*>(col_amax), __float_as_uint(a_col));
-  }
-  if (bad) atomicOr(error_flags, kErrNonFinite);
+  publish_amaxes(a_row, a_col, row_amax, col_amax, bad, error_flags);
 }
 
 // Folds the 8 BF16 or 4 FP32 values of a 16-byte chunk into the running amax `a`; a NaN is left out
@@ -1209,13 +1206,21 @@ __global__ void dequantize_kernel(DequantParams p) {
   }
 }
 
-// FOURBIT_QUANT_BANDED=1 (read once) launches the banded NVFP4 1x16 tile kernel. Opt-in until a
-// GPU run has passed test_quant_cuda with it and measured it (bench/notes-quant-kernels.md).
+// The opt-in quantizer kernels, each switched on by its environment variable set to 1 (read once
+// per process): opt-in until a GPU run has passed test_quant_cuda with them and measured them
+// (bench/notes-quant-kernels.md, "Session 11").
+bool env_switch_on(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::string(v) == "1";
+}
+// FOURBIT_QUANT_BANDED=1: the banded NVFP4 1x16 tile kernel.
 bool banded_tiles_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("FOURBIT_QUANT_BANDED");
-    return v != nullptr && std::string(v) == "1";
-  }();
+  static const bool on = env_switch_on("FOURBIT_QUANT_BANDED");
+  return on;
+}
+// FOURBIT_QUANT_AMAX_RHT=1: amax_rht_kernel for the global amaxes with RHT.
+bool amax_rht_enabled() {
+  static const bool on = env_switch_on("FOURBIT_QUANT_AMAX_RHT");
   return on;
 }
 
@@ -1334,13 +1339,7 @@ void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, 
     return;
   }
   const int element_bytes = bf16_source ? 2 : 4;
-  // amax_rht_kernel is opt-in (FOURBIT_QUANT_AMAX_RHT=1, read once) until a GPU run has passed
-  // test_quant_cuda with it and measured it (bench/notes-quant-kernels.md).
-  static const bool amax_rht_on = [] {
-    const char* v = std::getenv("FOURBIT_QUANT_AMAX_RHT");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  if (rht && amax_rht_on && (cols * element_bytes) % 8 == 0 && reinterpret_cast<uintptr_t>(src) % 8 == 0) {
+  if (rht && amax_rht_enabled() && (cols * element_bytes) % 8 == 0 && reinterpret_cast<uintptr_t>(src) % 8 == 0) {
     const int64_t strips = (rows / 16) * (cols * element_bytes / 8);
     const int blocks = (int)std::max<int64_t>(
         1, std::min<int64_t>((strips + kThreads - 1) / kThreads, (int64_t)sms * 8));
