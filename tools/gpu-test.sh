@@ -143,11 +143,6 @@ step gpu-info "$test_log" 20 \
   --format=csv
 step test-gpu "$test_log" 3 \
   ctest --test-dir "$build" -L gpu --output-on-failure --no-tests=error
-# The opt-in quantizer kernels (README: FOURBIT_QUANT_AMAX_RHT, FOURBIT_QUANT_BANDED) against the
-# same reference, so that each run tests them until they become the default.
-step test-gpu-quant-optin "$test_log" 3 \
-  env FOURBIT_QUANT_AMAX_RHT=1 FOURBIT_QUANT_BANDED=1 \
-  ctest --test-dir "$build" -R '^test_quant_cuda' --output-on-failure --no-tests=error
 skip=" ${FOURBIT_SKIP:-} "
 if [[ "$skip" != *" test-cpu "* ]]; then
   step test-cpu "$test_log" 3 \

@@ -57,8 +57,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 namespace fourbit::quant {
 namespace {
@@ -323,33 +321,7 @@ struct Tile {
 // cycles waiting for instruction fetch with every option compiled in).
 enum Variant : int { kRoundNearest = 0, kSrRht = 1, kAll = 2 };
 
-// Asynchronous 16-byte global -> shared copies (cp.async, cached in L2 only) and their groups.
-__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
-  const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem_dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-// Waits until at most `pending` (0..3) of this thread's committed groups are still in flight.
-__device__ __forceinline__ void cp_async_wait_at_most(int pending) {
-  switch (pending) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    default: cp_async_wait<3>(); break;
-  }
-}
-
-// kBanded (NVFP4 1x16 only): the tile arrives in kBands bands of 16 rows, each its own cp.async
-// group, and the CTA encodes band b (its row micro-blocks and its column micro-blocks, which are
-// exactly 16 rows) while bands b+1.. are still in flight, so a CTA's load and its arithmetic
-// overlap instead of running one after the other. Threads 0..127 take a band's 128 row
-// micro-blocks, the next TC / kColPair threads its column tasks. The bits are those of the
-// unbanded kernel: only the order of independent work changes.
-template <typename InT, Format F, bool kTwoD, int kVariant, bool kBanded = false>
+template <typename InT, Format F, bool kTwoD, int kVariant>
 __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
   core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
   core::pdl_wait_for_producer();
@@ -376,34 +348,16 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
   const int64_t M = p.rows, K = p.cols;
   const InT* src = static_cast<const InT*>(p.src);
 
-  // 1. Load the tile (16-byte chunks, coalesced along rows, swizzled in shared memory); banded:
-  //    asynchronously, one cp.async group per 16-row band, waited for band by band below.
+  // 1. Load the tile (16-byte chunks, coalesced along rows, swizzled in shared memory).
   constexpr int kChunksPerRow = TC / T::kChunk;
-  constexpr int kBands = TR / 16;
-  static_assert(!kBanded || (T::kSinglePhase && kBands <= 4 && (16 * kChunksPerRow) % kThreads == 0 &&
-                             128 + TC / kColPair <= kThreads && T::kRowTasks / kBands == 128),
-                "banded tile geometry");
-  if constexpr (kBanded) {
 #pragma unroll
-    for (int band = 0; band < kBands; ++band) {
-#pragma unroll
-      for (int k = 0; k < 16 * kChunksPerRow / kThreads; ++k) {
-        const int chunk = band * 16 * kChunksPerRow + k * kThreads + threadIdx.x;
-        const int r = chunk / kChunksPerRow, cc = chunk % kChunksPerRow;
-        cp_async16(tile + r * T::kStride + T::phys_chunk(cc) * T::kChunk, src + (r0 + r) * K + c0 + cc * T::kChunk);
-      }
-      cp_async_commit();
-    }
-  } else {
-#pragma unroll
-    for (int chunk = threadIdx.x; chunk < TR * kChunksPerRow; chunk += kThreads) {
-      const int r = chunk / kChunksPerRow, cc = chunk % kChunksPerRow;
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + (r0 + r) * K + c0 + cc * T::kChunk));
-      *reinterpret_cast<uint4*>(tile + r * T::kStride + T::phys_chunk(cc) * T::kChunk) = v;
-    }
-    if (kTwoD && threadIdx.x == 0) block_amax_2d = 0.0f;
-    __syncthreads();
+  for (int chunk = threadIdx.x; chunk < TR * kChunksPerRow; chunk += kThreads) {
+    const int r = chunk / kChunksPerRow, cc = chunk % kChunksPerRow;
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + (r0 + r) * K + c0 + cc * T::kChunk));
+    *reinterpret_cast<uint4*>(tile + r * T::kStride + T::phys_chunk(cc) * T::kChunk) = v;
   }
+  if (kTwoD && threadIdx.x == 0) block_amax_2d = 0.0f;
+  __syncthreads();
 
   const bool do_row = p.row.data != nullptr || p.row.bf16 != nullptr;
   const bool do_col = p.col.data != nullptr || p.col.bf16 != nullptr;
@@ -577,27 +531,13 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
         *reinterpret_cast<uint2*>(stage + c * T::kStageStride + mb * 8) = packed;
       }
     };
-    if constexpr (kBanded) {
-      constexpr int kColTasksPerBand = TC / kColPair;
+    if (do_row) {
 #pragma unroll 1
-      for (int band = 0; band < kBands; ++band) {
-        cp_async_wait_at_most(kBands - 1 - band);
-        __syncthreads();  // every thread's share of band `band` has landed
-        if (threadIdx.x < 128) {
-          if (do_row) row_task(band * 128 + threadIdx.x);
-        } else if (threadIdx.x < 128 + kColTasksPerBand) {
-          if (do_col) col_task(band * kColTasksPerBand + threadIdx.x - 128);
-        }
-      }
-    } else {
-      if (do_row) {
+      for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) row_task(task);
+    }
+    if (do_col) {
 #pragma unroll 1
-        for (int task = threadIdx.x; task < T::kRowTasks; task += kThreads) row_task(task);
-      }
-      if (do_col) {
-#pragma unroll 1
-        for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) col_task(task);
-      }
+      for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) col_task(task);
     }
     if (do_col) flush_stage();
     if (bad) atomicOr(p.error_flags, kErrNonFinite);
@@ -1206,28 +1146,10 @@ __global__ void dequantize_kernel(DequantParams p) {
   }
 }
 
-// The opt-in quantizer kernels, each switched on by its environment variable set to 1 (read once
-// per process): opt-in until a GPU run has passed test_quant_cuda with them and measured them
-// (bench/notes-quant-kernels.md, "Session 11").
-bool env_switch_on(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && std::string(v) == "1";
-}
-// FOURBIT_QUANT_BANDED=1: the banded NVFP4 1x16 tile kernel.
-bool banded_tiles_enabled() {
-  static const bool on = env_switch_on("FOURBIT_QUANT_BANDED");
-  return on;
-}
-// FOURBIT_QUANT_AMAX_RHT=1: amax_rht_kernel for the global amaxes with RHT.
-bool amax_rht_enabled() {
-  static const bool on = env_switch_on("FOURBIT_QUANT_AMAX_RHT");
-  return on;
-}
-
-template <typename InT, Format F, bool kTwoD, int kVariant, bool kBanded>
+template <typename InT, Format F, bool kTwoD, int kVariant>
 void launch_tile_kernel(const Params& p, cudaStream_t stream) {
   using T = Tile<InT, F, kTwoD>;
-  auto kernel = quantize_tile_kernel<InT, F, kTwoD, kVariant, kBanded>;
+  auto kernel = quantize_tile_kernel<InT, F, kTwoD, kVariant>;
   static bool configured = false;  // per instantiation; the device is set once per process
   if (!configured) {
     FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1239,30 +1161,19 @@ void launch_tile_kernel(const Params& p, cudaStream_t stream) {
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
-template <typename InT, Format F, bool kTwoD, int kVariant>
-void launch_tile_variant(const Params& p, cudaStream_t stream) {
-  if constexpr (F == Format::kNvfp4 && !kTwoD) {
-    if (banded_tiles_enabled()) {
-      launch_tile_kernel<InT, F, kTwoD, kVariant, true>(p, stream);
-      return;
-    }
-  }
-  launch_tile_kernel<InT, F, kTwoD, kVariant, false>(p, stream);
-}
-
 template <typename InT, Format F, bool kTwoD>
 void launch_tile(const Params& p, cudaStream_t stream) {
   if (p.four_over_six) {
-    launch_tile_variant<InT, F, kTwoD, kAll>(p, stream);
+    launch_tile_kernel<InT, F, kTwoD, kAll>(p, stream);
   } else if (p.stochastic || p.rht) {
     // Only NVFP4 1x16 has its own SR + RHT kernel (the gradients); the others take kAll.
     if constexpr (F == Format::kNvfp4 && !kTwoD) {
-      launch_tile_variant<InT, F, kTwoD, kSrRht>(p, stream);
+      launch_tile_kernel<InT, F, kTwoD, kSrRht>(p, stream);
     } else {
-      launch_tile_variant<InT, F, kTwoD, kAll>(p, stream);
+      launch_tile_kernel<InT, F, kTwoD, kAll>(p, stream);
     }
   } else {
-    launch_tile_variant<InT, F, kTwoD, kRoundNearest>(p, stream);
+    launch_tile_kernel<InT, F, kTwoD, kRoundNearest>(p, stream);
   }
 }
 
@@ -1339,7 +1250,7 @@ void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, 
     return;
   }
   const int element_bytes = bf16_source ? 2 : 4;
-  if (rht && amax_rht_enabled() && (cols * element_bytes) % 8 == 0 && reinterpret_cast<uintptr_t>(src) % 8 == 0) {
+  if (rht && (cols * element_bytes) % 8 == 0 && reinterpret_cast<uintptr_t>(src) % 8 == 0) {
     const int64_t strips = (rows / 16) * (cols * element_bytes / 8);
     const int blocks = (int)std::max<int64_t>(
         1, std::min<int64_t>((strips + kThreads - 1) / kThreads, (int64_t)sms * 8));
