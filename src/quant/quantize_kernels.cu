@@ -118,9 +118,22 @@ __device__ __forceinline__ uint32_t e2m1_code(float x, float mult, bool four_ove
   return four_over_six && mult == 0.0f ? 0u : q;
 }
 
-// Encodes 16 values with an NVFP4 scale already chosen; returns the packed 8 bytes.
+// Encodes 16 values with an NVFP4 scale already chosen; returns the packed 8 bytes. Without Four
+// Over Six the codes go into the words straight from their magic sums (formats::e2m1_pack_add:
+// multiply-adds on the FMA pipe instead of masks, shifts and ors on the integer pipe, which
+// ncu showed as the tile kernel's busiest).
 __device__ __forceinline__ uint2 nvfp4_encode16(const float v[16], float mult, bool four_over_six,
                                                 bool stochastic, const Philox4x32Result& rb) {
+  if (!four_over_six) {
+    uint32_t w[2] = {formats::kE2M1PackBias, formats::kE2M1PackBias};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float y = formats::mul_rn(v[i], mult);
+      const formats::E2M1Sum sum = stochastic ? formats::e2m1_sr_sum(y, rbyte(rb, i)) : formats::e2m1_rn_sum(y);
+      w[i >> 3] = formats::e2m1_pack_add(w[i >> 3], i & 7, sum, y);
+    }
+    return make_uint2(w[0], w[1]);
+  }
   uint32_t w[2] = {0, 0};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
@@ -148,8 +161,18 @@ __device__ __forceinline__ uint32_t bf16x2_absmax_nan(uint32_t a, uint32_t b) {
   memcpy(&r, &m, 4);
   return r;
 }
+__device__ __forceinline__ uint32_t bf16x2_max_nan(uint32_t a, uint32_t b) {
+  __nv_bfloat162 x, y;
+  memcpy(&x, &a, 4);
+  memcpy(&y, &b, 4);
+  const __nv_bfloat162 m = __hmax2_nan(x, y);
+  uint32_t r;
+  memcpy(&r, &m, 4);
+  return r;
+}
 // Element-wise max |.| of n BF16x2 words (a tree), NaN-propagating: a half is NaN or Inf exactly
-// when one of its values is, else it is the exact amax of its values.
+// when one of its values is, else it is the exact amax of its values. |.| only at the leaves
+// (each __habs2 is an instruction; the inner levels are non-negative already).
 template <int n>
 __device__ __forceinline__ uint32_t bf16x2_amax(const uint32_t* w) {
   uint32_t m[n / 2];
@@ -158,7 +181,7 @@ __device__ __forceinline__ uint32_t bf16x2_amax(const uint32_t* w) {
 #pragma unroll
   for (int h = n / 4; h >= 1; h /= 2) {
 #pragma unroll
-    for (int i = 0; i < h; ++i) m[i] = bf16x2_absmax_nan(m[i], m[i + h]);
+    for (int i = 0; i < h; ++i) m[i] = bf16x2_max_nan(m[i], m[i + h]);
   }
   return m[0];
 }
@@ -305,7 +328,22 @@ struct Tile {
   static constexpr size_t kStageBytes = (size_t)kCols * kStageStride;
   static constexpr size_t kAmaxFloats =
       kSinglePhase ? 0 : (size_t)kRows * (kCols / 16) * 3 + (size_t)(kRows / 16) * kCols;
-  static constexpr size_t kSmemBytes = kTileBytes + kStageBytes + kAmaxFloats * sizeof(float);
+  // NVFP4 1x16 stages its scales too, so that they leave as one 8-byte store per row (TC/16
+  // scales) and one 4-byte store per column (TR/16) instead of one byte store each.
+  static constexpr size_t kScaleStageBytes = kSinglePhase ? (size_t)kRows * (kCols / 16) + (size_t)kCols * (kRows / 16) : 0;
+  static constexpr size_t kSmemBytes =
+      kTileBytes + kStageBytes + kAmaxFloats * sizeof(float) + kScaleStageBytes;
+  // Byte offset of column c's micro-block mb in the stage. NVFP4's 8-byte slots are XOR-swizzled
+  // by bits 3..4 of c: a half-warp's stores (columns 2t + j, t = 0..15, 96 bytes apart) then
+  // hit 16 distinct 8-byte bank pairs instead of 4 (ncu: 5.4-way conflicts before).
+  __device__ static int stage_offset(int c, int mb) {
+    if constexpr (F == Format::kNvfp4) {
+      static_assert(kStageColBytes == 32, "four 8-byte NVFP4 slots per staged column");
+      return c * kStageStride + ((mb ^ (c >> 3)) & 3) * 8;
+    } else {
+      return c * kStageStride + mb * 16;
+    }
+  }
 
   // XOR swizzle of 16-byte chunks within a row: the kMicroChunks loads of a quarter-warp's eight
   // row micro-blocks then hit 32 distinct banks (chunk c of micro-block b: c ^ (b / 2 ...)).
@@ -336,6 +374,8 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
   InT* tile = reinterpret_cast<InT*>(smem_raw);
   uint8_t* stage = smem_raw + T::kTileBytes;                                   // [TC][stride]
   float* row_amax16 = reinterpret_cast<float*>(stage + T::kStageBytes);        // [TR][TC/16]
+  uint8_t* row_scale_stage = reinterpret_cast<uint8_t*>(row_amax16 + T::kAmaxFloats);  // [TR][TC/16]
+  uint8_t* col_scale_stage = row_scale_stage + TR * (TC / 16);                   // [TC][TR/16]
   float* col_amax16 = row_amax16 + TR * (TC / 16);                             // [TR/16][TC]
   float* err_rows = col_amax16 + (TR / 16) * TC;                               // [TR*TC/16][2]
   __shared__ uint8_t tile_choice[TR / 16][TC / 16];  // 4/6 2D: 1 = map to 4
@@ -436,8 +476,15 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
     const int64_t out_col0 = F == Format::kNvfp4 ? r0 / 2 : r0;
     for (int t = threadIdx.x; t < TC * kChunksPerCol; t += kThreads) {
       const int c = t / kChunksPerCol, h = t % kChunksPerCol;
-      *reinterpret_cast<uint4*>(p.col.data + (c0 + c) * out_row_bytes + out_col0 + h * 16) =
-          *reinterpret_cast<const uint4*>(stage + c * T::kStageStride + h * 16);
+      uint4 chunk;
+      if constexpr (F == Format::kNvfp4) {  // undo stage_offset's swizzle of the 8-byte slots
+        const int sw = (c >> 3) & 3;
+        chunk = *reinterpret_cast<const uint4*>(stage + c * T::kStageStride + (h ^ (sw >> 1)) * 16);
+        if (sw & 1) chunk = make_uint4(chunk.z, chunk.w, chunk.x, chunk.y);
+      } else {
+        chunk = *reinterpret_cast<const uint4*>(stage + c * T::kStageStride + h * 16);
+      }
+      *reinterpret_cast<uint4*>(p.col.data + (c0 + c) * out_row_bytes + out_col0 + h * 16) = chunk;
     }
   };
 
@@ -447,10 +494,10 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
     // --- NVFP4 1x16: one phase ---------------------------------------------------------------
     const Nvfp4Tensor nv_row = do_row ? nvfp4_tensor(p, p.row.amax) : Nvfp4Tensor{};
     const Nvfp4Tensor nv_col = do_col ? nvfp4_tensor(p, p.col.amax) : Nvfp4Tensor{};
-    // Returns the packed codes; writes the scale (and BF16) for the micro-block at stored
-    // (out_row, out_col) of an [*, out_cols] matrix.
+    // Returns the packed codes; writes the BF16 values for the micro-block at stored (out_row,
+    // out_col) of an [*, out_cols] matrix, and its scale to the shared-memory *scale_slot.
     auto encode = [&](const float v[16], float amax, const Nvfp4Tensor& t, const OrientationOut& out,
-                      int64_t out_row, int64_t out_col, int64_t out_cols) {
+                      int64_t out_row, int64_t out_col, int64_t out_cols, uint8_t* scale_slot) {
       const int64_t index = out_row * out_cols + out_col;
       Philox4x32Result rb{};
       if (stochastic) rb = micro_block_bits(out.sr, (uint64_t)index);
@@ -467,7 +514,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
         mult = nvfp4_element_multiplier(s, t.ts);
       }
       const uint2 packed = nvfp4_encode16(v, mult, four_over_six, stochastic, rb);
-      if (out.scales) static_cast<uint8_t*>(out.scales)[index / 16] = s;
+      *scale_slot = s;
       if (out.bf16) {
         float sv[16];
         nvfp4_scaled16(packed, s, sv);
@@ -488,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
           w[4 * j] = q.x, w[4 * j + 1] = q.y, w[4 * j + 2] = q.z, w[4 * j + 3] = q.w;
         }
         const uint32_t m2 = bf16x2_amax<8>(w);
-        amax = bf16_lo(bf16x2_absmax_nan(m2, __byte_perm(m2, 0, 0x1032)));
+        amax = bf16_lo(bf16x2_max_nan(m2, __byte_perm(m2, 0, 0x1032)));
         bad |= !(amax <= formats::kFloatMax);
 #pragma unroll
         for (int k = 0; k < 8; ++k) v[2 * k] = bf16_lo(w[k]), v[2 * k + 1] = bf16_hi(w[k]);
@@ -497,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
         amax = amax16(v, bad);
       }
       const uint2 packed = encode(v, amax, p.row.amax_per_row ? nvfp4_tensor(p, p.row.amax + r0 + r) : nv_row,
-                                  p.row, r0 + r, c0 + b * 16, K);
+                                  p.row, r0 + r, c0 + b * 16, K, row_scale_stage + r * (TC / 16) + b);
       if (p.row.data) *reinterpret_cast<uint2*>(p.row.data + ((r0 + r) * K + c0 + b * 16) / 2) = packed;
     };
     auto col_task = [&](int task) {
@@ -527,8 +574,9 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
           bool ignore = false;
           amax[j] = amax16(v[j], ignore);
         }
-        const uint2 packed = encode(v[j], amax[j], nv_col, p.col, c0 + c, r0 + mb * 16, M);
-        *reinterpret_cast<uint2*>(stage + c * T::kStageStride + mb * 8) = packed;
+        const uint2 packed = encode(v[j], amax[j], nv_col, p.col, c0 + c, r0 + mb * 16, M,
+                                    col_scale_stage + c * (TR / 16) + mb);
+        *reinterpret_cast<uint2*>(stage + T::stage_offset(c, mb)) = packed;
       }
     };
     if (do_row) {
@@ -539,7 +587,41 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
 #pragma unroll 1
       for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) col_task(task);
     }
-    if (do_col) flush_stage();
+    if (do_col) {
+      flush_stage();  // (its barrier also completes the staged scales)
+    } else {
+      __syncthreads();
+    }
+    // The staged scales: row r's TC/16 bytes are contiguous at byte (r0 + r) * K / 16 + c0 / 16 of
+    // the row-wise scales, column c's TR/16 at (c0 + c) * M / 16 + r0 / 16 of the column-wise
+    // ones; K % TC == 0 and M % TR == 0 keep them 8- and 4-byte aligned when the base is.
+    static_assert(TC / 16 == 8 && TR / 16 == 4, "one 8-byte store a row, one 4-byte store a column");
+    if (do_row && p.row.scales) {
+      uint8_t* base = static_cast<uint8_t*>(p.row.scales);
+      const bool aligned = (reinterpret_cast<uintptr_t>(base) & 7) == 0;
+      for (int r = threadIdx.x; r < TR; r += kThreads) {
+        uint8_t* dst = base + ((r0 + r) * K + c0) / 16;
+        const uint2 v = *reinterpret_cast<const uint2*>(row_scale_stage + r * (TC / 16));
+        if (aligned) {
+          *reinterpret_cast<uint2*>(dst) = v;
+        } else {
+          for (int i = 0; i < TC / 16; ++i) dst[i] = row_scale_stage[r * (TC / 16) + i];
+        }
+      }
+    }
+    if (do_col && p.col.scales) {
+      uint8_t* base = static_cast<uint8_t*>(p.col.scales);
+      const bool aligned = (reinterpret_cast<uintptr_t>(base) & 3) == 0;
+      for (int c = threadIdx.x; c < TC; c += kThreads) {
+        uint8_t* dst = base + ((c0 + c) * M + r0) / 16;
+        const uint32_t v = *reinterpret_cast<const uint32_t*>(col_scale_stage + c * (TR / 16));
+        if (aligned) {
+          *reinterpret_cast<uint32_t*>(dst) = v;
+        } else {
+          for (int i = 0; i < TR / 16; ++i) dst[i] = col_scale_stage[c * (TR / 16) + i];
+        }
+      }
+    }
     if (bad) atomicOr(p.error_flags, kErrNonFinite);
   } else {
     // --- two phases: micro-block amaxes, then scale blocks ------------------------------------
@@ -683,7 +765,7 @@ for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
               packed = nvfp4_encode16(v[j], mult, four_over_six, false, Philox4x32Result{});
             }
             const int64_t index = (c0 + c) * M + r0 + mb * 16;
-            *reinterpret_cast<uint2*>(stage + c * T::kStageStride + mb * 8) = packed;
+            *reinterpret_cast<uint2*>(stage + T::stage_offset(c, mb)) = packed;
             if (p.col.scales) static_cast<uint8_t*>(p.col.scales)[index / 16] = s;
             if (p.col.bf16) {
               float sv[16];
@@ -802,7 +884,7 @@ for_each_col_pair([&](int task, int mb, int cp, float (*v)[16]) {
             } else {
               codes = encode(v[j], col_group_amax(mb, c), p.col, gc * M + gr, write_scale, scale_index);
             }
-            *reinterpret_cast<uint4*>(stage + c * T::kStageStride + mb * 16) = codes;
+            *reinterpret_cast<uint4*>(stage + T::stage_offset(c, mb)) = codes;
           }
         });
         flush_stage();
