@@ -212,48 +212,6 @@ FOURBIT_HD uint32_t encode_e2m1_sr_not_nan(float x, uint32_t rbits8) {
   return e2m1_with_sign(f32_bits(add_rz(t, e2m1_magic(t))), x);
 }
 
-// --- E2M1 codes packed straight from their magic sums (the CUDA encoders' inner loop) -----------
-// The magic sum of encode_e2m1_rn_not_nan / encode_e2m1_sr_not_nan has the bits
-// s = 0x4A800000 + (r - 127) * 2^23 + code, where r = max(bits(a), bits(1.0)) >> 23 is the biased
-// exponent of the range (127, 128, 129), so code = s - r * 2^23 - 0x0B000000. A packed word holds
-// code k at bit 4k, and modulo 2^32 code_k * 16^k = s_k * 16^k for k >= 3 (the other terms
-// land above bit 31), s_k * 16^k - r_k * 2^(23 + 4k) for k = 2, and that minus 0x0B000000 * 16^k
-// for k = 0, 1: the two constants add up to kE2M1PackBias. So a code costs one or two
-// multiply-adds instead of isolating it (mask) and shifting and or-ing it into place, and the
-// sign bit one shift and one multiply-add. Tested equal to packing encode_e2m1_rn / _sr.
-struct E2M1Sum {
-  uint32_t bits;            // the magic sum's bits
-  uint32_t range_exponent;  // r: 127, 128 or 129
-};
-constexpr uint32_t kE2M1PackBias = 0x45000000u;  // -(0x0B000000 * (1 + 16)) mod 2^32
-
-FOURBIT_HD E2M1Sum e2m1_rn_sum(float y) {
-  const float a = fmin_ieee(abs_fast(y), 6.0f);
-  const uint32_t ab = f32_bits(a);
-  const uint32_t r = (ab > 0x3F800000u ? ab : 0x3F800000u) >> 23;
-  const float magic = f32_from_bits(r * 0x00800002u + 0x0AFFFF02u);  // e2m1_magic(a)
-  return {f32_bits(add_rn(a, magic)), r};
-}
-
-FOURBIT_HD E2M1Sum e2m1_sr_sum(float y, uint32_t rbits8) {
-  const float a = fmin_ieee(abs_fast(y), 6.0f);
-  const uint32_t ab = f32_bits(a);
-  const float step = f32_from_bits(((ab > 0x3F800000u ? ab : 0x3F800000u) & 0xFF800000u) - 0x00800000u);
-  const float u = add_rn(f32_from_bits(0x3F804000u | ((rbits8 & 0xFFu) << 15)), -1.0f);
-  const float t = fma_rn(u, step, a);
-  const uint32_t tb = f32_bits(t);
-  const uint32_t r = (tb > 0x3F800000u ? tb : 0x3F800000u) >> 23;
-  const float magic = f32_from_bits(r * 0x00800002u + 0x0AFFFF02u);  // e2m1_magic(t)
-  return {f32_bits(add_rz(t, magic)), r};
-}
-
-// acc + (code of sum, with y's sign) at nibble k (0..7); start from kE2M1PackBias.
-FOURBIT_HD uint32_t e2m1_pack_add(uint32_t acc, int k, E2M1Sum sum, float y) {
-  acc += sum.bits * (1u << (4 * k));
-  if (k < 3) acc += sum.range_exponent * (0u - (1u << (23 + 4 * k)));
-  return acc + (f32_bits(y) >> 31) * (1u << (4 * k + 3));
-}
-
 FOURBIT_HD uint8_t encode_e2m1_sr(float x, uint32_t rbits8) {
   return encode_minifloat_sr<kE2M1>(x, rbits8);
 }

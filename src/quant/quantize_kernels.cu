@@ -118,22 +118,9 @@ __device__ __forceinline__ uint32_t e2m1_code(float x, float mult, bool four_ove
   return four_over_six && mult == 0.0f ? 0u : q;
 }
 
-// Encodes 16 values with an NVFP4 scale already chosen; returns the packed 8 bytes. Without Four
-// Over Six the codes go into the words straight from their magic sums (formats::e2m1_pack_add:
-// multiply-adds on the FMA pipe instead of masks, shifts and ors on the integer pipe, which
-// ncu showed as the tile kernel's busiest).
+// Encodes 16 values with an NVFP4 scale already chosen; returns the packed 8 bytes.
 __device__ __forceinline__ uint2 nvfp4_encode16(const float v[16], float mult, bool four_over_six,
                                                 bool stochastic, const Philox4x32Result& rb) {
-  if (!four_over_six) {
-    uint32_t w[2] = {formats::kE2M1PackBias, formats::kE2M1PackBias};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float y = formats::mul_rn(v[i], mult);
-      const formats::E2M1Sum sum = stochastic ? formats::e2m1_sr_sum(y, rbyte(rb, i)) : formats::e2m1_rn_sum(y);
-      w[i >> 3] = formats::e2m1_pack_add(w[i >> 3], i & 7, sum, y);
-    }
-    return make_uint2(w[0], w[1]);
-  }
   uint32_t w[2] = {0, 0};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
