@@ -57,6 +57,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace fourbit::quant {
 namespace {
@@ -139,15 +140,6 @@ __device__ __forceinline__ float e2m1_value(uint32_t code) {
 
 // --- BF16 pairs -----------------------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t bf16x2_absmax_nan(uint32_t a, uint32_t b) {
-  __nv_bfloat162 x, y;
-  memcpy(&x, &a, 4);
-  memcpy(&y, &b, 4);
-  const __nv_bfloat162 m = __hmax2_nan(__habs2(x), __habs2(y));
-  uint32_t r;
-  memcpy(&r, &m, 4);
-  return r;
-}
 __device__ __forceinline__ uint32_t bf16x2_max_nan(uint32_t a, uint32_t b) {
   __nv_bfloat162 x, y;
   memcpy(&x, &a, 4);
@@ -156,6 +148,16 @@ __device__ __forceinline__ uint32_t bf16x2_max_nan(uint32_t a, uint32_t b) {
   uint32_t r;
   memcpy(&r, &m, 4);
   return r;
+}
+__device__ __forceinline__ uint32_t bf16x2_absmax_nan(uint32_t a, uint32_t b) {
+  __nv_bfloat162 x, y;
+  memcpy(&x, &a, 4);
+  memcpy(&y, &b, 4);
+  x = __habs2(x);
+  y = __habs2(y);
+  memcpy(&a, &x, 4);
+  memcpy(&b, &y, 4);
+  return bf16x2_max_nan(a, b);
 }
 // Element-wise max |.| of n BF16x2 words (a tree), NaN-propagating: a half is NaN or Inf exactly
 // when one of its values is, else it is the exact amax of its values. |.| only at the leaves
@@ -294,6 +296,25 @@ __device__ __forceinline__ void e4m3_scaled16(uint4 codes, float decode, float o
 }
 
 // --- the tile kernel ---------------------------------------------------------------------------
+
+// Writes `runs` staged runs of kBytes scales (run i at stage + i * kBytes) to dst + offset_of(i),
+// one kBytes-wide store each when dst is kBytes-aligned (the offsets are multiples of kBytes),
+// byte stores otherwise. The whole CTA calls it after the barrier that completed the stage.
+template <int kBytes, typename OffsetOf>
+__device__ __forceinline__ void store_staged_scales(const uint8_t* stage, int runs, uint8_t* dst,
+                                                    OffsetOf offset_of) {
+  static_assert(kBytes == 4 || kBytes == 8, "a run is one 4- or 8-byte word");
+  using Word = std::conditional_t<kBytes == 8, uint2, uint32_t>;
+  const bool aligned = (reinterpret_cast<uintptr_t>(dst) & (kBytes - 1)) == 0;
+  for (int i = threadIdx.x; i < runs; i += blockDim.x) {
+    uint8_t* out = dst + offset_of(i);
+    if (aligned) {
+      *reinterpret_cast<Word*>(out) = *reinterpret_cast<const Word*>(stage + i * kBytes);
+    } else {
+      for (int b = 0; b < kBytes; ++b) out[b] = stage[i * kBytes + b];
+    }
+  }
+}
 
 // Geometry of one CTA's tile and of its shared memory, per source type and format.
 template <typename InT, Format F, bool kTwoD>
@@ -583,32 +604,12 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
     // the row-wise scales, column c's TR/16 at (c0 + c) * M / 16 + r0 / 16 of the column-wise
     // ones; K % TC == 0 and M % TR == 0 keep them 8- and 4-byte aligned when the base is.
     static_assert(TC / 16 == 8 && TR / 16 == 4, "one 8-byte store a row, one 4-byte store a column");
-    if (do_row && p.row.scales) {
-      uint8_t* base = static_cast<uint8_t*>(p.row.scales);
-      const bool aligned = (reinterpret_cast<uintptr_t>(base) & 7) == 0;
-      for (int r = threadIdx.x; r < TR; r += kThreads) {
-        uint8_t* dst = base + ((r0 + r) * K + c0) / 16;
-        const uint2 v = *reinterpret_cast<const uint2*>(row_scale_stage + r * (TC / 16));
-        if (aligned) {
-          *reinterpret_cast<uint2*>(dst) = v;
-        } else {
-          for (int i = 0; i < TC / 16; ++i) dst[i] = row_scale_stage[r * (TC / 16) + i];
-        }
-      }
-    }
-    if (do_col && p.col.scales) {
-      uint8_t* base = static_cast<uint8_t*>(p.col.scales);
-      const bool aligned = (reinterpret_cast<uintptr_t>(base) & 3) == 0;
-      for (int c = threadIdx.x; c < TC; c += kThreads) {
-        uint8_t* dst = base + ((c0 + c) * M + r0) / 16;
-        const uint32_t v = *reinterpret_cast<const uint32_t*>(col_scale_stage + c * (TR / 16));
-        if (aligned) {
-          *reinterpret_cast<uint32_t*>(dst) = v;
-        } else {
-          for (int i = 0; i < TR / 16; ++i) dst[i] = col_scale_stage[c * (TR / 16) + i];
-        }
-      }
-    }
+    if (do_row && p.row.scales)
+      store_staged_scales<TC / 16>(row_scale_stage, TR, static_cast<uint8_t*>(p.row.scales),
+                                   [&](int r) { return ((r0 + r) * K + c0) / 16; });
+    if (do_col && p.col.scales)
+      store_staged_scales<TR / 16>(col_scale_stage, TC, static_cast<uint8_t*>(p.col.scales),
+                                   [&](int c) { return ((c0 + c) * M + r0) / 16; });
     if (bad) atomicOr(p.error_flags, kErrNonFinite);
   } else {
     // --- two phases: micro-block amaxes, then scale blocks ------------------------------------
