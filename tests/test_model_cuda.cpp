@@ -331,6 +331,48 @@ TEST_F(ModelCuda, QuantizedWgradInputsKeepTheGradientsBitForBit) {
   }
 }
 
+// Counts the one-pass quantizations that took their producer's amaxes.
+class AmaxCounter : public Profiler {
+ public:
+  void begin(Section, Work) override {}
+  void end() override {}
+  void linear_call(const LinearCall& c) override { given += c.source_amax_given ? 1 : 0; }
+  int given = 0;
+};
+
+// ModelOptions::fuse_producer_amax: SwiGLU computes the global amaxes of mlp_down's X and mlp_up's
+// dY (ops::OutputAmaxes) and their quantizers skip the amax pass. Loss and gradients bit for bit
+// equal to the amax passes', and the fusion did happen (2 per dense block) where the recipe takes
+// it (NVFP4 per-tensor amax) and nowhere else.
+TEST_F(ModelCuda, ProducerAmaxesKeepTheGradientsBitForBit) {
+  const ModelConfig c = gpu_dense();
+  for (const std::string preset : {"nvfp4", "e2e4", "fp8", "bf16"}) {
+    SCOPED_TRACE(preset);
+    const testing::Batch batch = make_batch(kB, kT, c.vocab, 21);
+    ModelOptions o = options(Device::kCuda);
+    o.keep_wgrad_inputs = false;
+    o.fuse_producer_amax = false;
+    Model passes(c, all_blocks(c, preset), o);
+    o.fuse_producer_amax = true;
+    Model fused(c, all_blocks(c, preset), o);
+    AmaxCounter counter;
+    fused.set_profiler(&counter);
+    for (uint64_t step : {3u, 4u}) {
+      ForwardOptions fo;
+      fo.step = step;
+      passes.zero_grads();
+      fused.zero_grads();
+      EXPECT_EQ(passes.forward(batch.tokens, batch.targets, fo).loss,
+                fused.forward(batch.tokens, batch.targets, fo).loss);
+      passes.backward();
+      fused.backward();
+      EXPECT_EQ(values(fused.grads().flat()), values(passes.grads().flat()));
+    }
+    const bool nvfp4 = preset == "nvfp4" || preset == "e2e4";
+    EXPECT_EQ(counter.given, nvfp4 ? 2 * 2 * c.n_layers : 0) << "fused amaxes taken";
+  }
+}
+
 TEST_F(ModelCuda, SameSeedSameBits) {
   for (const std::string preset : {"bf16", "nvfp4"}) {
     const ModelConfig c = gpu_moe();

@@ -2,8 +2,12 @@
 // d_gate_up, the in-place backward against the out-of-place one, large magnitudes and errors.
 #include "dense_ops_test_util.h"
 #include "ops/swiglu.h"
+#include "quant/quantize.h"
 
 #include <gtest/gtest.h>
+
+#include <tuple>
+#include <utility>
 
 namespace fourbit::ops {
 namespace {
@@ -105,6 +109,57 @@ TEST(OpsSwiglu, Errors) {
   EXPECT_NE(error_of([&] { swiglu_backward(gu, out, gu); }).find("swiglu_backward_inplace"), std::string::npos);
   Tensor out64 = Tensor::empty({2, 3}, DType::kF64, Device::kCpu);
   EXPECT_NE(error_of([&] { swiglu_forward(out64, gu); }).find("one dtype"), std::string::npos);
+}
+
+// OutputAmaxes on the CPU: the amaxes of the output equal those the NVFP4 reference quantizer
+// stores for it (row-wise: the plain amax; column-wise with RHT: the amax after the transform),
+// for the forward and the in-place backward, and they accumulate (max) into what is there.
+TEST(OpsSwiglu, OutputAmaxesEqualTheReferenceQuantizers) {
+  const int64_t N = 32, F = 48;
+  std::vector<double> gu = random_normal(N * 2 * F, 5, 3.0);
+  gu[(size_t)(7 * 2 * F + F + 3)] = 40.0;  // an outlier in up
+  const std::vector<double> dout = random_normal(N * F, 6);
+  for (bool rht : {true, false}) {
+    SCOPED_TRACE(rht ? "rht" : "no rht");
+    quant::QuantConfig cfg;  // NVFP4 1x16
+    cfg.rht = rht;
+    auto reference_amaxes = [&](const Tensor& out) {
+      const quant::QuantizedTensor q = quant::quantize_reference(out.view(), cfg, {true, true}, {"out", {}});
+      return std::pair<float, float>{*q.rowwise->amax.ptr<float>(), *q.colwise->amax.ptr<float>()};
+    };
+    float amax[2] = {0.0f, 0.0f};
+    OutputAmaxes a;
+    a.amax = &amax[0];
+    a.rht_amax = rht ? &amax[1] : nullptr;
+    a.rht_sign_mask = cfg.rht_sign_mask();
+
+    Tensor out = Tensor::empty({N, F}, DType::kF32, Device::kCpu);
+    swiglu_forward(out, host_tensor({N, 2 * F}, DType::kF32, gu), nullptr, &a);
+    auto [row, col] = reference_amaxes(out);
+    EXPECT_EQ(amax[0], row);
+    if (rht) EXPECT_EQ(amax[1], col);
+    EXPECT_GT(amax[0], 10.0f);
+
+    amax[0] = amax[1] = 0.0f;
+    Tensor d = host_tensor({N, 2 * F}, DType::kF32, gu);
+    swiglu_backward_inplace(d, host_tensor({N, F}, DType::kF32, dout), nullptr, &a);
+    std::tie(row, col) = reference_amaxes(d);
+    EXPECT_EQ(amax[0], row);
+    if (rht) EXPECT_EQ(amax[1], col);
+
+    // Accumulation: a larger value already there stays.
+    amax[0] = 1e6f;
+    swiglu_forward(out, host_tensor({N, 2 * F}, DType::kF32, gu), nullptr, &a);
+    EXPECT_EQ(amax[0], 1e6f);
+  }
+  float amax = 0.0f;
+  OutputAmaxes a;
+  a.amax = &amax;
+  float r = 0.0f;
+  a.rht_amax = &r;
+  Tensor out = Tensor::empty({20, 4}, DType::kF32, Device::kCpu);  // N % 16 != 0 with an RHT amax
+  const std::string e = error_of([&] { swiglu_forward(out, host_tensor({20, 8}, DType::kF32, random_normal(160, 7)), nullptr, &a); });
+  EXPECT_NE(e.find("N % 16"), std::string::npos) << e;
 }
 
 }  // namespace

@@ -99,7 +99,30 @@ PreparedOperand prepare_operand(const OperandRecipe& recipe, const TensorView& s
   return p;
 }
 
+bool takes_given_amax(const quant::QuantConfig& cfg) {
+  return cfg.format == quant::Format::kNvfp4 && !cfg.nvfp4_row_amax && !cfg.block_2d;
+}
+
 namespace {
+
+// Passes LinearOptions::source_amax to the quantizer of the one-pass call `what` under cfg.
+void use_source_amax(const LinearOptions& o, const quant::QuantConfig& cfg, std::string_view what,
+                     quant::CudaQuantizeOptions& qo) {
+  if (!o.source_amax.given()) return;
+  FOURBIT_CHECK(takes_given_amax(cfg) && o.source_amax.rht_amax != nullptr,
+                "linear '{}': the {} was given its producer's amaxes, but its recipe ({}) does not "
+                "take them (NVFP4 1D with a per-tensor amax, both amax pointers set)",
+                o.name, what, cfg.describe());
+  qo.given_rowwise_amax = o.source_amax.amax;
+  qo.given_colwise_amax = cfg.rht ? o.source_amax.rht_amax : o.source_amax.amax;
+}
+
+// The producer's amaxes are only taken by the one-pass calls.
+void check_no_source_amax(const LinearOptions& o, std::string_view call) {
+  FOURBIT_CHECK(!o.source_amax.given(),
+                "linear '{}': {} takes no producer amaxes (LinearOptions::source_amax); pass them "
+                "only to the one-pass calls whose recipe shares the pass", o.name, call);
+}
 
 void run(const PreparedOperand& a, const PreparedOperand& b, const TensorView& c, float beta,
          const LinearOptions& o, std::string_view gemm_name) {
@@ -120,6 +143,7 @@ void run(const PreparedOperand& a, const PreparedOperand& b, const TensorView& c
 
 void linear_fprop(const LinearRecipe& recipe, const TensorView& x, const TensorView& w,
                   const TensorView& y, const LinearOptions& o) {
+  check_no_source_amax(o, "linear_fprop");
   const std::string name = fmt::format("{} fprop", o.name);
   const PreparedOperand a = prepare_operand(recipe.fprop_x, x, Copy::kRowwise, operand_stream(o, 0), "x", o);
   const PreparedOperand b = prepare_operand(recipe.fprop_w, w, Copy::kRowwise, operand_stream(o, 1), "w", o);
@@ -128,6 +152,7 @@ void linear_fprop(const LinearRecipe& recipe, const TensorView& x, const TensorV
 
 void linear_dgrad(const LinearRecipe& recipe, const TensorView& dy, const TensorView& w,
                   const TensorView& dx, const LinearOptions& o) {
+  check_no_source_amax(o, "linear_dgrad");
   const std::string name = fmt::format("{} dgrad", o.name);
   const PreparedOperand a = prepare_operand(recipe.dgrad_dy, dy, Copy::kRowwise, operand_stream(o, 2), "dy", o);
   const PreparedOperand b = prepare_operand(recipe.dgrad_w, w, Copy::kColwise, operand_stream(o, 3), "w", o);
@@ -136,6 +161,7 @@ void linear_dgrad(const LinearRecipe& recipe, const TensorView& dy, const Tensor
 
 void linear_wgrad(const LinearRecipe& recipe, const TensorView& dy, const TensorView& x,
                   const TensorView& dw, float beta, const LinearOptions& o) {
+  check_no_source_amax(o, "linear_wgrad");
   const std::string name = fmt::format("{} wgrad", o.name);
   const PreparedOperand a = prepare_operand(recipe.wgrad_dy, dy, Copy::kColwise, operand_stream(o, 4), "dy", o);
   const PreparedOperand b = prepare_operand(recipe.wgrad_x, x, Copy::kColwise, operand_stream(o, 5), "x", o);
@@ -201,6 +227,7 @@ void linear_fprop_saving_x(const LinearRecipe& recipe, const TensorView& x, cons
   const std::string name = fmt::format("{} fprop", o.name);
   const PreparedOperand b = prepare_operand(recipe.fprop_w, w, Copy::kRowwise, operand_stream(o, 1), "w", o);
   if (!fprop_and_wgrad_x_share_a_pass(recipe)) {
+    check_no_source_amax(o, "linear_fprop_saving_x without a shared pass");
     const PreparedOperand a = prepare_operand(recipe.fprop_x, x, Copy::kRowwise, operand_stream(o, 0), "x", o);
     saved_x = quantize_colwise_packed(*recipe.wgrad_x.quant, x, operand_stream(o, 5), o);
     run(a, b, y, 0.0f, o, name);
@@ -224,6 +251,7 @@ void linear_fprop_saving_x(const LinearRecipe& recipe, const TensorView& x, cons
     qo.sr = operand_stream(o, 0);
     qo.nonfinite_flag = o.error_flag;
     qo.stream = o.stream;
+    use_source_amax(o, cfg, "saved X", qo);
     TensorView bf16_row;
     const bool emulated = cfg.format == quant::Format::kNvfp4 || cfg.format == quant::Format::kMxfp8;
     if (emulated) {
@@ -288,6 +316,7 @@ void linear_dgrad_wgrad(const LinearRecipe& recipe, const TensorView& dy, const 
                         const TensorView& dx, const TensorView& x, const quant::QuantizedTensor* saved_x,
                         const TensorView& dw, float beta, const LinearOptions& o) {
   if (!dgrad_and_wgrad_dy_share_a_pass(recipe)) {
+    check_no_source_amax(o, "linear_dgrad_wgrad without a shared pass");
     linear_dgrad(recipe, dy, w, dx, o);
     if (saved_x != nullptr) {
       linear_wgrad_from_saved_x(recipe, dy, *saved_x, dw, beta, o);
@@ -318,6 +347,7 @@ void linear_dgrad_wgrad(const LinearRecipe& recipe, const TensorView& dy, const 
     qo.colwise_sr = col_sr;
     qo.nonfinite_flag = o.error_flag;
     qo.stream = o.stream;
+    use_source_amax(o, cfg, "dY", qo);
     TensorView bf16_row, bf16_col;
     const bool emulated = cfg.format == quant::Format::kNvfp4 || cfg.format == quant::Format::kMxfp8;
     if (emulated) {

@@ -55,7 +55,24 @@ struct LinearOptions {
   // Device int32 for the quantizers' and GEMMs' error bits (see GemmArgs::error_flag); when null,
   // each CUDA quantization synchronizes and throws on NaN / Inf.
   int* error_flag = nullptr;
+  // The global amaxes of the activation X (linear_fprop_saving_x) or of the gradient dY
+  // (linear_dgrad_wgrad), computed by the op that wrote the tensor (ops::OutputAmaxes: the plain
+  // amax and the amax after the column-wise RHT, device floats), so that the one quantization
+  // pass that makes both copies skips its amax pass (quant::CudaQuantizeOptions::given_*_amax).
+  // Only for those one-pass calls (fprop_and_wgrad_x_share_a_pass /
+  // dgrad_and_wgrad_dy_share_a_pass) with an NVFP4 per-tensor-amax recipe; both pointers, or
+  // neither (rht_amax may equal amax when the recipe has no RHT).
+  struct GivenAmax {
+    const float* amax = nullptr;
+    const float* rht_amax = nullptr;
+    bool given() const { return amax != nullptr; }
+  };
+  GivenAmax source_amax;
 };
+
+// Whether a one-pass quantization under `cfg` can take a producer's amaxes (LinearOptions::
+// source_amax): NVFP4 with one per-tensor amax, 1D blocks.
+bool takes_given_amax(const quant::QuantConfig& cfg);
 
 // One GEMM operand made from a source [rows, cols] in orientation `copy`: quantized per the
 // operand recipe (on CUDA, for NVFP4/MXFP8 only the scaled-domain BF16 copy the Hopper emulation

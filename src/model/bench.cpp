@@ -121,6 +121,7 @@ struct QuantOp {
   int64_t rows, cols;
   bool rowwise, colwise;
   bool row_packed = false, col_packed = false;  // emulated formats: packed instead of BF16
+  bool amax_given = false;  // the amaxes come from the producer (LinearCall::source_amax_given)
   quant::Orientations orientations() const { return {rowwise, colwise}; }
 };
 
@@ -136,7 +137,7 @@ std::vector<QuantOp> quant_ops(const EventProfiler::Call& c) {
   switch (l.gemm) {
     case recipe::Gemm::kFprop:
       if (l.fprop_saves_x && gemm::fprop_and_wgrad_x_share_a_pass(r)) {
-        ops.push_back({*r.wgrad_x.quant, l.m, l.k, true, true, false, true});  // X: both, col packed
+        ops.push_back({*r.wgrad_x.quant, l.m, l.k, true, true, false, true, l.source_amax_given});  // X: both, col packed
       } else {
         add(r.fprop_x, l.m, l.k, false, 1);
         if (l.fprop_saves_x) add(r.wgrad_x, l.m, l.k, true, 1, true);
@@ -145,7 +146,7 @@ std::vector<QuantOp> quant_ops(const EventProfiler::Call& c) {
       break;
     case recipe::Gemm::kDgrad:
       if (l.dy_one_pass) {
-        ops.push_back({*r.wgrad_dy.quant, l.m, l.n, true, true});  // dY: both copies, BF16
+        ops.push_back({*r.wgrad_dy.quant, l.m, l.n, true, true, false, false, l.source_amax_given});  // dY: both copies, BF16
       } else {
         add(r.dgrad_dy, l.m, l.n, false, 1);
       }
@@ -160,9 +161,16 @@ std::vector<QuantOp> quant_ops(const EventProfiler::Call& c) {
 }
 
 // Times one quantization pass like gemm/linear.cpp: allocate, quantize (the scaled-domain BF16
-// copies the emulated GEMMs read, packed data where the op says so), free. Median of 3.
+// copies the emulated GEMMs read, packed data where the op says so), free. Median of 3. With
+// op.amax_given the amaxes are computed beforehand, outside the timing (the producer did it).
 double time_quant(const QuantOp& op, const Tensor& source, int* flag, Timer& timer) {
   TensorView src = TensorView::contiguous(source.data(), DType::kBF16, {op.rows, op.cols}, Device::kCuda);
+  Tensor given;
+  if (op.amax_given) {
+    given = Tensor::zeros({2}, DType::kF32, Device::kCuda);
+    quant::amax_cuda(src, given.ptr<float>(), given.ptr<float>() + 1, op.config.rht,
+                     op.config.rht_sign_mask(), flag, nullptr);
+  }
   std::vector<double> ms;
   for (int rep = 0; rep < 3; ++rep) {
     timer.start();
@@ -172,6 +180,10 @@ double time_quant(const QuantOp& op, const Tensor& source, int* flag, Timer& tim
       quant::CudaQuantizeOptions qo;
       qo.tensor_name = "bench";
       qo.nonfinite_flag = flag;
+      if (op.amax_given) {
+        qo.given_rowwise_amax = given.ptr<float>();
+        qo.given_colwise_amax = op.config.rht ? given.ptr<float>() + 1 : given.ptr<float>();
+      }
       const bool emulated = op.config.format == quant::Format::kNvfp4 || op.config.format == quant::Format::kMxfp8;
       Tensor row_bf16, col_bf16;
       TensorView row_view, col_view;

@@ -220,7 +220,10 @@ Model::Impl::Impl(Model& model) : m(model), cfg(model.config_) {
     bp.push_back(b);
   }
   build_recipes();
-  if (m.options_.device == Device::kCuda) error_flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+  if (m.options_.device == Device::kCuda) {
+    error_flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+    producer_amax = Tensor::zeros({2 * kAmaxSlots}, DType::kF32, Device::kCuda);
+  }
 }
 
 void Model::Impl::build_recipes() {
@@ -323,6 +326,39 @@ bool Model::Impl::keeps_wgrad_inputs() const {
     return v != nullptr && std::string_view(v) == "1";
   }();
   return m.options_.keep_wgrad_inputs || from_env || static_cast<bool>(m.gemm_observer_);
+}
+
+std::optional<ops::OutputAmaxes> Model::Impl::producer_amaxes(int block, LinearKind kind, bool dy,
+                                                              bool saves_x, bool producer_can) const {
+  static const bool env_off = [] {
+    const char* v = std::getenv("FOURBIT_FUSED_AMAX");
+    return v != nullptr && std::string_view(v) == "0";
+  }();
+  if (m.options_.device != Device::kCuda || !m.options_.fuse_producer_amax || env_off || !producer_can)
+    return std::nullopt;
+  if (keeps_wgrad_inputs()) return std::nullopt;  // the reference path: one pass per GEMM operand
+  const gemm::LinearRecipe& r = linear_recipe(block, kind);
+  const std::optional<quant::QuantConfig>& cfg = dy ? r.wgrad_dy.quant : r.wgrad_x.quant;
+  const bool one_pass = dy ? gemm::dgrad_and_wgrad_dy_share_a_pass(r)
+                           : saves_x && gemm::fprop_and_wgrad_x_share_a_pass(r);
+  if (!one_pass || !gemm::takes_given_amax(*cfg)) return std::nullopt;
+#if defined(FOURBIT_WITH_CUDA)
+  float* slot = producer_amax.ptr<float>() + 2 * (dy ? 1 : 0);
+  FOURBIT_CUDA_CHECK(cudaMemsetAsync(slot, 0, 2 * sizeof(float), (cudaStream_t)stream()));
+  ops::OutputAmaxes a;
+  a.amax = slot;
+  a.rht_amax = cfg->rht ? slot + 1 : nullptr;
+  a.rht_sign_mask = cfg->rht_sign_mask();
+  a.nonfinite_flag = flag();
+  return a;
+#else
+  return std::nullopt;
+#endif
+}
+
+gemm::LinearOptions::GivenAmax Model::Impl::given_amax(const std::optional<ops::OutputAmaxes>& a) {
+  if (!a) return {};
+  return {a->amax, a->rht_amax != nullptr ? a->rht_amax : a->amax};
 }
 
 bool Model::Impl::saves_quantized_x(Mode plan_mode, int block, LinearKind kind) const {
@@ -466,16 +502,22 @@ std::string layer_name(int block, LinearKind kind) {
 
 void Model::Impl::fprop(Section s, int block, LinearKind kind, const TensorView& x,
                         const TensorView& wt, const TensorView& y, bool bf16_output,
-                        std::optional<quant::QuantizedTensor>* saved_x) {
+                        std::optional<quant::QuantizedTensor>* saved_x,
+                        gemm::LinearOptions::GivenAmax x_amax) {
   const gemm::LinearRecipe& r = linear_recipe(block, kind);
+  FOURBIT_CHECK(!x_amax.given() || saved_x != nullptr,
+                "model: {}'s X amaxes were computed by its producer, but its Fprop keeps no "
+                "quantized X (internal error)", layer_name(block, kind));
   if (m.profiler_) {
     LinearCall call{s, recipe::Gemm::kFprop, &r, x.shape[0], wt.shape[0], x.shape[1], 1};
     call.fprop_saves_x = saved_x != nullptr;
+    call.source_amax_given = x_amax.given();
     m.profiler_->linear_call(call);
   }
   const std::string name = layer_name(block, kind);
   Scope scope(*this, s, Work::kLinear);
-  const gemm::LinearOptions o = linear_options(block, kind, name);
+  gemm::LinearOptions o = linear_options(block, kind, name);
+  o.source_amax = x_amax;
   if (saved_x != nullptr) {
     gemm::linear_fprop_saving_x(r, x, wt, y, saved_x->emplace(), o);
   } else {
@@ -524,8 +566,11 @@ void Model::Impl::wgrad(Section s, int block, LinearKind kind, const TensorView&
 
 void Model::Impl::dgrad_wgrad(Section s, int block, LinearKind kind, const TensorView& dy,
                               const TensorView& wt, const TensorView& dx, const TensorView& x,
-                              const TensorView& dw, std::optional<quant::QuantizedTensor>* saved_x) {
+                              const TensorView& dw, std::optional<quant::QuantizedTensor>* saved_x,
+                              gemm::LinearOptions::GivenAmax dy_amax) {
   if (keeps_wgrad_inputs()) {  // the reference path: one quantization per operand and GEMM
+    FOURBIT_CHECK(!dy_amax.given(), "model: {}'s dY amaxes were computed by its producer on the "
+                  "reference path (internal error)", layer_name(block, kind));
     dgrad(s, block, kind, dy, wt, dx);
     wgrad(s, block, kind, dy, x, dw, saved_x);
     return;
@@ -539,6 +584,7 @@ void Model::Impl::dgrad_wgrad(Section s, int block, LinearKind kind, const Tenso
     const bool one_pass = gemm::dgrad_and_wgrad_dy_share_a_pass(r);
     LinearCall d{s, recipe::Gemm::kDgrad, &r, dy.shape[0], wt.shape[0], wt.shape[1], 1};
     d.dy_one_pass = one_pass;
+    d.source_amax_given = dy_amax.given();
     m.profiler_->linear_call(d);
     LinearCall w{s, recipe::Gemm::kWgrad, &r, dy.shape[0], dy.shape[1], wt.shape[1], 1};
     w.dy_one_pass = one_pass;
@@ -547,7 +593,8 @@ void Model::Impl::dgrad_wgrad(Section s, int block, LinearKind kind, const Tenso
   }
   const std::string name = layer_name(block, kind);
   Scope scope(*this, s, Work::kLinear);
-  const gemm::LinearOptions o = linear_options(block, kind, name);
+  gemm::LinearOptions o = linear_options(block, kind, name);
+  o.source_amax = dy_amax;
   gemm::linear_dgrad_wgrad(r, dy, wt, dx, x, saved ? &**saved_x : nullptr, dw, 1.0f, o);
   bf16(dx);
   if (saved) saved_x->reset();
@@ -588,13 +635,16 @@ void Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& ou
   const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
   fprop(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, w(p.mlp_up), gu, true,
         b.save_ln2 && a.for_backward ? &b.saved_ln2 : nullptr);
+  const bool save_act = b.save_act && a.for_backward;
+  const std::optional<ops::OutputAmaxes> act_amax =
+      producer_amaxes(l, LinearKind::kMlpDown, false, save_act, ops::swiglu_fuses_output_amaxes(N, F));
   {
     Scope s(*this, Section::kMlp, Work::kOther);
-    ops::swiglu_forward(act, gu, stream());
+    ops::swiglu_forward(act, gu, stream(), act_amax ? &*act_amax : nullptr);
     bf16(act);
   }
   fprop(Section::kMlp, l, LinearKind::kMlpDown, act, w(p.mlp_down), out, true,
-        b.save_act && a.for_backward ? &b.saved_act : nullptr);
+        save_act ? &b.saved_act : nullptr, given_amax(act_amax));
   if (a.training) {
     record(fmt::format("blocks.{}.mlp.gate_up", l), gu, true);
     if (!b.save_act) record(fmt::format("blocks.{}.mlp.act", l), act);  // scratch otherwise
@@ -726,12 +776,16 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale) 
     const TensorView d_act = prefix(s.d_act, N, F);
     dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, g(p.mlp_down),
                 b.save_act ? &b.saved_act : nullptr);
+    const std::optional<ops::OutputAmaxes> d_gu_amax =
+        producer_amaxes(l, LinearKind::kMlpUp, true, false, ops::swiglu_fuses_output_amaxes(N, F));
     {
       Scope sc(*this, sec, Work::kOther);
-      ops::swiglu_backward_inplace(gu, d_act, stream());  // gu now holds d_gate_up
+      // gu now holds d_gate_up
+      ops::swiglu_backward_inplace(gu, d_act, stream(), d_gu_amax ? &*d_gu_amax : nullptr);
       bf16(gu);
     }
-    dgrad_wgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_ln, b.ln2, g(p.mlp_up), b.save_ln2 ? &b.saved_ln2 : nullptr);
+    dgrad_wgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_ln, b.ln2, g(p.mlp_up),
+                b.save_ln2 ? &b.saved_ln2 : nullptr, given_amax(d_gu_amax));
     return;
   }
   const int64_t E = cfg.moe.n_experts, Fe = cfg.moe.expert_d_ff;

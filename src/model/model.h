@@ -95,6 +95,12 @@ struct ModelOptions {
   // environment variable FOURBIT_KEEP_WGRAD_INPUTS=1): keep every X, one quantization pass per
   // GEMM operand (the reference path).
   bool keep_wgrad_inputs = false;
+  // CUDA: where an NVFP4 one-pass quantization of a linear layer's X or dY follows the op that
+  // wrote the tensor (SwiGLU forward -> mlp_down's X, SwiGLU backward -> mlp_up's dY, in dense
+  // blocks), that op also computes the tensor's global amaxes (ops::OutputAmaxes), and the
+  // quantizer skips its own pass over the tensor. The gradients are bit for bit the same. false
+  // (or FOURBIT_FUSED_AMAX=0): the quantizers' amax passes (A/B runs).
+  bool fuse_producer_amax = true;
 };
 
 struct ForwardOptions {

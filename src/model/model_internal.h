@@ -6,6 +6,7 @@
 #include "gemm/linear.h"
 #include "model/model.h"
 #include "ops/moe.h"
+#include "ops/output_amax.h"
 
 #include <array>
 #include <optional>
@@ -147,6 +148,11 @@ struct Model::Impl {
   std::array<int, detail::kNumModes> tokens_tile{};
   void check_token_tile(int64_t n_tokens, std::string_view where) const;
   Tensor error_flag;  // CUDA: i32 [1], the ops' and quantizers' error bits
+  // CUDA: f32 [2 x kAmaxSlots], the global amaxes (plain, after RHT) that a producer op computes
+  // for the quantizer of the next GEMM's input (producer_amaxes): slot 0 the forward's X, slot 1
+  // the backward's dY. Each is zeroed by its producer and read by the quantizer right after.
+  static constexpr int kAmaxSlots = 2;
+  Tensor producer_amax;
 
   // The pass in progress.
   detail::Mode mode = detail::Mode::kPretrain;
@@ -182,9 +188,11 @@ struct Model::Impl {
   // fprop and dgrad round their output to bf16 under cpu_bf16_rounding (bf16_output: the output
   // is a bf16 activation on CUDA; the router's FP32 logits are not).
   // saved_x: keep X's column-wise quantized copy there for the Wgrad (gemm::linear_fprop_saving_x).
+  // x_amax: X's amaxes from its producer (producer_amaxes), with saved_x only.
   void fprop(Section s, int block, recipe::LinearKind kind, const TensorView& x, const TensorView& w,
              const TensorView& y, bool bf16_output = true,
-             std::optional<quant::QuantizedTensor>* saved_x = nullptr);
+             std::optional<quant::QuantizedTensor>* saved_x = nullptr,
+             gemm::LinearOptions::GivenAmax x_amax = {});
   void dgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy, const TensorView& w,
              const TensorView& dx);
   // saved_x holding a copy: the Wgrad reads it instead of x (ignored) and releases it.
@@ -193,10 +201,20 @@ struct Model::Impl {
   // dgrad then wgrad of one layer, dY quantized once for both where the recipe allows it
   // (gemm::linear_dgrad_wgrad); separate calls when the model keeps its Wgrad inputs
   // (keep_wgrad_inputs or an observer: the reference path). saved_x as in wgrad.
+  // dy_amax: dY's amaxes from its producer (producer_amaxes).
   void dgrad_wgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy,
                    const TensorView& w, const TensorView& dx, const TensorView& x, const TensorView& dw,
-                   std::optional<quant::QuantizedTensor>* saved_x = nullptr);
+                   std::optional<quant::QuantizedTensor>* saved_x = nullptr,
+                   gemm::LinearOptions::GivenAmax dy_amax = {});
   bool keeps_wgrad_inputs() const;  // ModelOptions::keep_wgrad_inputs or an attached observer
+  // The amaxes that the op writing X (the Fprop input of (block, kind), kept quantized for the
+  // Wgrad: saves_x) or dY (the Dgrad/Wgrad input, dy = true) can compute for the one quantization
+  // pass of that tensor (ops::OutputAmaxes, gemm::LinearOptions::source_amax), with the slot
+  // zeroed; nullopt where that pass does not take them (recipe, CPU, the reference path,
+  // FOURBIT_FUSED_AMAX=0) or the producer cannot (`producer_can`).
+  std::optional<ops::OutputAmaxes> producer_amaxes(int block, recipe::LinearKind kind, bool dy,
+                                                   bool saves_x, bool producer_can) const;
+  static gemm::LinearOptions::GivenAmax given_amax(const std::optional<ops::OutputAmaxes>& a);
   // Reports a GEMM that just ran to the model's GemmObserver, if any (model.h GemmObservation).
   void observe(std::string_view layer, recipe::Gemm gemm, const gemm::LinearRecipe& r,
                const TensorView& a, const TensorView& b, const TensorView& out,

@@ -40,6 +40,8 @@ struct LinearCall {
   bool wgrad_saved_x = false;  // wgrad: X read from that kept copy (no quantization of X)
   bool dy_one_pass = false;    // dgrad and wgrad: dY's two copies made in one pass (counted on
                                // the dgrad call)
+  bool source_amax_given = false;  // that one pass (X's or dY's) took its producer's amaxes
+                                   // (ModelOptions::fuse_producer_amax): no amax pass
 };
 
 class Profiler {

@@ -11,13 +11,17 @@
 #pragma once
 
 #include "core/tensor.h"
+#include "ops/output_amax.h"
 
 namespace fourbit::ops {
 
 // out[n, j] = silu(gate_up[n, j]) * gate_up[n, F + j]
 // out:     [N, F]   overwritten
 // gate_up: [N, 2F]
-void swiglu_forward(const TensorView& out, const TensorView& gate_up, void* stream = nullptr);
+// With `amaxes`, also the global amaxes of out (output_amax.h) for the NVFP4 quantizer of the
+// next GEMM's input; CUDA needs bf16 tensors and swiglu_fuses_output_amaxes(N, F).
+void swiglu_forward(const TensorView& out, const TensorView& gate_up, void* stream = nullptr,
+                    const OutputAmaxes* amaxes = nullptr);
 
 // With g = gate, u = up, s = sigmoid(g):
 //   d_gate_up[n, j]     = dout[n, j] * u * s * (1 + g * (1 - s))   (d gate)
@@ -33,7 +37,13 @@ void swiglu_backward(const TensorView& d_gate_up, const TensorView& dout,
 // the [N, 2F] buffer.
 // gate_up_to_d_gate_up: [N, 2F]  in: the forward's input; out: d_gate_up
 // dout:                 [N, F]
+// With `amaxes`, also the global amaxes of d_gate_up (output_amax.h), the dY of the gate/up
+// projection's Dgrad and Wgrad; CUDA needs bf16 tensors and swiglu_fuses_output_amaxes(N, F).
 void swiglu_backward_inplace(const TensorView& gate_up_to_d_gate_up, const TensorView& dout,
-                             void* stream = nullptr);
+                             void* stream = nullptr, const OutputAmaxes* amaxes = nullptr);
+
+// Whether the CUDA kernels can compute OutputAmaxes while they write (tiles of 16 rows x 128
+// columns of F): N % 16 == 0 and F % 128 == 0. The CPU reference takes any N (rht_amax: N % 16 == 0).
+bool swiglu_fuses_output_amaxes(int64_t n_rows, int64_t hidden);
 
 }  // namespace fourbit::ops

@@ -2,10 +2,20 @@
 // values of its group (16-byte loads where the row pointers are aligned) and writes 8 outputs (or
 // 8 d_gate and 8 d_up values). Each item reads and writes only its own elements, so the backward
 // may run in place.
+//
+// The *_amax variants (bf16) also accumulate the global amaxes of what they write (OutputAmaxes,
+// quant/amax_device.cuh): a CTA takes tiles of 16 rows x 128 columns of F, one 8-column group a
+// thread; the rounded outputs go to shared memory as well, and after a barrier one thread per
+// output column reduces its 16-row segment's Hadamard transform. The values written are those of
+// the plain kernels (the same helpers, swiglu_value / swiglu_gradients).
 #include "ops/swiglu_kernels.h"
 
 #include "core/error.h"
+#include "ops/error_flags.h"
 #include "ops/kernel_support.cuh"
+#include "quant/amax_device.cuh"
+
+#include <algorithm>
 
 namespace fourbit::ops::kernels {
 namespace {
@@ -13,6 +23,18 @@ namespace {
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+// out = silu(g) * u
+__device__ __forceinline__ float swiglu_value(float g, float u) { return g * sigmoid(g) * u; }
+
+// g <- d gate, u <- d up, from dy = d out.
+__device__ __forceinline__ void swiglu_gradients(float& g, float& u, float dy) {
+  const float s = sigmoid(g);
+  const float silu = g * s;
+  const float dg = dy * u * s * (1.0f + g * (1.0f - s));
+  u = dy * silu;  // d up
+  g = dg;         // d gate
+}
 
 template <typename T>
 __global__ void swiglu_forward_kernel(T* __restrict__ out, const T* __restrict__ gate_up,
@@ -32,7 +54,7 @@ __global__ void swiglu_forward_kernel(T* __restrict__ out, const T* __restrict__
     load8(gate, c, hidden, vec, g);
     load8(up, c, hidden, vec, u);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) g[k] = g[k] * sigmoid(g[k]) * u[k];
+    for (int k = 0; k < 8; ++k) g[k] = swiglu_value(g[k], u[k]);
     store8(o, c, hidden, vec, g);
   }
 }
@@ -58,19 +80,134 @@ __global__ void swiglu_backward_kernel(T* d_gate_up, const T* __restrict__ dout,
     load8(up, c, hidden, vec, u);
     load8(d, c, hidden, vec, dy);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const float s = sigmoid(g[k]);
-      const float silu = g[k] * s;
-      const float dg = dy[k] * u[k] * s * (1.0f + g[k] * (1.0f - s));
-      u[k] = dy[k] * silu;  // d up
-      g[k] = dg;            // d gate
-    }
+    for (int k = 0; k < 8; ++k) swiglu_gradients(g[k], u[k], dy[k]);
     store8(dgate, c, hidden, vec, g);
     store8(dup, c, hidden, vec, u);
   }
 }
 
+// --- the variants that also compute the output's amaxes -------------------------------------------
+
+constexpr int kTileRows = 16, kTileCols = 128;  // a CTA tile; thread t: row t / 16, columns 8 (t % 16)
+static_assert(kTileRows * kTileCols / 8 == kThreads, "one 8-column group per thread");
+
+// Rounds v to BF16 (the stored values), folds them into the plain amax and the non-finite flag,
+// and stages them for the column pass.
+__device__ __forceinline__ void round_and_stage(float v[8], float* stage, float& a_row, bool& bad) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    v[k] = formats::decode_bf16(formats::encode_bf16_rn(v[k]));
+    const float x = formats::abs_f32(v[k]);
+    bad |= !(x <= formats::kFloatMax);
+    a_row = fmaxf(a_row, x);
+  }
+  reinterpret_cast<float4*>(stage)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(stage)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// The RHT amax of column `col` of a staged [16][kTileCols] tile.
+__device__ __forceinline__ float staged_column_rht_amax(const float (*tile)[kTileCols], int col,
+                                                        uint16_t sign_mask) {
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = tile[i][col];
+  return quant::device::rht_segment_amax(v, sign_mask);
+}
+
+__global__ void __launch_bounds__(kThreads) swiglu_forward_amax_kernel(bf16_t* __restrict__ out,
+                                                                       const bf16_t* __restrict__ gate_up,
+                                                                       int64_t n_rows, int64_t hidden,
+                                                                       AmaxOutputs a) {
+  core::pdl_allow_dependents();
+  core::pdl_wait_for_producer();  // launched with PDL (core/pdl.cuh): nothing is read before this
+  __shared__ __align__(16) float tile[kTileRows][kTileCols];
+  const int r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
+  const int64_t col_tiles = hidden / kTileCols, tiles = (n_rows / kTileRows) * col_tiles;
+  float a_row = 0.0f, a_col = 0.0f;
+  bool bad = false;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t n = (t / col_tiles) * kTileRows + r, c = (t % col_tiles) * kTileCols + c8;
+    const bf16_t* gate = gate_up + n * 2 * hidden + c;
+    float g[8], u[8];
+    load8_aligned(gate, g);
+    load8_aligned(gate + hidden, u);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) g[k] = swiglu_value(g[k], u[k]);
+    round_and_stage(g, &tile[r][c8], a_row, bad);
+    store8_aligned(out + n * hidden + c, g);
+    if (a.rht_amax != nullptr) {
+      __syncthreads();
+      if (threadIdx.x < kTileCols) a_col = fmaxf(a_col, staged_column_rht_amax(tile, threadIdx.x, a.rht_sign_mask));
+      __syncthreads();
+    }
+  }
+  quant::device::publish_amaxes(a_row, a_col, a.amax, a.rht_amax, bad, a.nonfinite_flag, kErrNonFinite);
+}
+
+// No __restrict__ on d_gate_up / gate_up: they are the same buffer in the in-place use.
+__global__ void __launch_bounds__(kThreads) swiglu_backward_amax_kernel(bf16_t* d_gate_up,
+                                                                        const bf16_t* __restrict__ dout,
+                                                                        const bf16_t* gate_up,
+                                                                        int64_t n_rows, int64_t hidden,
+                                                                        AmaxOutputs a) {
+  __shared__ __align__(16) float tile[2][kTileRows][kTileCols];  // d gate, d up
+  const int r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
+  const int64_t col_tiles = hidden / kTileCols, tiles = (n_rows / kTileRows) * col_tiles;
+  float a_row = 0.0f, a_col = 0.0f;
+  bool bad = false;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t n = (t / col_tiles) * kTileRows + r, c = (t % col_tiles) * kTileCols + c8;
+    const bf16_t* gate = gate_up + n * 2 * hidden + c;
+    bf16_t* dgate = d_gate_up + n * 2 * hidden + c;
+    float g[8], u[8], dy[8];
+    load8_aligned(gate, g);
+    load8_aligned(gate + hidden, u);
+    load8_aligned(dout + n * hidden + c, dy);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) swiglu_gradients(g[k], u[k], dy[k]);
+    round_and_stage(g, &tile[0][r][c8], a_row, bad);
+    round_and_stage(u, &tile[1][r][c8], a_row, bad);
+    store8_aligned(dgate, g);
+    store8_aligned(dgate + hidden, u);
+    if (a.rht_amax != nullptr) {
+      __syncthreads();
+      a_col = fmaxf(a_col, staged_column_rht_amax(tile[threadIdx.x / kTileCols], threadIdx.x % kTileCols,
+                                                  a.rht_sign_mask));
+      __syncthreads();
+    }
+  }
+  quant::device::publish_amaxes(a_row, a_col, a.amax, a.rht_amax, bad, a.nonfinite_flag, kErrNonFinite);
+}
+
+// One CTA per tile up to 8 per SM (8 KB / 16 KB of shared memory each), then grid-stride.
+unsigned amax_grid(int64_t n_rows, int64_t hidden) {
+  int sms = 0, dev = 0;
+  FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));
+  FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int64_t tiles = (n_rows / kTileRows) * (hidden / kTileCols);
+  return (unsigned)std::max<int64_t>(1, std::min<int64_t>(tiles, (int64_t)sms * 8));
+}
+
 }  // namespace
+
+void launch_swiglu_forward_amax(void* out, const void* gate_up, int64_t n_rows, int64_t hidden,
+                                const AmaxOutputs& amaxes, cudaStream_t stream) {
+  if (n_rows == 0 || hidden == 0) return;
+  FOURBIT_CUDA_CHECK(core::launch_pdl(swiglu_forward_amax_kernel, dim3(amax_grid(n_rows, hidden)),
+                                      dim3(kThreads), 0, stream, static_cast<bf16_t*>(out),
+                                      static_cast<const bf16_t*>(gate_up), n_rows, hidden, amaxes));
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+void launch_swiglu_backward_amax(void* d_gate_up, const void* dout, const void* gate_up,
+                                 int64_t n_rows, int64_t hidden, const AmaxOutputs& amaxes,
+                                 cudaStream_t stream) {
+  if (n_rows == 0 || hidden == 0) return;
+  swiglu_backward_amax_kernel<<<amax_grid(n_rows, hidden), kThreads, 0, stream>>>(
+      static_cast<bf16_t*>(d_gate_up), static_cast<const bf16_t*>(dout),
+      static_cast<const bf16_t*>(gate_up), n_rows, hidden, amaxes);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
 
 void launch_swiglu_forward(void* out, const void* gate_up, FloatType type, int64_t n_rows,
                            int64_t hidden, cudaStream_t stream) {

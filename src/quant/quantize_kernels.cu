@@ -48,6 +48,8 @@
 // quantizer -> the next one's); FOURBIT_PDL=0 turns it off for A/B runs.
 #include "quant/quantize_kernels.h"
 
+#include "quant/amax_device.cuh"
+
 #include "core/error.h"
 #include "core/pdl.cuh"
 #include "formats/element.h"
@@ -180,14 +182,8 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 // v <- bf16(v H) (block_math.h rht16_forward: the same operations; the final rounding to BF16 is
 // the hardware conversion, two values per instruction, which rounds like encode_bf16_rn: RNE,
 // overflow to Inf, canonical NaN 0x7FFF).
-// v <- (v with the signs of sign_mask) H, unscaled and unrounded (rht16_forward's first steps).
-__device__ __forceinline__ void rht16_signs_and_butterfly(float v[16], uint16_t sign_mask) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    v[i] = __uint_as_float(__float_as_uint(v[i]) ^ (((uint32_t)sign_mask << (31 - i)) & 0x80000000u));
-  }
-  fwht16(v);
-}
+// v <- (v with the signs of sign_mask) H, unscaled and unrounded: quant/amax_device.cuh.
+using device::rht16_signs_and_butterfly;
 __device__ __forceinline__ void rht16_forward_fast(float v[16], uint16_t sign_mask) {
   rht16_signs_and_butterfly(v, sign_mask);
 #pragma unroll
@@ -991,19 +987,10 @@ void launch_rowwise(const Params& p, cudaStream_t stream) {
 
 // --- global amax ---------------------------------------------------------------------------------
 
-// The end of both global-amax kernels: a warp max of this thread's amaxes, one atomicMax per warp
-// (non-negative floats order like their bits), and the non-finite flag.
+// The end of both global-amax kernels: quant/amax_device.cuh.
 __device__ __forceinline__ void publish_amaxes(float a_row, float a_col, float* row_amax, float* col_amax,
                                                bool bad, int* error_flags) {
-  for (int off = 16; off > 0; off >>= 1) {
-    a_row = fmaxf(a_row, __shfl_xor_sync(0xFFFFFFFFu, a_row, off));
-    a_col = fmaxf(a_col, __shfl_xor_sync(0xFFFFFFFFu, a_col, off));
-  }
-  if ((threadIdx.x & 31) == 0) {
-    atomicMax(reinterpret_cast<unsigned int*>(row_amax), __float_as_uint(a_row));
-    if (col_amax) atomicMax(reinterpret_cast<unsigned int*>(col_amax), __float_as_uint(a_col));
-  }
-  if (bad) atomicOr(error_flags, kErrNonFinite);
+  device::publish_amaxes(a_row, a_col, row_amax, col_amax, bad, error_flags, kErrNonFinite);
 }
 
 // Each thread reduces a 16-row strip of kColPair columns: the plain amax (row-wise) and, when
@@ -1084,11 +1071,7 @@ __global__ void __launch_bounds__(kThreads) amax_rht_kernel(const InT* src, int6
         bad |= !(x <= formats::kFloatMax);
         a_row = fmaxf(a_row, x);
       }
-      rht16_signs_and_butterfly(v, sign_mask);
-      float m = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) m = fmaxf(m, abs_f32(v[i]));
-      a_col = fmaxf(a_col, __bfloat162float(__float2bfloat16_rn(formats::mul_rn(m, 0.25f))));
+      a_col = fmaxf(a_col, device::rht_segment_amax(v, sign_mask));
     }
   }
   publish_amaxes(a_row, a_col, row_amax, col_amax, bad, error_flags);
