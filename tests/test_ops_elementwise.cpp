@@ -3,6 +3,7 @@
 #include "dense_ops_test_util.h"
 #include "ops/elementwise.h"
 #include "ops/error_flags.h"
+#include "quant/quantize.h"
 
 #include <gtest/gtest.h>
 
@@ -12,6 +13,7 @@ namespace fourbit::ops {
 namespace {
 
 using testing::host_tensor;
+using testing::random_normal;
 using testing::values_of;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -101,6 +103,30 @@ TEST(OpsElementwise, NonFiniteCountsAndFlag) {
   // f32 overflow of a finite f64 is not the detector's business: f64 values are checked as is.
   const Tensor big = host_tensor({1}, DType::kF64, {1e300});
   EXPECT_FALSE(count_nonfinite(big).any());
+}
+
+// add_inplace with OutputAmaxes on the CPU: the sum is add_inplace's, and the amaxes are those
+// the NVFP4 reference quantizer stores for it (row-wise plain, column-wise after the RHT).
+TEST(OpsElementwise, AddInplaceOutputAmaxesEqualTheReferenceQuantizers) {
+  const int64_t N = 32, C = 40;
+  const std::vector<double> a = random_normal(N * C, 41), b = random_normal(N * C, 42, 3.0);
+  quant::QuantConfig cfg;
+  cfg.rht = true;
+  Tensor plain = host_tensor({N, C}, DType::kF32, a), fused = host_tensor({N, C}, DType::kF32, a);
+  const Tensor tb = host_tensor({N, C}, DType::kF32, b);
+  add_inplace(plain, tb);
+  float amax[2] = {0.0f, 0.0f};
+  OutputAmaxes o;
+  o.amax = &amax[0];
+  o.rht_amax = &amax[1];
+  o.rht_sign_mask = cfg.rht_sign_mask();
+  add_inplace(fused, tb, nullptr, o);
+  EXPECT_EQ(values_of(fused), values_of(plain));
+  const quant::QuantizedTensor q = quant::quantize_reference(plain.view(), cfg, {true, true}, {"sum", {}});
+  EXPECT_EQ(amax[0], *q.rowwise->amax.ptr<float>());
+  EXPECT_EQ(amax[1], *q.colwise->amax.ptr<float>());
+  Tensor odd = host_tensor({20, 4}, DType::kF32, random_normal(80, 43));  // 20 rows: no 16-row segments
+  EXPECT_THROW(add_inplace(odd, odd, nullptr, o), Error);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // ops elementwise (gpu): the CUDA add, add_inplace, cast and NaN/Inf detector against the CPU
 // reference, on odd sizes, every dtype combination and misaligned (scalar-path) pointers, with
-// guard regions around every output.
+// guard regions around every output. add_inplace with OutputAmaxes: the sum equals the plain
+// add_inplace's bit for bit and the amaxes equal quant::amax_cuda on it bit for bit.
 //
 // Tolerance: none. add computes one FP32 addition of the exact input values and rounds once to the
 // output dtype, which is exactly what the f32 reference followed by a round-to-bf16 does; the casts
@@ -8,9 +9,13 @@
 #include "dense_ops_test_util.h"
 #include "ops/elementwise.h"
 #include "ops/error_flags.h"
+#include "quant/quantize.h"
 
 #include <gtest/gtest.h>
 
+#include <array>
+#include <cmath>
+#include <cstring>
 #include <limits>
 
 namespace fourbit::ops {
@@ -134,6 +139,61 @@ TEST_F(OpsElementwiseCuda, NonFiniteDetector) {
         EXPECT_NE(std::string(e.what()).find("first is at [1000]"), std::string::npos) << e.what();
       }
     }
+}
+
+TEST_F(OpsElementwiseCuda, AddInplaceOutputAmaxesEqualTheQuantizersAmaxPass) {
+  auto read2 = [](const Tensor& t) {
+    std::array<float, 2> h{};
+    device_memcpy(h.data(), Device::kCpu, t.data(), Device::kCuda, sizeof(h));
+    return h;
+  };
+  auto bits = [](float x) {
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    return b;
+  };
+  struct Case {
+    int64_t n, c;
+    bool rht;
+    uint16_t mask;
+    double poke;  // a value written at one element of b (0: none)
+  };
+  for (const Case& k : {Case{16, 128, true, 0x2D5B, 0}, Case{64, 768, true, 0xA5C3, 0},
+                        Case{48, 256, false, 0, 0}, Case{8192, 768, true, 0x2D5B, 0},
+                        Case{32, 384, true, 0x2D5B, -500.0}, Case{32, 128, true, 0x2D5B, NAN},
+                        Case{32, 128, true, 0x2D5B, INFINITY}}) {
+    SCOPED_TRACE(::testing::Message() << k.n << " x " << k.c << " rht " << k.rht << " poke " << k.poke);
+    std::vector<double> a = rounded(random_normal(k.n * k.c, 31, 2.0), DType::kBF16);
+    std::vector<double> b = rounded(random_normal(k.n * k.c, 32, 0.5), DType::kBF16);
+    if (k.poke != 0) b[(size_t)(k.n * k.c / 2 + 5)] = k.poke;
+    const Tensor ha = host_tensor({k.n, k.c}, DType::kBF16, a), hb = host_tensor({k.n, k.c}, DType::kBF16, b);
+    const Guarded plain = Guarded::copy_of(ha, 0x7F), fused = Guarded::copy_of(ha, 0x7F);
+    const Guarded gb = Guarded::copy_of(hb, 0x7F);
+    Tensor amax = Tensor::zeros({2}, DType::kF32, Device::kCuda);
+    Tensor flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+    OutputAmaxes o;
+    o.amax = amax.ptr<float>();
+    o.rht_amax = k.rht ? amax.ptr<float>() + 1 : nullptr;
+    o.rht_sign_mask = k.mask;
+    o.nonfinite_flag = flag.ptr<int>();
+    add_inplace(plain.view, gb.view);
+    add_inplace(fused.view, gb.view, nullptr, o);
+    EXPECT_EQ(fused.damaged_guard_bytes(), 0);
+    EXPECT_TRUE(fused.values() == plain.values()) << "the fused add's sum differs from add_inplace's";
+    Tensor want = Tensor::zeros({2}, DType::kF32, Device::kCuda);
+    Tensor want_flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+    quant::amax_cuda(plain.view, want.ptr<float>(), want.ptr<float>() + 1, k.rht, k.mask,
+                     want_flag.ptr<int>(), nullptr);
+    const std::array<float, 2> got = read2(amax), w = read2(want);
+    EXPECT_EQ(bits(got[0]), bits(w[0])) << got[0] << " vs the amax pass's " << w[0];
+    if (k.rht) EXPECT_EQ(bits(got[1]), bits(w[1])) << got[1] << " vs the amax pass's " << w[1];
+    EXPECT_EQ(read_and_clear_error_flag(flag.ptr<int>()), std::isfinite(k.poke) ? 0 : kErrNonFinite);
+  }
+  // Shapes the kernel cannot tile are refused with a message.
+  Tensor x = Tensor::zeros({24, 128}, DType::kBF16, Device::kCuda), amax = Tensor::zeros({2}, DType::kF32, Device::kCuda);
+  OutputAmaxes o;
+  o.amax = amax.ptr<float>();
+  EXPECT_THROW(add_inplace(x.view(), x.view(), nullptr, o), Error);
 }
 
 }  // namespace

@@ -774,8 +774,11 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale) 
     const int64_t F = cfg.d_ff;
     const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
     const TensorView d_act = prefix(s.d_act, N, F);
+    // d_resid's amaxes, when the add that wrote it computed them (Model::backward).
+    const gemm::LinearOptions::GivenAmax d_resid_amax = pending_d_resid_amax;
+    pending_d_resid_amax = {};
     dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, g(p.mlp_down),
-                b.save_act ? &b.saved_act : nullptr);
+                b.save_act ? &b.saved_act : nullptr, d_resid_amax);
     const std::optional<ops::OutputAmaxes> d_gu_amax =
         producer_amaxes(l, LinearKind::kMlpUp, true, false, ops::swiglu_fuses_output_amaxes(N, F));
     {
@@ -1236,7 +1239,9 @@ void Model::backward(const BackwardOptions& o) {
   const int64_t D = c.head_dim(), H = c.n_heads, Hkv = c.n_kv_heads;
   const float theta = (float)c.rope_theta;
   const int L = c.n_layers;
+  const int64_t N = a.N, C = c.d_model;
   im.backward_done = true;
+  im.pending_d_resid_amax = {};
 
   // LM head and loss: dlogits over the logits, then the final norm.
   {
@@ -1283,17 +1288,24 @@ void Model::backward(const BackwardOptions& o) {
     const Section ffn = c.is_moe_block(l) ? Section::kMoe : Section::kMlp;
     // Feed-forward half: d_resid is d resid[l + 1]; the branch's gradient lands in d_ln.
     im.backward_ffn(l, a, b, o.loss_scale);
+    // d mid[l] is attn_out's dY: the add can compute its amaxes (Impl::producer_amaxes).
+    const std::optional<ops::OutputAmaxes> d_mid_amax =
+        im.producer_amaxes(l, LinearKind::kAttnOut, true, false, ops::add_fuses_output_amaxes(N, C));
     {
       Scope sc(im, ffn, Work::kOther);
       ops::rmsnorm_backward(s.d_tmp, im.g(p.mlp_norm), s.d_ln, a.mid[(size_t)l], im.master(p.mlp_norm),
                             b.ln2_rstd, s.norm_ws, st);
       im.bf16(s.d_tmp);
-      ops::add_inplace(s.d_resid, s.d_tmp, st);  // now d mid[l]
+      if (d_mid_amax) {
+        ops::add_inplace(s.d_resid, s.d_tmp, st, *d_mid_amax);  // now d mid[l]
+      } else {
+        ops::add_inplace(s.d_resid, s.d_tmp, st);
+      }
       im.bf16(s.d_resid);
     }
     // Attention half.
     im.dgrad_wgrad(Section::kAttention, l, LinearKind::kAttnOut, s.d_resid, im.w(p.attn_out), s.d_attn,
-                   b.attn, im.g(p.attn_out));
+                   b.attn, im.g(p.attn_out), nullptr, Model::Impl::given_amax(d_mid_amax));
     {
       Scope sc(im, Section::kAttention, Work::kAttention);
       const int B = a.B, T = a.T;
@@ -1316,14 +1328,25 @@ void Model::backward(const BackwardOptions& o) {
     }
     im.dgrad_wgrad(Section::kAttention, l, LinearKind::kQkv, s.d_qkv, im.w(p.qkv), s.d_ln, b.ln1,
                    im.g(p.qkv), b.save_ln1 ? &b.saved_ln1 : nullptr);
+    // d resid[l] is the dY of block l - 1's mlp_down when that block is dense (its backward starts
+    // with that GEMM pair; a MoE block's starts with the unpermute).
+    const bool next_is_dense_down = l > 0 && !c.is_moe_block(l - 1);
+    const std::optional<ops::OutputAmaxes> d_resid_amax =
+        im.producer_amaxes(l - 1, LinearKind::kMlpDown, true, false,
+                           next_is_dense_down && ops::add_fuses_output_amaxes(N, C));
     {
       Scope sc(im, Section::kAttention, Work::kOther);
       ops::rmsnorm_backward(s.d_tmp, im.g(p.attn_norm), s.d_ln, a.resid[(size_t)l],
                             im.master(p.attn_norm), b.ln1_rstd, s.norm_ws, st);
       im.bf16(s.d_tmp);
-      ops::add_inplace(s.d_resid, s.d_tmp, st);  // now d resid[l]
+      if (d_resid_amax) {
+        ops::add_inplace(s.d_resid, s.d_tmp, st, *d_resid_amax);  // now d resid[l]
+      } else {
+        ops::add_inplace(s.d_resid, s.d_tmp, st);
+      }
       im.bf16(s.d_resid);
     }
+    im.pending_d_resid_amax = Model::Impl::given_amax(d_resid_amax);
   }
   {
     Scope sc(im, Section::kEmbedding, Work::kOther);

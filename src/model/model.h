@@ -97,8 +97,9 @@ struct ModelOptions {
   bool keep_wgrad_inputs = false;
   // CUDA: where an NVFP4 one-pass quantization of a linear layer's X or dY follows the op that
   // wrote the tensor (SwiGLU forward -> mlp_down's X, SwiGLU backward -> mlp_up's dY, in dense
-  // blocks), that op also computes the tensor's global amaxes (ops::OutputAmaxes), and the
-  // quantizer skips its own pass over the tensor. The gradients are bit for bit the same. false
+  // blocks; the residual-gradient adds after the norm backwards -> attn_out's and mlp_down's dY),
+  // that op also computes the tensor's global amaxes (ops::OutputAmaxes), and the quantizer skips
+  // its own pass over the tensor. The gradients are bit for bit the same. false
   // (or FOURBIT_FUSED_AMAX=0): the quantizers' amax passes (A/B runs).
   bool fuse_producer_amax = true;
 };

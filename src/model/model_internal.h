@@ -153,6 +153,9 @@ struct Model::Impl {
   // the backward's dY. Each is zeroed by its producer and read by the quantizer right after.
   static constexpr int kAmaxSlots = 2;
   Tensor producer_amax;
+  // The backward's d_resid amaxes, computed by the add that ended block l + 1's backward, for
+  // block l's mlp_down (consumed and cleared by backward_ffn).
+  gemm::LinearOptions::GivenAmax pending_d_resid_amax;
 
   // The pass in progress.
   detail::Mode mode = detail::Mode::kPretrain;

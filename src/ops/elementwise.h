@@ -8,6 +8,7 @@
 #pragma once
 
 #include "core/tensor.h"
+#include "ops/output_amax.h"
 
 #include <cstdint>
 #include <string_view>
@@ -23,6 +24,12 @@ void add(const TensorView& out, const TensorView& a, const TensorView& b, void* 
 // a += b (the residual connection in place).
 //   a, b: [*] same shape; dtypes as for add.
 void add_inplace(const TensorView& a, const TensorView& b, void* stream = nullptr);
+
+// a += b, also accumulating the global amaxes of the result (output_amax.h) for the NVFP4
+// quantizer of the next GEMM's input (the residual gradient, dY of attn_out and mlp_down).
+//   a, b: [N, C]; CUDA: both bf16, add_fuses_output_amaxes(N, C), 16-byte aligned.
+void add_inplace(const TensorView& a, const TensorView& b, void* stream, const OutputAmaxes& amaxes);
+bool add_fuses_output_amaxes(int64_t n_rows, int64_t cols);  // N % 16 == 0 and C % 128 == 0
 
 // out = x in another dtype: f32 -> bf16 (round to nearest even; NaN stays NaN, canonical 0x7FFF;
 // overflow rounds to Inf) or bf16 -> f32 (exact). Same bits on the CPU and CUDA.

@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "ops/error_flags.h"
 #include "ops/kernel_support.cuh"
+#include "ops/output_amax.cuh"
 
 namespace fourbit::ops::kernels {
 namespace {
@@ -23,6 +24,33 @@ __global__ void add_kernel(TO* out, const TA* a, const TB* b, int64_t n, bool ve
     for (int k = 0; k < 8; ++k) va[k] = __fadd_rn(va[k], vb[k]);
     store8(out, i, n, vec, va);
   }
+}
+
+// a += b on bf16 [n_rows, cols] (n_rows % 16 == 0, cols % 128 == 0, 16-byte aligned), also
+// accumulating the amaxes of the result (output_amax.cuh). No __restrict__ on a: read and written.
+__global__ void __launch_bounds__(kAmaxThreads) add_inplace_amax_kernel(bf16_t* a, const bf16_t* __restrict__ b,
+                                                                        int64_t n_rows, int64_t cols,
+                                                                        AmaxOutputs out) {
+  __shared__ __align__(16) float tile[kAmaxTileRows][kAmaxTileCols];
+  const int r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
+  const int64_t col_tiles = cols / kAmaxTileCols, tiles = (n_rows / kAmaxTileRows) * col_tiles;
+  TileAmaxes m;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t i = ((t / col_tiles) * kAmaxTileRows + r) * cols + (t % col_tiles) * kAmaxTileCols + c8;
+    float va[8], vb[8];
+    load8_aligned(a + i, va);
+    load8_aligned(b + i, vb);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) va[k] = __fadd_rn(va[k], vb[k]);  // add_kernel's arithmetic
+    m.round_and_stage(va, &tile[r][c8]);
+    store8_aligned(a + i, va);
+    if (out.rht_amax != nullptr) {
+      __syncthreads();
+      if (threadIdx.x < kAmaxTileCols) m.add_staged_column(tile, threadIdx.x, out.rht_sign_mask);
+      __syncthreads();
+    }
+  }
+  m.publish(out);
 }
 
 template <typename TO, typename TI>
@@ -69,6 +97,14 @@ bool all_aligned(std::initializer_list<const void*> ptrs) {
 }
 
 }  // namespace
+
+void launch_add_inplace_amax(void* a, const void* b, int64_t n_rows, int64_t cols,
+                             const AmaxOutputs& amaxes, cudaStream_t stream) {
+  if (n_rows == 0 || cols == 0) return;
+  add_inplace_amax_kernel<<<amax_tile_grid(n_rows, cols), kAmaxThreads, 0, stream>>>(
+      static_cast<bf16_t*>(a), static_cast<const bf16_t*>(b), n_rows, cols, amaxes);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
 
 void launch_add(void* out, FloatType out_type, const void* a, FloatType a_type, const void* b,
                 FloatType b_type, int64_t n, cudaStream_t stream) {

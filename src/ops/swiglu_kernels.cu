@@ -11,9 +11,8 @@
 #include "ops/swiglu_kernels.h"
 
 #include "core/error.h"
-#include "ops/error_flags.h"
 #include "ops/kernel_support.cuh"
-#include "quant/amax_device.cuh"
+#include "ops/output_amax.cuh"
 
 #include <algorithm>
 
@@ -88,31 +87,8 @@ __global__ void swiglu_backward_kernel(T* d_gate_up, const T* __restrict__ dout,
 
 // --- the variants that also compute the output's amaxes -------------------------------------------
 
-constexpr int kTileRows = 16, kTileCols = 128;  // a CTA tile; thread t: row t / 16, columns 8 (t % 16)
-static_assert(kTileRows * kTileCols / 8 == kThreads, "one 8-column group per thread");
-
-// Rounds v to BF16 (the stored values), folds them into the plain amax and the non-finite flag,
-// and stages them for the column pass.
-__device__ __forceinline__ void round_and_stage(float v[8], float* stage, float& a_row, bool& bad) {
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    v[k] = formats::decode_bf16(formats::encode_bf16_rn(v[k]));
-    const float x = formats::abs_f32(v[k]);
-    bad |= !(x <= formats::kFloatMax);
-    a_row = fmaxf(a_row, x);
-  }
-  reinterpret_cast<float4*>(stage)[0] = make_float4(v[0], v[1], v[2], v[3]);
-  reinterpret_cast<float4*>(stage)[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
-
-// The RHT amax of column `col` of a staged [16][kTileCols] tile.
-__device__ __forceinline__ float staged_column_rht_amax(const float (*tile)[kTileCols], int col,
-                                                        uint16_t sign_mask) {
-  float v[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = tile[i][col];
-  return quant::device::rht_segment_amax(v, sign_mask);
-}
+constexpr int kTileRows = kAmaxTileRows, kTileCols = kAmaxTileCols;  // output_amax.cuh
+static_assert(kAmaxThreads == kThreads, "the amax kernels run 256 threads");
 
 __global__ void __launch_bounds__(kThreads) swiglu_forward_amax_kernel(bf16_t* __restrict__ out,
                                                                        const bf16_t* __restrict__ gate_up,
@@ -123,8 +99,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_forward_amax_kernel(bf16_t* _
   __shared__ __align__(16) float tile[kTileRows][kTileCols];
   const int r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
   const int64_t col_tiles = hidden / kTileCols, tiles = (n_rows / kTileRows) * col_tiles;
-  float a_row = 0.0f, a_col = 0.0f;
-  bool bad = false;
+  TileAmaxes m;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t n = (t / col_tiles) * kTileRows + r, c = (t % col_tiles) * kTileCols + c8;
     const bf16_t* gate = gate_up + n * 2 * hidden + c;
@@ -133,15 +108,15 @@ __global__ void __launch_bounds__(kThreads) swiglu_forward_amax_kernel(bf16_t* _
     load8_aligned(gate + hidden, u);
 #pragma unroll
     for (int k = 0; k < 8; ++k) g[k] = swiglu_value(g[k], u[k]);
-    round_and_stage(g, &tile[r][c8], a_row, bad);
+    m.round_and_stage(g, &tile[r][c8]);
     store8_aligned(out + n * hidden + c, g);
     if (a.rht_amax != nullptr) {
       __syncthreads();
-      if (threadIdx.x < kTileCols) a_col = fmaxf(a_col, staged_column_rht_amax(tile, threadIdx.x, a.rht_sign_mask));
+      if (threadIdx.x < kTileCols) m.add_staged_column(tile, threadIdx.x, a.rht_sign_mask);
       __syncthreads();
     }
   }
-  quant::device::publish_amaxes(a_row, a_col, a.amax, a.rht_amax, bad, a.nonfinite_flag, kErrNonFinite);
+  m.publish(a);
 }
 
 // No __restrict__ on d_gate_up / gate_up: they are the same buffer in the in-place use.
@@ -153,8 +128,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_backward_amax_kernel(bf16_t* 
   __shared__ __align__(16) float tile[2][kTileRows][kTileCols];  // d gate, d up
   const int r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
   const int64_t col_tiles = hidden / kTileCols, tiles = (n_rows / kTileRows) * col_tiles;
-  float a_row = 0.0f, a_col = 0.0f;
-  bool bad = false;
+  TileAmaxes m;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t n = (t / col_tiles) * kTileRows + r, c = (t % col_tiles) * kTileCols + c8;
     const bf16_t* gate = gate_up + n * 2 * hidden + c;
@@ -165,27 +139,17 @@ __global__ void __launch_bounds__(kThreads) swiglu_backward_amax_kernel(bf16_t* 
     load8_aligned(dout + n * hidden + c, dy);
 #pragma unroll
     for (int k = 0; k < 8; ++k) swiglu_gradients(g[k], u[k], dy[k]);
-    round_and_stage(g, &tile[0][r][c8], a_row, bad);
-    round_and_stage(u, &tile[1][r][c8], a_row, bad);
+    m.round_and_stage(g, &tile[0][r][c8]);
+    m.round_and_stage(u, &tile[1][r][c8]);
     store8_aligned(dgate, g);
     store8_aligned(dgate + hidden, u);
     if (a.rht_amax != nullptr) {
       __syncthreads();
-      a_col = fmaxf(a_col, staged_column_rht_amax(tile[threadIdx.x / kTileCols], threadIdx.x % kTileCols,
-                                                  a.rht_sign_mask));
+      m.add_staged_column(tile[threadIdx.x / kTileCols], threadIdx.x % kTileCols, a.rht_sign_mask);
       __syncthreads();
     }
   }
-  quant::device::publish_amaxes(a_row, a_col, a.amax, a.rht_amax, bad, a.nonfinite_flag, kErrNonFinite);
-}
-
-// One CTA per tile up to 8 per SM (8 KB / 16 KB of shared memory each), then grid-stride.
-unsigned amax_grid(int64_t n_rows, int64_t hidden) {
-  int sms = 0, dev = 0;
-  FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));
-  FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int64_t tiles = (n_rows / kTileRows) * (hidden / kTileCols);
-  return (unsigned)std::max<int64_t>(1, std::min<int64_t>(tiles, (int64_t)sms * 8));
+  m.publish(a);
 }
 
 }  // namespace
@@ -193,7 +157,7 @@ unsigned amax_grid(int64_t n_rows, int64_t hidden) {
 void launch_swiglu_forward_amax(void* out, const void* gate_up, int64_t n_rows, int64_t hidden,
                                 const AmaxOutputs& amaxes, cudaStream_t stream) {
   if (n_rows == 0 || hidden == 0) return;
-  FOURBIT_CUDA_CHECK(core::launch_pdl(swiglu_forward_amax_kernel, dim3(amax_grid(n_rows, hidden)),
+  FOURBIT_CUDA_CHECK(core::launch_pdl(swiglu_forward_amax_kernel, dim3(amax_tile_grid(n_rows, hidden)),
                                       dim3(kThreads), 0, stream, static_cast<bf16_t*>(out),
                                       static_cast<const bf16_t*>(gate_up), n_rows, hidden, amaxes));
   FOURBIT_CUDA_CHECK_LAUNCH();
@@ -203,7 +167,7 @@ void launch_swiglu_backward_amax(void* d_gate_up, const void* dout, const void* 
                                  int64_t n_rows, int64_t hidden, const AmaxOutputs& amaxes,
                                  cudaStream_t stream) {
   if (n_rows == 0 || hidden == 0) return;
-  swiglu_backward_amax_kernel<<<amax_grid(n_rows, hidden), kThreads, 0, stream>>>(
+  swiglu_backward_amax_kernel<<<amax_tile_grid(n_rows, hidden), kThreads, 0, stream>>>(
       static_cast<bf16_t*>(d_gate_up), static_cast<const bf16_t*>(dout),
       static_cast<const bf16_t*>(gate_up), n_rows, hidden, amaxes);
   FOURBIT_CUDA_CHECK_LAUNCH();

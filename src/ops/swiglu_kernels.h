@@ -18,14 +18,6 @@ void launch_swiglu_forward(void* out, const void* gate_up, FloatType type, int64
 void launch_swiglu_backward(void* d_gate_up, const void* dout, const void* gate_up,
                             FloatType type, int64_t n_rows, int64_t hidden, cudaStream_t stream);
 
-// ops::OutputAmaxes as plain pointers (output_amax.h): device floats the caller zeroed.
-struct AmaxOutputs {
-  float* amax;
-  float* rht_amax;  // null: none
-  uint16_t rht_sign_mask;
-  int* nonfinite_flag;  // may be null
-};
-
 // The same two ops on bf16 tensors, also accumulating the output's amaxes; n_rows % 16 == 0,
 // hidden % 128 == 0 (swiglu_fuses_output_amaxes).
 void launch_swiglu_forward_amax(void* out, const void* gate_up, int64_t n_rows, int64_t hidden,
