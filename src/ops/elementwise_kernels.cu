@@ -31,26 +31,16 @@ __global__ void add_kernel(TO* out, const TA* a, const TB* b, int64_t n, bool ve
 __global__ void __launch_bounds__(kAmaxThreads) add_inplace_amax_kernel(bf16_t* a, const bf16_t* __restrict__ b,
                                                                         int64_t n_rows, int64_t cols,
                                                                         AmaxOutputs out) {
-  __shared__ __align__(16) float tile[kAmaxTileRows][kAmaxTileCols];
-  const int r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
-  const int64_t col_tiles = cols / kAmaxTileCols, tiles = (n_rows / kAmaxTileRows) * col_tiles;
-  TileAmaxes m;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t i = ((t / col_tiles) * kAmaxTileRows + r) * cols + (t % col_tiles) * kAmaxTileCols + c8;
+  amax_tile_loop<1>(n_rows, cols, out, [&](int64_t n, int64_t c, TileAmaxes& m, float* const* stage) {
+    const int64_t i = n * cols + c;
     float va[8], vb[8];
     load8_aligned(a + i, va);
     load8_aligned(b + i, vb);
 #pragma unroll
     for (int k = 0; k < 8; ++k) va[k] = __fadd_rn(va[k], vb[k]);  // add_kernel's arithmetic
-    m.round_and_stage(va, &tile[r][c8]);
+    m.round_and_stage(va, stage[0]);
     store8_aligned(a + i, va);
-    if (out.rht_amax != nullptr) {
-      __syncthreads();
-      if (threadIdx.x < kAmaxTileCols) m.add_staged_column(tile, threadIdx.x, out.rht_sign_mask);
-      __syncthreads();
-    }
-  }
-  m.publish(out);
+  });
 }
 
 template <typename TO, typename TI>

@@ -57,6 +57,33 @@ struct TileAmaxes {
   }
 };
 
+// The tile loop of an amax kernel over an output of [n_rows, cols] tiles (n_rows % 16 == 0,
+// cols % 128 == 0 in units of the tile's columns): for each of the CTA's tiles, body(n, c, m,
+// stage) computes this thread's 8 results of row n, columns [c, c + 8), passes each of its
+// kStages output blocks through m.round_and_stage(v, stage[s]) and stores them; then, when the
+// RHT amax is wanted, the CTA reduces the staged columns. Ends with m.publish(a).
+template <int kStages, typename Body>
+__device__ __forceinline__ void amax_tile_loop(int64_t n_rows, int64_t cols, const AmaxOutputs& a,
+                                               Body&& body) {
+  __shared__ __align__(16) float tile[kStages][kAmaxTileRows][kAmaxTileCols];
+  const int r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
+  const int64_t col_tiles = cols / kAmaxTileCols, tiles = (n_rows / kAmaxTileRows) * col_tiles;
+  float* stage[kStages];
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) stage[s] = &tile[s][r][c8];
+  TileAmaxes m;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    body((t / col_tiles) * kAmaxTileRows + r, (t % col_tiles) * kAmaxTileCols + c8, m, stage);
+    if (a.rht_amax != nullptr) {
+      __syncthreads();
+      for (int col = threadIdx.x; col < kStages * kAmaxTileCols; col += kAmaxThreads)
+        m.add_staged_column(tile[col / kAmaxTileCols], col % kAmaxTileCols, a.rht_sign_mask);
+      __syncthreads();
+    }
+  }
+  m.publish(a);
+}
+
 // Grid of an amax kernel over [n_rows, cols]: one CTA per tile up to 8 per SM, then grid-stride.
 inline unsigned amax_tile_grid(int64_t n_rows, int64_t cols) {
   int sms = 0, dev = 0;

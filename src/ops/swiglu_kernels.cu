@@ -87,8 +87,7 @@ __global__ void swiglu_backward_kernel(T* d_gate_up, const T* __restrict__ dout,
 
 // --- the variants that also compute the output's amaxes -------------------------------------------
 
-constexpr int kTileRows = kAmaxTileRows, kTileCols = kAmaxTileCols;  // output_amax.cuh
-static_assert(kAmaxThreads == kThreads, "the amax kernels run 256 threads");
+static_assert(kAmaxThreads == kThreads, "the amax kernels run 256 threads (output_amax.cuh)");
 
 __global__ void __launch_bounds__(kThreads) swiglu_forward_amax_kernel(bf16_t* __restrict__ out,
                                                                        const bf16_t* __restrict__ gate_up,
@@ -96,27 +95,16 @@ __global__ void __launch_bounds__(kThreads) swiglu_forward_amax_kernel(bf16_t* _
                                                                        AmaxOutputs a) {
   core::pdl_allow_dependents();
   core::pdl_wait_for_producer();  // launched with PDL (core/pdl.cuh): nothing is read before this
-  __shared__ __align__(16) float tile[kTileRows][kTileCols];
-  const int r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
-  const int64_t col_tiles = hidden / kTileCols, tiles = (n_rows / kTileRows) * col_tiles;
-  TileAmaxes m;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t n = (t / col_tiles) * kTileRows + r, c = (t % col_tiles) * kTileCols + c8;
+  amax_tile_loop<1>(n_rows, hidden, a, [&](int64_t n, int64_t c, TileAmaxes& m, float* const* stage) {
     const bf16_t* gate = gate_up + n * 2 * hidden + c;
     float g[8], u[8];
     load8_aligned(gate, g);
     load8_aligned(gate + hidden, u);
 #pragma unroll
     for (int k = 0; k < 8; ++k) g[k] = swiglu_value(g[k], u[k]);
-    m.round_and_stage(g, &tile[r][c8]);
+    m.round_and_stage(g, stage[0]);
     store8_aligned(out + n * hidden + c, g);
-    if (a.rht_amax != nullptr) {
-      __syncthreads();
-      if (threadIdx.x < kTileCols) m.add_staged_column(tile, threadIdx.x, a.rht_sign_mask);
-      __syncthreads();
-    }
-  }
-  m.publish(a);
+  });
 }
 
 // No __restrict__ on d_gate_up / gate_up: they are the same buffer in the in-place use.
@@ -125,12 +113,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_backward_amax_kernel(bf16_t* 
                                                                         const bf16_t* gate_up,
                                                                         int64_t n_rows, int64_t hidden,
                                                                         AmaxOutputs a) {
-  __shared__ __align__(16) float tile[2][kTileRows][kTileCols];  // d gate, d up
-  const int r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
-  const int64_t col_tiles = hidden / kTileCols, tiles = (n_rows / kTileRows) * col_tiles;
-  TileAmaxes m;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t n = (t / col_tiles) * kTileRows + r, c = (t % col_tiles) * kTileCols + c8;
+  amax_tile_loop<2>(n_rows, hidden, a, [&](int64_t n, int64_t c, TileAmaxes& m, float* const* stage) {
     const bf16_t* gate = gate_up + n * 2 * hidden + c;
     bf16_t* dgate = d_gate_up + n * 2 * hidden + c;
     float g[8], u[8], dy[8];
@@ -139,17 +122,11 @@ __global__ void __launch_bounds__(kThreads) swiglu_backward_amax_kernel(bf16_t* 
     load8_aligned(dout + n * hidden + c, dy);
 #pragma unroll
     for (int k = 0; k < 8; ++k) swiglu_gradients(g[k], u[k], dy[k]);
-    m.round_and_stage(g, &tile[0][r][c8]);
-    m.round_and_stage(u, &tile[1][r][c8]);
+    m.round_and_stage(g, stage[0]);  // d gate
+    m.round_and_stage(u, stage[1]);  // d up
     store8_aligned(dgate, g);
     store8_aligned(dgate + hidden, u);
-    if (a.rht_amax != nullptr) {
-      __syncthreads();
-      m.add_staged_column(tile[threadIdx.x / kTileCols], threadIdx.x % kTileCols, a.rht_sign_mask);
-      __syncthreads();
-    }
-  }
-  m.publish(a);
+  });
 }
 
 }  // namespace
