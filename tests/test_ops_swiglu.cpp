@@ -137,7 +137,9 @@ TEST(OpsSwiglu, OutputAmaxesEqualTheReferenceQuantizers) {
     swiglu_forward(out, host_tensor({N, 2 * F}, DType::kF32, gu), nullptr, &a);
     auto [row, col] = reference_amaxes(out);
     EXPECT_EQ(amax[0], row);
-    if (rht) EXPECT_EQ(amax[1], col);
+    if (rht) {
+      EXPECT_EQ(amax[1], col);
+    }
     EXPECT_GT(amax[0], 10.0f);
 
     amax[0] = amax[1] = 0.0f;
@@ -145,7 +147,9 @@ TEST(OpsSwiglu, OutputAmaxesEqualTheReferenceQuantizers) {
     swiglu_backward_inplace(d, host_tensor({N, F}, DType::kF32, dout), nullptr, &a);
     std::tie(row, col) = reference_amaxes(d);
     EXPECT_EQ(amax[0], row);
-    if (rht) EXPECT_EQ(amax[1], col);
+    if (rht) {
+      EXPECT_EQ(amax[1], col);
+    }
 
     // Accumulation: a larger value already there stays.
     amax[0] = 1e6f;

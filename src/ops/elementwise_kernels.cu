@@ -26,20 +26,22 @@ __global__ void add_kernel(TO* out, const TA* a, const TB* b, int64_t n, bool ve
   }
 }
 
-// a += b on bf16 [n_rows, cols] (n_rows % 16 == 0, cols % 128 == 0, 16-byte aligned), also
-// accumulating the amaxes of the result (output_amax.cuh). No __restrict__ on a: read and written.
-__global__ void __launch_bounds__(kAmaxThreads) add_inplace_amax_kernel(bf16_t* a, const bf16_t* __restrict__ b,
+// a += b on bf16 [n_rows, cols] (n_rows % 16 == 0, cols even, 4-byte aligned), also accumulating
+// the amaxes of the result (output_amax.cuh). No __restrict__ on a: read and written.
+__global__ void __launch_bounds__(kAmaxThreads, 2) add_inplace_amax_kernel(bf16_t* a, const bf16_t* __restrict__ b,
                                                                         int64_t n_rows, int64_t cols,
                                                                         AmaxOutputs out) {
-  amax_tile_loop<1>(n_rows, cols, out, [&](int64_t n, int64_t c, TileAmaxes& m, float* const* stage) {
-    const int64_t i = n * cols + c;
-    float va[8], vb[8];
-    load8_aligned(a + i, va);
-    load8_aligned(b + i, vb);
+  amax_strip_loop<1>(n_rows, cols, out, [&](int64_t r0, int64_t c, float (&v)[1][2][kStripRows]) {
 #pragma unroll
-    for (int k = 0; k < 8; ++k) va[k] = __fadd_rn(va[k], vb[k]);  // add_kernel's arithmetic
-    m.round_and_stage(va, stage[0]);
-    store8_aligned(a + i, va);
+    for (int i = 0; i < kStripRows; ++i) {
+      const int64_t e = (r0 + i) * cols + c;
+      float a0, a1, b0, b1;
+      load_pair(a + e, a0, a1);
+      load_pair(b + e, b0, b1);
+      v[0][0][i] = __fadd_rn(a0, b0);  // add_kernel's arithmetic
+      v[0][1][i] = __fadd_rn(a1, b1);
+      store_pair(a + e, v[0][0][i], v[0][1][i]);
+    }
   });
 }
 
@@ -91,7 +93,7 @@ bool all_aligned(std::initializer_list<const void*> ptrs) {
 void launch_add_inplace_amax(void* a, const void* b, int64_t n_rows, int64_t cols,
                              const AmaxOutputs& amaxes, cudaStream_t stream) {
   if (n_rows == 0 || cols == 0) return;
-  add_inplace_amax_kernel<<<amax_tile_grid(n_rows, cols), kAmaxThreads, 0, stream>>>(
+  add_inplace_amax_kernel<<<amax_strip_grid(n_rows, cols), kAmaxThreads, 0, stream>>>(
       static_cast<bf16_t*>(a), static_cast<const bf16_t*>(b), n_rows, cols, amaxes);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }

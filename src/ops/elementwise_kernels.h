@@ -11,7 +11,7 @@
 namespace fourbit::ops::kernels {
 
 // out[i] = a[i] + b[i], i < n. out may equal a (the in-place add).
-// a += b on bf16 [n_rows, cols], n_rows % 16 == 0, cols % 128 == 0, 16-byte aligned, also
+// a += b on bf16 [n_rows, cols], n_rows % 16 == 0, cols even, 4-byte aligned, also
 // accumulating the result's amaxes (ops::OutputAmaxes).
 void launch_add_inplace_amax(void* a, const void* b, int64_t n_rows, int64_t cols,
                              const AmaxOutputs& amaxes, cudaStream_t stream);

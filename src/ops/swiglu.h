@@ -42,8 +42,8 @@ void swiglu_backward(const TensorView& d_gate_up, const TensorView& dout,
 void swiglu_backward_inplace(const TensorView& gate_up_to_d_gate_up, const TensorView& dout,
                              void* stream = nullptr, const OutputAmaxes* amaxes = nullptr);
 
-// Whether the CUDA kernels can compute OutputAmaxes while they write (tiles of 16 rows x 128
-// columns of F): N % 16 == 0 and F % 128 == 0. The CPU reference takes any N (rht_amax: N % 16 == 0).
+// Whether the CUDA kernels can compute OutputAmaxes while they write (strips of 16 rows x 2
+// columns): N % 16 == 0 and F even. The CPU reference takes any N (rht_amax: N % 16 == 0).
 bool swiglu_fuses_output_amaxes(int64_t n_rows, int64_t hidden);
 
 }  // namespace fourbit::ops

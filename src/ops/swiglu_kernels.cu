@@ -3,11 +3,9 @@
 // 8 d_gate and 8 d_up values). Each item reads and writes only its own elements, so the backward
 // may run in place.
 //
-// The *_amax variants (bf16) also accumulate the global amaxes of what they write (OutputAmaxes,
-// quant/amax_device.cuh): a CTA takes tiles of 16 rows x 128 columns of F, one 8-column group a
-// thread; the rounded outputs go to shared memory as well, and after a barrier one thread per
-// output column reduces its 16-row segment's Hadamard transform. The values written are those of
-// the plain kernels (the same helpers, swiglu_value / swiglu_gradients).
+// The *_amax variants (bf16) also accumulate the global amaxes of what they write (OutputAmaxes):
+// a thread takes strips of 16 rows x 2 columns of F (output_amax.cuh). The values written are
+// those of the plain kernels (the same helpers, swiglu_value / swiglu_gradients).
 #include "ops/swiglu_kernels.h"
 
 #include "core/error.h"
@@ -89,43 +87,48 @@ __global__ void swiglu_backward_kernel(T* d_gate_up, const T* __restrict__ dout,
 
 static_assert(kAmaxThreads == kThreads, "the amax kernels run 256 threads (output_amax.cuh)");
 
-__global__ void __launch_bounds__(kThreads) swiglu_forward_amax_kernel(bf16_t* __restrict__ out,
+__global__ void __launch_bounds__(kThreads, 2) swiglu_forward_amax_kernel(bf16_t* __restrict__ out,
                                                                        const bf16_t* __restrict__ gate_up,
                                                                        int64_t n_rows, int64_t hidden,
                                                                        AmaxOutputs a) {
   core::pdl_allow_dependents();
   core::pdl_wait_for_producer();  // launched with PDL (core/pdl.cuh): nothing is read before this
-  amax_tile_loop<1>(n_rows, hidden, a, [&](int64_t n, int64_t c, TileAmaxes& m, float* const* stage) {
-    const bf16_t* gate = gate_up + n * 2 * hidden + c;
-    float g[8], u[8];
-    load8_aligned(gate, g);
-    load8_aligned(gate + hidden, u);
+  amax_strip_loop<1>(n_rows, hidden, a, [&](int64_t r0, int64_t c, float (&v)[1][2][kStripRows]) {
 #pragma unroll
-    for (int k = 0; k < 8; ++k) g[k] = swiglu_value(g[k], u[k]);
-    m.round_and_stage(g, stage[0]);
-    store8_aligned(out + n * hidden + c, g);
+    for (int i = 0; i < kStripRows; ++i) {
+      const bf16_t* gate = gate_up + (r0 + i) * 2 * hidden + c;
+      float g0, g1, u0, u1;
+      load_pair(gate, g0, g1);
+      load_pair(gate + hidden, u0, u1);
+      v[0][0][i] = swiglu_value(g0, u0);
+      v[0][1][i] = swiglu_value(g1, u1);
+      store_pair(out + (r0 + i) * hidden + c, v[0][0][i], v[0][1][i]);
+    }
   });
 }
 
 // No __restrict__ on d_gate_up / gate_up: they are the same buffer in the in-place use.
-__global__ void __launch_bounds__(kThreads) swiglu_backward_amax_kernel(bf16_t* d_gate_up,
+__global__ void __launch_bounds__(kThreads, 2) swiglu_backward_amax_kernel(bf16_t* d_gate_up,
                                                                         const bf16_t* __restrict__ dout,
                                                                         const bf16_t* gate_up,
                                                                         int64_t n_rows, int64_t hidden,
                                                                         AmaxOutputs a) {
-  amax_tile_loop<2>(n_rows, hidden, a, [&](int64_t n, int64_t c, TileAmaxes& m, float* const* stage) {
-    const bf16_t* gate = gate_up + n * 2 * hidden + c;
-    bf16_t* dgate = d_gate_up + n * 2 * hidden + c;
-    float g[8], u[8], dy[8];
-    load8_aligned(gate, g);
-    load8_aligned(gate + hidden, u);
-    load8_aligned(dout + n * hidden + c, dy);
+  amax_strip_loop<2>(n_rows, hidden, a, [&](int64_t r0, int64_t c, float (&v)[2][2][kStripRows]) {
 #pragma unroll
-    for (int k = 0; k < 8; ++k) swiglu_gradients(g[k], u[k], dy[k]);
-    m.round_and_stage(g, stage[0]);  // d gate
-    m.round_and_stage(u, stage[1]);  // d up
-    store8_aligned(dgate, g);
-    store8_aligned(dgate + hidden, u);
+    for (int i = 0; i < kStripRows; ++i) {
+      const int64_t n = r0 + i;
+      const bf16_t* gate = gate_up + n * 2 * hidden + c;
+      bf16_t* dgate = d_gate_up + n * 2 * hidden + c;
+      float g0, g1, u0, u1, dy0, dy1;
+      load_pair(gate, g0, g1);
+      load_pair(gate + hidden, u0, u1);
+      load_pair(dout + n * hidden + c, dy0, dy1);
+      swiglu_gradients(g0, u0, dy0);
+      swiglu_gradients(g1, u1, dy1);
+      store_pair(dgate, g0, g1);           // d gate
+      store_pair(dgate + hidden, u0, u1);  // d up
+      v[0][0][i] = g0, v[0][1][i] = g1, v[1][0][i] = u0, v[1][1][i] = u1;
+    }
   });
 }
 
@@ -134,7 +137,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_backward_amax_kernel(bf16_t* 
 void launch_swiglu_forward_amax(void* out, const void* gate_up, int64_t n_rows, int64_t hidden,
                                 const AmaxOutputs& amaxes, cudaStream_t stream) {
   if (n_rows == 0 || hidden == 0) return;
-  FOURBIT_CUDA_CHECK(core::launch_pdl(swiglu_forward_amax_kernel, dim3(amax_tile_grid(n_rows, hidden)),
+  FOURBIT_CUDA_CHECK(core::launch_pdl(swiglu_forward_amax_kernel, dim3(amax_strip_grid(n_rows, hidden)),
                                       dim3(kThreads), 0, stream, static_cast<bf16_t*>(out),
                                       static_cast<const bf16_t*>(gate_up), n_rows, hidden, amaxes));
   FOURBIT_CUDA_CHECK_LAUNCH();
@@ -144,7 +147,7 @@ void launch_swiglu_backward_amax(void* d_gate_up, const void* dout, const void* 
                                  int64_t n_rows, int64_t hidden, const AmaxOutputs& amaxes,
                                  cudaStream_t stream) {
   if (n_rows == 0 || hidden == 0) return;
-  swiglu_backward_amax_kernel<<<amax_tile_grid(n_rows, hidden), kThreads, 0, stream>>>(
+  swiglu_backward_amax_kernel<<<amax_strip_grid(n_rows, hidden), kThreads, 0, stream>>>(
       static_cast<bf16_t*>(d_gate_up), static_cast<const bf16_t*>(dout),
       static_cast<const bf16_t*>(gate_up), n_rows, hidden, amaxes);
   FOURBIT_CUDA_CHECK_LAUNCH();
