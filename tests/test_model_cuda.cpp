@@ -344,7 +344,8 @@ class AmaxCounter : public Profiler {
 // dY, the residual-gradient adds those of attn_out's and mlp_down's dY (ops::OutputAmaxes), and
 // their quantizers skip the amax pass. Loss and gradients bit for bit
 // equal to the amax passes', and the fusion did happen (2 per dense block) where the recipe takes
-// it (NVFP4 per-tensor amax) and nowhere else.
+// it (NVFP4 per-tensor amax) and nowhere else. (FOURBIT_FUSED_AMAX, if set, overrides the
+// options: leave it unset for this test.)
 TEST_F(ModelCuda, ProducerAmaxesKeepTheGradientsBitForBit) {
   const ModelConfig c = gpu_dense();
   for (const std::string preset : {"nvfp4", "e2e4", "fp8", "bf16"}) {

@@ -330,12 +330,14 @@ bool Model::Impl::keeps_wgrad_inputs() const {
 
 std::optional<ops::OutputAmaxes> Model::Impl::producer_amaxes(int block, LinearKind kind, bool dy,
                                                               bool saves_x, bool producer_can) const {
-  static const bool env_off = [] {
+  // FOURBIT_FUSED_AMAX=1 / =0 overrides ModelOptions::fuse_producer_amax (A/B runs of any command).
+  static const int env = [] {
     const char* v = std::getenv("FOURBIT_FUSED_AMAX");
-    return v != nullptr && std::string_view(v) == "0";
+    if (v == nullptr) return -1;
+    return std::string_view(v) == "1" ? 1 : std::string_view(v) == "0" ? 0 : -1;
   }();
-  if (m.options_.device != Device::kCuda || !m.options_.fuse_producer_amax || env_off || !producer_can)
-    return std::nullopt;
+  const bool fuse = env < 0 ? m.options_.fuse_producer_amax : env == 1;
+  if (m.options_.device != Device::kCuda || !fuse || !producer_can) return std::nullopt;
   if (keeps_wgrad_inputs()) return std::nullopt;  // the reference path: one pass per GEMM operand
   const gemm::LinearRecipe& r = linear_recipe(block, kind);
   const std::optional<quant::QuantConfig>& cfg = dy ? r.wgrad_dy.quant : r.wgrad_x.quant;

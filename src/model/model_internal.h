@@ -214,7 +214,8 @@ struct Model::Impl {
   // Wgrad: saves_x) or dY (the Dgrad/Wgrad input, dy = true) can compute for the one quantization
   // pass of that tensor (ops::OutputAmaxes, gemm::LinearOptions::source_amax), with the slot
   // zeroed; nullopt where that pass does not take them (recipe, CPU, the reference path,
-  // FOURBIT_FUSED_AMAX=0) or the producer cannot (`producer_can`).
+  // fusion off: ModelOptions::fuse_producer_amax, FOURBIT_FUSED_AMAX) or the producer cannot
+  // (`producer_can`).
   std::optional<ops::OutputAmaxes> producer_amaxes(int block, recipe::LinearKind kind, bool dy,
                                                    bool saves_x, bool producer_can) const;
   static gemm::LinearOptions::GivenAmax given_amax(const std::optional<ops::OutputAmaxes>& a);

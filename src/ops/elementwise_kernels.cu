@@ -32,15 +32,17 @@ __global__ void __launch_bounds__(kAmaxThreads, 2) add_inplace_amax_kernel(bf16_
                                                                         int64_t n_rows, int64_t cols,
                                                                         AmaxOutputs out) {
   amax_strip_loop<1>(n_rows, cols, out, [&](int64_t r0, int64_t c, float (&v)[1][2][kStripRows]) {
+    uint32_t wa[kStripRows], wb[kStripRows];
+#pragma unroll
+    for (int i = 0; i < kStripRows; ++i) {  // every load before the first (in-place) store
+      wa[i] = load_word(a + (r0 + i) * cols + c);
+      wb[i] = load_word(b + (r0 + i) * cols + c);
+    }
 #pragma unroll
     for (int i = 0; i < kStripRows; ++i) {
-      const int64_t e = (r0 + i) * cols + c;
-      float a0, a1, b0, b1;
-      load_pair(a + e, a0, a1);
-      load_pair(b + e, b0, b1);
-      v[0][0][i] = __fadd_rn(a0, b0);  // add_kernel's arithmetic
-      v[0][1][i] = __fadd_rn(a1, b1);
-      store_pair(a + e, v[0][0][i], v[0][1][i]);
+      v[0][0][i] = __fadd_rn(lo_of(wa[i]), lo_of(wb[i]));  // add_kernel's arithmetic
+      v[0][1][i] = __fadd_rn(hi_of(wa[i]), hi_of(wb[i]));
+      store_pair(a + (r0 + i) * cols + c, v[0][0][i], v[0][1][i]);
     }
   });
 }

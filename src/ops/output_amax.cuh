@@ -26,13 +26,11 @@ namespace fourbit::ops::kernels {
 constexpr int kAmaxThreads = 256;
 constexpr int kStripRows = 16;
 
-// Two bf16 values at p (4-byte aligned) as floats, and back (round to nearest even, the codec of
-// formats/element.h that store8 uses).
-__device__ __forceinline__ void load_pair(const uint16_t* p, float& lo, float& hi) {
-  const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
-  lo = __uint_as_float(w << 16);
-  hi = __uint_as_float(w & 0xFFFF0000u);
-}
+// Two bf16 values at p (4-byte aligned): the raw word, its two floats, and back (round to nearest
+// even, the codec of formats/element.h that store8 uses).
+__device__ __forceinline__ uint32_t load_word(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ __forceinline__ float lo_of(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi_of(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 __device__ __forceinline__ void store_pair(uint16_t* p, float lo, float hi) {
   *reinterpret_cast<uint32_t*>(p) =
       (uint32_t)formats::encode_bf16_rn(lo) | ((uint32_t)formats::encode_bf16_rn(hi) << 16);
@@ -43,6 +41,8 @@ __device__ __forceinline__ void store_pair(uint16_t* p, float lo, float hi) {
 // columns c and c + 1, into v[o][j][i] (output o of kOuts, column c + j, row r0 + i) and stores
 // them (store_pair); the loop then folds the stored (BF16-rounded) values into the plain amax
 // and, when a.rht_amax is set, each column's transform into the RHT amax. Ends with the publish.
+// A body loads all 16 rows before its first store: in the in-place ops the compiler could not
+// move a load above a store to the same buffer, and the 16 round trips would run one by one.
 template <int kOuts, typename Body>
 __device__ __forceinline__ void amax_strip_loop(int64_t n_rows, int64_t cols, const AmaxOutputs& a,
                                                 Body&& body) {

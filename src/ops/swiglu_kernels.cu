@@ -94,14 +94,17 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_forward_amax_kernel(bf16_t
   core::pdl_allow_dependents();
   core::pdl_wait_for_producer();  // launched with PDL (core/pdl.cuh): nothing is read before this
   amax_strip_loop<1>(n_rows, hidden, a, [&](int64_t r0, int64_t c, float (&v)[1][2][kStripRows]) {
+    uint32_t g[kStripRows], u[kStripRows];
 #pragma unroll
     for (int i = 0; i < kStripRows; ++i) {
       const bf16_t* gate = gate_up + (r0 + i) * 2 * hidden + c;
-      float g0, g1, u0, u1;
-      load_pair(gate, g0, g1);
-      load_pair(gate + hidden, u0, u1);
-      v[0][0][i] = swiglu_value(g0, u0);
-      v[0][1][i] = swiglu_value(g1, u1);
+      g[i] = load_word(gate);
+      u[i] = load_word(gate + hidden);
+    }
+#pragma unroll
+    for (int i = 0; i < kStripRows; ++i) {
+      v[0][0][i] = swiglu_value(lo_of(g[i]), lo_of(u[i]));
+      v[0][1][i] = swiglu_value(hi_of(g[i]), hi_of(u[i]));
       store_pair(out + (r0 + i) * hidden + c, v[0][0][i], v[0][1][i]);
     }
   });
@@ -114,15 +117,19 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_backward_amax_kernel(bf16_
                                                                         int64_t n_rows, int64_t hidden,
                                                                         AmaxOutputs a) {
   amax_strip_loop<2>(n_rows, hidden, a, [&](int64_t r0, int64_t c, float (&v)[2][2][kStripRows]) {
+    uint32_t g[kStripRows], u[kStripRows], d[kStripRows];
+#pragma unroll
+    for (int i = 0; i < kStripRows; ++i) {  // every load before the first (in-place) store
+      const bf16_t* gate = gate_up + (r0 + i) * 2 * hidden + c;
+      g[i] = load_word(gate);
+      u[i] = load_word(gate + hidden);
+      d[i] = load_word(dout + (r0 + i) * hidden + c);
+    }
 #pragma unroll
     for (int i = 0; i < kStripRows; ++i) {
-      const int64_t n = r0 + i;
-      const bf16_t* gate = gate_up + n * 2 * hidden + c;
-      bf16_t* dgate = d_gate_up + n * 2 * hidden + c;
-      float g0, g1, u0, u1, dy0, dy1;
-      load_pair(gate, g0, g1);
-      load_pair(gate + hidden, u0, u1);
-      load_pair(dout + n * hidden + c, dy0, dy1);
+      bf16_t* dgate = d_gate_up + (r0 + i) * 2 * hidden + c;
+      float g0 = lo_of(g[i]), g1 = hi_of(g[i]), u0 = lo_of(u[i]), u1 = hi_of(u[i]);
+      const float dy0 = lo_of(d[i]), dy1 = hi_of(d[i]);
       swiglu_gradients(g0, u0, dy0);
       swiglu_gradients(g1, u1, dy1);
       store_pair(dgate, g0, g1);           // d gate
