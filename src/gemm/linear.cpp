@@ -105,6 +105,7 @@ bool takes_given_amax(const quant::QuantConfig& cfg) {
 
 namespace {
 
+#if defined(FOURBIT_WITH_CUDA)
 // Passes LinearOptions::source_amax to the quantizer of the one-pass call `what` under cfg.
 void use_source_amax(const LinearOptions& o, const quant::QuantConfig& cfg, std::string_view what,
                      quant::CudaQuantizeOptions& qo) {
@@ -116,6 +117,7 @@ void use_source_amax(const LinearOptions& o, const quant::QuantConfig& cfg, std:
   qo.given_rowwise_amax = o.source_amax.amax;
   qo.given_colwise_amax = cfg.rht ? o.source_amax.rht_amax : o.source_amax.amax;
 }
+#endif
 
 // The producer's amaxes are only taken by the one-pass calls.
 void check_no_source_amax(const LinearOptions& o, std::string_view call) {
