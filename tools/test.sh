@@ -2,8 +2,9 @@
 # The test command: installs what the build lacks (tools/deps.sh), configures and builds fourbit
 # (Ninja, Release) and runs the CPU test suite (`ctest -L cpu`), then, where clang with libFuzzer is
 # installed, a bounded fuzz run of the safetensors reader (tools/fuzz.sh, FOURBIT_FUZZ_SECONDS,
-# default 30, 0 skips). The exit code is ctest's, or 1 if only the fuzz run failed; the last line is
-# a one-line summary. This is what CI runs (.ci/run).
+# default 30, 0 skips), and, where the build has CUDA, a compile of the CPU-only configuration
+# (FOURBIT_CPU_ONLY_CHECK=0 skips it). The exit code is ctest's, or 1 if only the fuzz run or the
+# CPU-only compile failed; the last line is a one-line summary. This is what CI runs (.ci/run).
 #
 #   tools/test.sh [extra ctest arguments, e.g. -R quant]
 #
@@ -68,11 +69,28 @@ elif [ "$fuzz_seconds" != 0 ]; then
   fuzz_note="; fuzz: skipped (no clang with libFuzzer; apt-get install clang libclang-rt-dev)"
 fi
 
+# --- the CPU-only configuration compiles too -------------------------------------------------------
+# Where this build has CUDA, the configuration a machine without nvcc gets (-DFOURBIT_CUDA=OFF) is
+# compiled as well: the libraries and the CLI, not the tests, in ${build}-cpu-only. CUDA-only code
+# outside `#if defined(FOURBIT_WITH_CUDA)` otherwise breaks that build unseen (session 14 did).
+# FOURBIT_CPU_ONLY_CHECK=0 skips it.
+cpu_only_note=""
+if [ "${cuda:-}" = "ON" ] && [ "${FOURBIT_CPU_ONLY_CHECK:-1}" != 0 ]; then
+  t_cpu_only=$SECONDS
+  if (build="${build}-cpu-only" FOURBIT_CMAKE_ARGS="${FOURBIT_CMAKE_ARGS:-} -DFOURBIT_CUDA=OFF" &&
+      fourbit_configure && cmake --build "$build" -j "$jobs" --target fourbit); then
+    cpu_only_note="; CPU-only build of the CLI ok ($((SECONDS - t_cpu_only))s)"
+  else
+    cpu_only_note="; CPU-only build (-DFOURBIT_CUDA=OFF) FAILED (see above)"
+    [ "$rc" -eq 0 ] && rc=1
+  fi
+fi
+
 counts=$(grep -E '^[0-9]+% tests passed' "$build/test-cpu.log" | tail -n 1)
 if [ "$rc" -eq 0 ]; then
-  summary "PASS: ${counts:-ctest passed} [cpu label, CUDA ${cuda:-?}; build ${build_s}s, tests ${test_s}s${fuzz_note}]"
+  summary "PASS: ${counts:-ctest passed} [cpu label, CUDA ${cuda:-?}; build ${build_s}s, tests ${test_s}s${fuzz_note}${cpu_only_note}]"
 else
   summary "FAIL (exit $rc): ${counts:-see the output above} [cpu label, CUDA ${cuda:-?};" \
-          "build ${build_s}s, tests ${test_s}s${fuzz_note}]"
+          "build ${build_s}s, tests ${test_s}s${fuzz_note}${cpu_only_note}]"
 fi
 exit "$rc"
