@@ -110,9 +110,9 @@ namespace {
 void use_source_amax(const LinearOptions& o, const quant::QuantConfig& cfg, std::string_view what,
                      quant::CudaQuantizeOptions& qo) {
   if (!o.source_amax.given()) return;
-  FOURBIT_CHECK(takes_given_amax(cfg) && o.source_amax.rht_amax != nullptr,
+  FOURBIT_CHECK(takes_given_amax(cfg) && (!cfg.rht || o.source_amax.rht_amax != nullptr),
                 "linear '{}': the {} was given its producer's amaxes, but its recipe ({}) does not "
-                "take them (NVFP4 1D with a per-tensor amax, both amax pointers set)",
+                "take them (NVFP4 1D with a per-tensor amax, and the RHT amax with RHT)",
                 o.name, what, cfg.describe());
   qo.given_rowwise_amax = o.source_amax.amax;
   qo.given_colwise_amax = cfg.rht ? o.source_amax.rht_amax : o.source_amax.amax;

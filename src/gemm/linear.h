@@ -60,11 +60,10 @@ struct LinearOptions {
   // amax and the amax after the column-wise RHT, device floats), so that the one quantization
   // pass that makes both copies skips its amax pass (quant::CudaQuantizeOptions::given_*_amax).
   // Only for those one-pass calls (fprop_and_wgrad_x_share_a_pass /
-  // dgrad_and_wgrad_dy_share_a_pass) with an NVFP4 per-tensor-amax recipe; both pointers, or
-  // neither (rht_amax may equal amax when the recipe has no RHT).
+  // dgrad_and_wgrad_dy_share_a_pass) with an NVFP4 per-tensor-amax recipe.
   struct GivenAmax {
     const float* amax = nullptr;
-    const float* rht_amax = nullptr;
+    const float* rht_amax = nullptr;  // required when the recipe's column-wise copy has RHT
     bool given() const { return amax != nullptr; }
   };
   GivenAmax source_amax;

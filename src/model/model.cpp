@@ -360,7 +360,7 @@ std::optional<ops::OutputAmaxes> Model::Impl::producer_amaxes(int block, LinearK
 
 gemm::LinearOptions::GivenAmax Model::Impl::given_amax(const std::optional<ops::OutputAmaxes>& a) {
   if (!a) return {};
-  return {a->amax, a->rht_amax != nullptr ? a->rht_amax : a->amax};
+  return {a->amax, a->rht_amax};
 }
 
 bool Model::Impl::saves_quantized_x(Mode plan_mode, int block, LinearKind kind) const {
@@ -639,7 +639,7 @@ void Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& ou
         b.save_ln2 && a.for_backward ? &b.saved_ln2 : nullptr);
   const bool save_act = b.save_act && a.for_backward;
   const std::optional<ops::OutputAmaxes> act_amax =
-      producer_amaxes(l, LinearKind::kMlpDown, false, save_act, ops::swiglu_fuses_output_amaxes(N, F));
+      producer_amaxes(l, LinearKind::kMlpDown, false, save_act, ops::output_amaxes_supported(N, F));
   {
     Scope s(*this, Section::kMlp, Work::kOther);
     ops::swiglu_forward(act, gu, stream(), act_amax ? &*act_amax : nullptr);
@@ -766,7 +766,8 @@ void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& ou
   }
 }
 
-void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale) {
+void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale,
+                               gemm::LinearOptions::GivenAmax d_resid_amax) {
   detail::Scratch& s = a.s;
   const detail::BlockParams& p = bp[(size_t)l];
   const int64_t N = a.N, C = cfg.d_model;
@@ -776,13 +777,10 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale) 
     const int64_t F = cfg.d_ff;
     const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
     const TensorView d_act = prefix(s.d_act, N, F);
-    // d_resid's amaxes, when the add that wrote it computed them (Model::backward).
-    const gemm::LinearOptions::GivenAmax d_resid_amax = pending_d_resid_amax;
-    pending_d_resid_amax = {};
     dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, g(p.mlp_down),
                 b.save_act ? &b.saved_act : nullptr, d_resid_amax);
     const std::optional<ops::OutputAmaxes> d_gu_amax =
-        producer_amaxes(l, LinearKind::kMlpUp, true, false, ops::swiglu_fuses_output_amaxes(N, F));
+        producer_amaxes(l, LinearKind::kMlpUp, true, false, ops::output_amaxes_supported(N, F));
     {
       Scope sc(*this, sec, Work::kOther);
       // gu now holds d_gate_up
@@ -1243,7 +1241,6 @@ void Model::backward(const BackwardOptions& o) {
   const int L = c.n_layers;
   const int64_t N = a.N, C = c.d_model;
   im.backward_done = true;
-  im.pending_d_resid_amax = {};
 
   // LM head and loss: dlogits over the logits, then the final norm.
   {
@@ -1284,15 +1281,16 @@ void Model::backward(const BackwardOptions& o) {
     im.bf16(s.d_resid);
   }
 
+  gemm::LinearOptions::GivenAmax d_resid_amax;  // of d resid[l + 1], from block l + 1's last add
   for (int l = L - 1; l >= 0; --l) {
     const detail::BlockParams& p = im.bp[(size_t)l];
     BlockActs& b = a.blocks[(size_t)l];
     const Section ffn = c.is_moe_block(l) ? Section::kMoe : Section::kMlp;
     // Feed-forward half: d_resid is d resid[l + 1]; the branch's gradient lands in d_ln.
-    im.backward_ffn(l, a, b, o.loss_scale);
+    im.backward_ffn(l, a, b, o.loss_scale, d_resid_amax);
     // d mid[l] is attn_out's dY: the add can compute its amaxes (Impl::producer_amaxes).
     const std::optional<ops::OutputAmaxes> d_mid_amax =
-        im.producer_amaxes(l, LinearKind::kAttnOut, true, false, ops::add_fuses_output_amaxes(N, C));
+        im.producer_amaxes(l, LinearKind::kAttnOut, true, false, ops::output_amaxes_supported(N, C));
     {
       Scope sc(im, ffn, Work::kOther);
       ops::rmsnorm_backward(s.d_tmp, im.g(p.mlp_norm), s.d_ln, a.mid[(size_t)l], im.master(p.mlp_norm),
@@ -1333,22 +1331,22 @@ void Model::backward(const BackwardOptions& o) {
     // d resid[l] is the dY of block l - 1's mlp_down when that block is dense (its backward starts
     // with that GEMM pair; a MoE block's starts with the unpermute).
     const bool next_is_dense_down = l > 0 && !c.is_moe_block(l - 1);
-    const std::optional<ops::OutputAmaxes> d_resid_amax =
+    const std::optional<ops::OutputAmaxes> d_resid_out =
         im.producer_amaxes(l - 1, LinearKind::kMlpDown, true, false,
-                           next_is_dense_down && ops::add_fuses_output_amaxes(N, C));
+                           next_is_dense_down && ops::output_amaxes_supported(N, C));
     {
       Scope sc(im, Section::kAttention, Work::kOther);
       ops::rmsnorm_backward(s.d_tmp, im.g(p.attn_norm), s.d_ln, a.resid[(size_t)l],
                             im.master(p.attn_norm), b.ln1_rstd, s.norm_ws, st);
       im.bf16(s.d_tmp);
-      if (d_resid_amax) {
-        ops::add_inplace(s.d_resid, s.d_tmp, st, *d_resid_amax);  // now d resid[l]
+      if (d_resid_out) {
+        ops::add_inplace(s.d_resid, s.d_tmp, st, *d_resid_out);  // now d resid[l]
       } else {
         ops::add_inplace(s.d_resid, s.d_tmp, st);
       }
       im.bf16(s.d_resid);
     }
-    im.pending_d_resid_amax = Model::Impl::given_amax(d_resid_amax);
+    d_resid_amax = Model::Impl::given_amax(d_resid_out);
   }
   {
     Scope sc(im, Section::kEmbedding, Work::kOther);

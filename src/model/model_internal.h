@@ -153,9 +153,6 @@ struct Model::Impl {
   // the backward's dY. Each is zeroed by its producer and read by the quantizer right after.
   static constexpr int kAmaxSlots = 2;
   Tensor producer_amax;
-  // The backward's d_resid amaxes, computed by the add that ended block l + 1's backward, for
-  // block l's mlp_down (consumed and cleared by backward_ffn).
-  gemm::LinearOptions::GivenAmax pending_d_resid_amax;
 
   // The pass in progress.
   detail::Mode mode = detail::Mode::kPretrain;
@@ -231,7 +228,10 @@ struct Model::Impl {
                    const TensorView& forced_host);
   void forward_moe(int l, detail::Acts& a, detail::BlockActs& b, const TensorView& out,
                    const TensorView& forced_host);
-  void backward_ffn(int l, detail::Acts& a, detail::BlockActs& b, double loss_scale);
+  // d_resid_amax: d_resid's amaxes, when the add that ended block l + 1's backward computed them
+  // (producer_amaxes for block l's mlp_down).
+  void backward_ffn(int l, detail::Acts& a, detail::BlockActs& b, double loss_scale,
+                    gemm::LinearOptions::GivenAmax d_resid_amax = {});
 
   // ---- helpers ----
   void scope_begin(Section s, Work w) const;

@@ -6,7 +6,6 @@
 #include "ops/error_flags.h"
 
 #include <cmath>
-#include <cstdint>
 #include <mutex>
 #include <vector>
 
@@ -133,31 +132,21 @@ void add_inplace(const TensorView& a, const TensorView& b, void* stream) {
   run_add("add_inplace", a, a, b, stream);
 }
 
-bool add_fuses_output_amaxes(int64_t n_rows, int64_t cols) { return n_rows % 16 == 0 && cols % 2 == 0; }
-
 void add_inplace(const TensorView& a, const TensorView& b, void* stream, const OutputAmaxes& amaxes) {
   constexpr std::string_view op = "add_inplace";
   const Device dev = check_add(op, a, a, b);
-  FOURBIT_CHECK(amaxes.amax != nullptr, "{}: OutputAmaxes::amax is required", op);
   FOURBIT_CHECK(a.shape.ndim == 2, "{}: with output amaxes, a must be a matrix [N, C], got {}", op, a.describe());
   const int64_t N = a.shape[0], C = a.shape[1];
+  FOURBIT_CHECK(a.dtype == b.dtype, "{}: with output amaxes, a ({}) and b ({}) must have one dtype", op,
+                a.describe(), b.describe());
+  detail::check_output_amaxes(op, amaxes, dev, a.dtype, N, C, {{"a", &a}, {"b", &b}});
   if (dev == Device::kCpu) {
-    FOURBIT_CHECK(amaxes.rht_amax == nullptr || N % 16 == 0,
-                  "{}: the output's RHT amax needs N % 16 == 0 (16-row segments), got N = {}", op, N);
     run_add(op, a, a, b, stream);
     detail::reference_output_amaxes(a, amaxes);
     return;
   }
 #if defined(FOURBIT_WITH_CUDA)
-  FOURBIT_CHECK(a.dtype == DType::kBF16 && b.dtype == DType::kBF16 && add_fuses_output_amaxes(N, C) &&
-                    a.is_contiguous() && b.is_contiguous() &&
-                    reinterpret_cast<uintptr_t>(a.data) % 4 == 0 && reinterpret_cast<uintptr_t>(b.data) % 4 == 0,
-                "{}: the CUDA kernel computes the output amaxes for contiguous, 4-byte aligned bf16 "
-                "matrices with N % 16 == 0 and an even C only, got a {} and b {}; quantize with the "
-                "separate amax pass instead", op, a.describe(), b.describe());
-  kernels::launch_add_inplace_amax(a.data, b.data, N, C,
-                                   {amaxes.amax, amaxes.rht_amax, amaxes.rht_sign_mask, amaxes.nonfinite_flag},
-                                   static_cast<cudaStream_t>(stream));
+  kernels::launch_add_inplace_amax(a.data, b.data, N, C, amaxes, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;
   detail::no_cuda_build(op);

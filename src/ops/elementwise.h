@@ -27,9 +27,8 @@ void add_inplace(const TensorView& a, const TensorView& b, void* stream = nullpt
 
 // a += b, also accumulating the global amaxes of the result (output_amax.h) for the NVFP4
 // quantizer of the next GEMM's input (the residual gradient, dY of attn_out and mlp_down).
-//   a, b: [N, C]; CUDA: both bf16, contiguous, add_fuses_output_amaxes(N, C), 4-byte aligned.
+//   a, b: [N, C], one dtype; CUDA: bf16, contiguous, output_amaxes_supported(N, C), 4-byte aligned.
 void add_inplace(const TensorView& a, const TensorView& b, void* stream, const OutputAmaxes& amaxes);
-bool add_fuses_output_amaxes(int64_t n_rows, int64_t cols);  // N % 16 == 0 and C even
 
 // out = x in another dtype: f32 -> bf16 (round to nearest even; NaN stays NaN, canonical 0x7FFF;
 // overflow rounds to Inf) or bf16 -> f32 (exact). Same bits on the CPU and CUDA.

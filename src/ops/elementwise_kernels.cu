@@ -30,7 +30,7 @@ __global__ void add_kernel(TO* out, const TA* a, const TB* b, int64_t n, bool ve
 // the amaxes of the result (output_amax.cuh). No __restrict__ on a: read and written.
 __global__ void __launch_bounds__(kAmaxThreads, 2) add_inplace_amax_kernel(bf16_t* a, const bf16_t* __restrict__ b,
                                                                         int64_t n_rows, int64_t cols,
-                                                                        AmaxOutputs out) {
+                                                                        OutputAmaxes out) {
   amax_strip_loop<1>(n_rows, cols, out, [&](int64_t r0, int64_t c, float (&v)[1][2][kStripRows]) {
     uint32_t wa[kStripRows], wb[kStripRows];
 #pragma unroll
@@ -93,7 +93,7 @@ bool all_aligned(std::initializer_list<const void*> ptrs) {
 }  // namespace
 
 void launch_add_inplace_amax(void* a, const void* b, int64_t n_rows, int64_t cols,
-                             const AmaxOutputs& amaxes, cudaStream_t stream) {
+                             const OutputAmaxes& amaxes, cudaStream_t stream) {
   if (n_rows == 0 || cols == 0) return;
   add_inplace_amax_kernel<<<amax_strip_grid(n_rows, cols), kAmaxThreads, 0, stream>>>(
       static_cast<bf16_t*>(a), static_cast<const bf16_t*>(b), n_rows, cols, amaxes);

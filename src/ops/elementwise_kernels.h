@@ -3,6 +3,7 @@
 #pragma once
 
 #include "ops/kernel_types.h"
+#include "ops/output_amax.h"
 
 #include <cuda_runtime_api.h>
 
@@ -10,12 +11,12 @@
 
 namespace fourbit::ops::kernels {
 
-// out[i] = a[i] + b[i], i < n. out may equal a (the in-place add).
 // a += b on bf16 [n_rows, cols], n_rows % 16 == 0, cols even, 4-byte aligned, also
 // accumulating the result's amaxes (ops::OutputAmaxes).
 void launch_add_inplace_amax(void* a, const void* b, int64_t n_rows, int64_t cols,
-                             const AmaxOutputs& amaxes, cudaStream_t stream);
+                             const OutputAmaxes& amaxes, cudaStream_t stream);
 
+// out[i] = a[i] + b[i], i < n. out may equal a (the in-place add).
 void launch_add(void* out, FloatType out_type, const void* a, FloatType a_type, const void* b,
                 FloatType b_type, int64_t n, cudaStream_t stream);
 

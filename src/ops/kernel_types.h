@@ -9,12 +9,4 @@ namespace fourbit::ops::kernels {
 // Storage of one tensor argument; all kernel math is FP32 whatever the storage.
 enum class FloatType : uint8_t { kF32, kBF16 };
 
-// ops::OutputAmaxes as plain pointers (output_amax.h): device floats the caller zeroed.
-struct AmaxOutputs {
-  float* amax;
-  float* rht_amax;  // null: none
-  uint16_t rht_sign_mask;
-  int* nonfinite_flag;  // may be null
-};
-
 }  // namespace fourbit::ops::kernels

@@ -3,13 +3,38 @@
 #include "ops/output_amax.h"
 
 #include "core/check.h"
+#include "core/tensor.h"
 #include "formats/element.h"
 #include "quant/block_math.h"
 
 #include <algorithm>
 #include <cmath>
 
-namespace fourbit::ops::detail {
+namespace fourbit::ops {
+
+bool output_amaxes_supported(int64_t n_rows, int64_t cols) { return n_rows % 16 == 0 && cols % 2 == 0; }
+
+namespace detail {
+
+void check_output_amaxes(std::string_view op, const OutputAmaxes& a, Device device, DType dtype,
+                         int64_t n_rows, int64_t cols,
+                         std::initializer_list<std::pair<const char*, const TensorView*>> tensors) {
+  FOURBIT_CHECK(a.amax != nullptr, "{}: OutputAmaxes::amax is required", op);
+  if (device == Device::kCpu) {
+    FOURBIT_CHECK(a.rht_amax == nullptr || n_rows % 16 == 0,
+                  "{}: the output's RHT amax needs N % 16 == 0 (16-row segments), got N = {}", op, n_rows);
+    return;
+  }
+  FOURBIT_CHECK(dtype == DType::kBF16 && output_amaxes_supported(n_rows, cols),
+                "{}: the CUDA kernel computes the output amaxes for bf16 tensors with N % 16 == 0 and "
+                "an even number of columns only, got {} [{}, {}]; quantize with the separate amax "
+                "pass instead", op, dtype_name(dtype), n_rows, cols);
+  for (const auto& [name, t] : tensors)
+    FOURBIT_CHECK(t->is_contiguous() && reinterpret_cast<uintptr_t>(t->data) % 4 == 0,
+                  "{}: with output amaxes, {} ({}) must be contiguous and start on a 4-byte boundary",
+                  op, name, t->describe());
+}
+
 namespace {
 
 template <typename T>
@@ -52,4 +77,5 @@ void reference_output_amaxes(const TensorView& out, const OutputAmaxes& a) {
   }
 }
 
-}  // namespace fourbit::ops::detail
+}  // namespace detail
+}  // namespace fourbit::ops

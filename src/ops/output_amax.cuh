@@ -13,7 +13,7 @@
 #include "formats/element.h"
 #include "formats/fp_ops.h"
 #include "ops/error_flags.h"
-#include "ops/kernel_types.h"
+#include "ops/output_amax.h"
 #include "quant/amax_device.cuh"
 
 #include <cuda_runtime.h>
@@ -44,7 +44,7 @@ __device__ __forceinline__ void store_pair(uint16_t* p, float lo, float hi) {
 // A body loads all 16 rows before its first store: in the in-place ops the compiler could not
 // move a load above a store to the same buffer, and the 16 round trips would run one by one.
 template <int kOuts, typename Body>
-__device__ __forceinline__ void amax_strip_loop(int64_t n_rows, int64_t cols, const AmaxOutputs& a,
+__device__ __forceinline__ void amax_strip_loop(int64_t n_rows, int64_t cols, const OutputAmaxes& a,
                                                 Body&& body) {
   const int64_t pairs = cols / 2, strips = (n_rows / kStripRows) * pairs;
   float row_amax = 0.0f, col_amax = 0.0f;

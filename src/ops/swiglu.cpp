@@ -4,9 +4,6 @@
 #include "ops/arg_checks.h"
 
 #include <cmath>
-#include <cstdint>
-#include <initializer_list>
-#include <utility>
 
 #if defined(FOURBIT_WITH_CUDA)
 #include "ops/swiglu_kernels.h"
@@ -58,30 +55,7 @@ std::pair<int64_t, int64_t> shape_of(std::string_view op, const TensorView& gate
 kernels::FloatType float_type(const TensorView& t) {
   return t.dtype == DType::kBF16 ? kernels::FloatType::kBF16 : kernels::FloatType::kF32;
 }
-void check_aligned4(std::string_view op, std::initializer_list<std::pair<const char*, const TensorView*>> ts) {
-  for (const auto& [name, t] : ts)
-    FOURBIT_CHECK(reinterpret_cast<uintptr_t>(t->data) % 4 == 0,
-                  "{}: with output amaxes, {} ({}) must start on a 4-byte boundary", op, name, t->describe());
-}
-kernels::AmaxOutputs kernel_amaxes(const OutputAmaxes& a) {
-  return {a.amax, a.rht_amax, a.rht_sign_mask, a.nonfinite_flag};
-}
 #endif
-
-void check_amaxes(std::string_view op, const OutputAmaxes* amaxes, Device dev, DType dtype,
-                  int64_t N, int64_t F) {
-  if (amaxes == nullptr) return;
-  FOURBIT_CHECK(amaxes->amax != nullptr, "{}: OutputAmaxes::amax is required", op);
-  if (dev == Device::kCpu) {
-    FOURBIT_CHECK(amaxes->rht_amax == nullptr || N % 16 == 0,
-                  "{}: the output's RHT amax needs N % 16 == 0 (16-row segments), got N = {}", op, N);
-    return;
-  }
-  FOURBIT_CHECK(dtype == DType::kBF16 && swiglu_fuses_output_amaxes(N, F),
-                "{}: the CUDA kernel computes the output amaxes for bf16 tensors with N % 16 == 0 "
-                "and an even F only, got {} with N = {}, F = {}; quantize with the separate amax "
-                "pass instead", op, dtype_name(dtype), N, F);
-}
 
 void backward(std::string_view op, const TensorView& d_gate_up, const TensorView& dout,
               const TensorView& gate_up, void* stream, const OutputAmaxes* amaxes = nullptr) {
@@ -91,7 +65,10 @@ void backward(std::string_view op, const TensorView& d_gate_up, const TensorView
   check_shape(op, "gate_up", gate_up, {N, 2 * F});
   check_shape(op, "d_gate_up", d_gate_up, {N, 2 * F});
   check_shape(op, "dout", dout, {N, F});
-  check_amaxes(op, amaxes, dev, gate_up.dtype, N, F);
+  if (amaxes) {
+    detail::check_output_amaxes(op, *amaxes, dev, gate_up.dtype, N, F,
+                                {{"d_gate_up", &d_gate_up}, {"dout", &dout}, {"gate_up", &gate_up}});
+  }
   if (dev == Device::kCpu) {
     const DType dt = detail::cpu_float_dtype(
         op, {{"d_gate_up", &d_gate_up}, {"dout", &dout}, {"gate_up", &gate_up}});
@@ -110,9 +87,8 @@ void backward(std::string_view op, const TensorView& d_gate_up, const TensorView
   check_dtype(op, "d_gate_up", d_gate_up, {gate_up.dtype});
   check_dtype(op, "dout", dout, {gate_up.dtype});
   if (amaxes) {
-    check_aligned4(op, {{"d_gate_up", &d_gate_up}, {"dout", &dout}, {"gate_up", &gate_up}});
-    kernels::launch_swiglu_backward_amax(d_gate_up.data, dout.data, gate_up.data, N, F,
-                                         kernel_amaxes(*amaxes), static_cast<cudaStream_t>(stream));
+    kernels::launch_swiglu_backward_amax(d_gate_up.data, dout.data, gate_up.data, N, F, *amaxes,
+                                         static_cast<cudaStream_t>(stream));
     return;
   }
   kernels::launch_swiglu_backward(d_gate_up.data, dout.data, gate_up.data, float_type(gate_up), N,
@@ -125,10 +101,6 @@ void backward(std::string_view op, const TensorView& d_gate_up, const TensorView
 
 }  // namespace
 
-bool swiglu_fuses_output_amaxes(int64_t n_rows, int64_t hidden) {
-  return n_rows % 16 == 0 && hidden % 2 == 0;
-}
-
 void swiglu_forward(const TensorView& out, const TensorView& gate_up, void* stream,
                     const OutputAmaxes* amaxes) {
   constexpr std::string_view op = "swiglu_forward";
@@ -137,7 +109,7 @@ void swiglu_forward(const TensorView& out, const TensorView& gate_up, void* stre
   check_shape(op, "gate_up", gate_up, {N, 2 * F});
   check_shape(op, "out", out, {N, F});
   FOURBIT_CHECK(detail::distinct(out, gate_up), "{}: out must not alias gate_up", op);
-  check_amaxes(op, amaxes, dev, gate_up.dtype, N, F);
+  if (amaxes) detail::check_output_amaxes(op, *amaxes, dev, gate_up.dtype, N, F, {{"out", &out}, {"gate_up", &gate_up}});
   if (dev == Device::kCpu) {
     const DType dt = detail::cpu_float_dtype(op, {{"out", &out}, {"gate_up", &gate_up}});
     if (dt == DType::kF64) {
@@ -152,8 +124,7 @@ void swiglu_forward(const TensorView& out, const TensorView& gate_up, void* stre
   check_dtype(op, "gate_up", gate_up, {DType::kBF16, DType::kF32});
   check_dtype(op, "out", out, {gate_up.dtype});
   if (amaxes) {
-    check_aligned4(op, {{"out", &out}, {"gate_up", &gate_up}});
-    kernels::launch_swiglu_forward_amax(out.data, gate_up.data, N, F, kernel_amaxes(*amaxes),
+    kernels::launch_swiglu_forward_amax(out.data, gate_up.data, N, F, *amaxes,
                                         static_cast<cudaStream_t>(stream));
     return;
   }

@@ -19,7 +19,7 @@ namespace fourbit::ops {
 // out:     [N, F]   overwritten
 // gate_up: [N, 2F]
 // With `amaxes`, also the global amaxes of out (output_amax.h) for the NVFP4 quantizer of the
-// next GEMM's input; CUDA needs bf16 tensors and swiglu_fuses_output_amaxes(N, F).
+// next GEMM's input; CUDA needs bf16 tensors and output_amaxes_supported(N, F).
 void swiglu_forward(const TensorView& out, const TensorView& gate_up, void* stream = nullptr,
                     const OutputAmaxes* amaxes = nullptr);
 
@@ -38,12 +38,8 @@ void swiglu_backward(const TensorView& d_gate_up, const TensorView& dout,
 // gate_up_to_d_gate_up: [N, 2F]  in: the forward's input; out: d_gate_up
 // dout:                 [N, F]
 // With `amaxes`, also the global amaxes of d_gate_up (output_amax.h), the dY of the gate/up
-// projection's Dgrad and Wgrad; CUDA needs bf16 tensors and swiglu_fuses_output_amaxes(N, F).
+// projection's Dgrad and Wgrad; CUDA needs bf16 tensors and output_amaxes_supported(N, F).
 void swiglu_backward_inplace(const TensorView& gate_up_to_d_gate_up, const TensorView& dout,
                              void* stream = nullptr, const OutputAmaxes* amaxes = nullptr);
-
-// Whether the CUDA kernels can compute OutputAmaxes while they write (strips of 16 rows x 2
-// columns): N % 16 == 0 and F even. The CPU reference takes any N (rht_amax: N % 16 == 0).
-bool swiglu_fuses_output_amaxes(int64_t n_rows, int64_t hidden);
 
 }  // namespace fourbit::ops

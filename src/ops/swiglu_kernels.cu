@@ -90,7 +90,7 @@ static_assert(kAmaxThreads == kThreads, "the amax kernels run 256 threads (outpu
 __global__ void __launch_bounds__(kThreads, 2) swiglu_forward_amax_kernel(bf16_t* __restrict__ out,
                                                                        const bf16_t* __restrict__ gate_up,
                                                                        int64_t n_rows, int64_t hidden,
-                                                                       AmaxOutputs a) {
+                                                                       OutputAmaxes a) {
   core::pdl_allow_dependents();
   core::pdl_wait_for_producer();  // launched with PDL (core/pdl.cuh): nothing is read before this
   amax_strip_loop<1>(n_rows, hidden, a, [&](int64_t r0, int64_t c, float (&v)[1][2][kStripRows]) {
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_backward_amax_kernel(bf16_
                                                                         const bf16_t* __restrict__ dout,
                                                                         const bf16_t* gate_up,
                                                                         int64_t n_rows, int64_t hidden,
-                                                                        AmaxOutputs a) {
+                                                                        OutputAmaxes a) {
   amax_strip_loop<2>(n_rows, hidden, a, [&](int64_t r0, int64_t c, float (&v)[2][2][kStripRows]) {
     uint32_t g[kStripRows], u[kStripRows], d[kStripRows];
 #pragma unroll
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_backward_amax_kernel(bf16_
 }  // namespace
 
 void launch_swiglu_forward_amax(void* out, const void* gate_up, int64_t n_rows, int64_t hidden,
-                                const AmaxOutputs& amaxes, cudaStream_t stream) {
+                                const OutputAmaxes& amaxes, cudaStream_t stream) {
   if (n_rows == 0 || hidden == 0) return;
   FOURBIT_CUDA_CHECK(core::launch_pdl(swiglu_forward_amax_kernel, dim3(amax_strip_grid(n_rows, hidden)),
                                       dim3(kThreads), 0, stream, static_cast<bf16_t*>(out),
@@ -151,7 +151,7 @@ void launch_swiglu_forward_amax(void* out, const void* gate_up, int64_t n_rows, 
 }
 
 void launch_swiglu_backward_amax(void* d_gate_up, const void* dout, const void* gate_up,
-                                 int64_t n_rows, int64_t hidden, const AmaxOutputs& amaxes,
+                                 int64_t n_rows, int64_t hidden, const OutputAmaxes& amaxes,
                                  cudaStream_t stream) {
   if (n_rows == 0 || hidden == 0) return;
   swiglu_backward_amax_kernel<<<amax_strip_grid(n_rows, hidden), kThreads, 0, stream>>>(

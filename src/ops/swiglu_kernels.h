@@ -3,6 +3,7 @@
 #pragma once
 
 #include "ops/kernel_types.h"
+#include "ops/output_amax.h"
 
 #include <cuda_runtime_api.h>
 
@@ -19,11 +20,11 @@ void launch_swiglu_backward(void* d_gate_up, const void* dout, const void* gate_
                             FloatType type, int64_t n_rows, int64_t hidden, cudaStream_t stream);
 
 // The same two ops on bf16 tensors, also accumulating the output's amaxes; n_rows % 16 == 0,
-// hidden even, 4-byte aligned (swiglu_fuses_output_amaxes).
+// hidden even, 4-byte aligned (output_amaxes_supported).
 void launch_swiglu_forward_amax(void* out, const void* gate_up, int64_t n_rows, int64_t hidden,
-                                const AmaxOutputs& amaxes, cudaStream_t stream);
+                                const OutputAmaxes& amaxes, cudaStream_t stream);
 void launch_swiglu_backward_amax(void* d_gate_up, const void* dout, const void* gate_up,
-                                 int64_t n_rows, int64_t hidden, const AmaxOutputs& amaxes,
+                                 int64_t n_rows, int64_t hidden, const OutputAmaxes& amaxes,
                                  cudaStream_t stream);
 
 }  // namespace fourbit::ops::kernels
