@@ -99,10 +99,10 @@ struct ModelOptions {
   // wrote the tensor (SwiGLU forward -> mlp_down's X, SwiGLU backward -> mlp_up's dY, in dense
   // blocks; the residual-gradient adds after the norm backwards -> attn_out's and mlp_down's dY),
   // that op also computes the tensor's global amaxes (ops::OutputAmaxes), and the quantizer skips
-  // its own pass over the tensor. The gradients are bit for bit the same. Off by default until its
-  // time is measured (bench/notes-train.md, session 14: the first kernels gained nothing);
-  // FOURBIT_FUSED_AMAX=1 turns it on for every model of the process, =0 off (A/B runs).
-  bool fuse_producer_amax = false;
+  // its own pass over the tensor. The gradients are bit for bit the same. On by default since
+  // session 15 measured it (bench/notes-train.md: gpt2-124m nvfp4 B 32 93.74 -> 93.20 ms, H100);
+  // FOURBIT_FUSED_AMAX=0 turns it off for every model of the process, =1 on (A/B runs).
+  bool fuse_producer_amax = true;
 };
 
 struct ForwardOptions {
