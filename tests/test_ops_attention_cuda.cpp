@@ -347,6 +347,16 @@ TEST_F(OpsAttentionCuda, HeadDim128MatchesTheReference) {
   }
 }
 
+// Many key blocks per query tile, GQA groups of 4 and 2, ragged last tiles, and more CTAs than fit
+// on the GPU at once (B 12, T 512: 384 dk/dv CTAs, ~2 per SM).
+TEST_F(OpsAttentionCuda, ManyKeyBlocksAndGqaGroups) {
+  check_case(Case{12, 512, 4, 4, 64}, 5000);
+  if (HasFatalFailure()) return;
+  check_case(Case{2, 1000, 4, 1, 64}, 5010);
+  if (HasFatalFailure()) return;
+  check_case(Case{3, 777, 4, 2, 128}, 5020);
+}
+
 TEST_F(OpsAttentionCuda, FusedQkvStridedViews) {
   check_case(Case{2, 100, 4, 2, 64, 1.0, true}, 3000);
   if (HasFatalFailure()) return;
