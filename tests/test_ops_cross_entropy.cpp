@@ -1,7 +1,7 @@
 // ops cross_entropy (cpu): the reference against hand-computed losses and gradients, ignored
 // tokens (-1) and the mean over valid tokens, float64 central differences of the mean loss and of
 // a weighted sum of losses w.r.t. the logits, the fused in-place variant against forward +
-// backward, numerical stability at large magnitudes, and argument errors (including an
+// backward, the backward from the forward's saved lse against the fused variant, numerical stability at large magnitudes, and argument errors (including an
 // out-of-range target naming the token).
 #include "dense_ops_test_util.h"
 #include "ops/cross_entropy.h"
@@ -113,6 +113,56 @@ TEST(OpsCrossEntropy, FusedInplaceEqualsForwardPlusBackward) {
     EXPECT_EQ(values_of(losses), r.losses) << dtype_name(dt);
     EXPECT_EQ(values_of(mean)[0], r.mean) << dtype_name(dt);
   }
+}
+
+// Training's pair: the forward keeps each row's lse and the backward reads the row once from it.
+// Losses, mean and dlogits (unweighted and weighted) equal the fused in-place variant's exactly;
+// an ignored token's lse is 0.
+TEST(OpsCrossEntropy, BackwardFromSavedLseEqualsTheFusedInplaceVariant) {
+  const int64_t V = 13;
+  const std::vector<int32_t> targets = {12, -1, 0, 5, 5, 3};
+  const int64_t N = (int64_t)targets.size();
+  const std::vector<double> logits = random_normal(N * V, 9, 3.0);
+  const std::vector<double> weights = {0.5, 2.0, -1.5, 0.0, 1.0, 3.0};
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor fused = host_tensor({N, V}, dt, logits), fused_w = host_tensor({N, V}, dt, logits);
+    Tensor fl = Tensor::empty({N}, dt, Device::kCpu), fm = Tensor::empty({1}, dt, Device::kCpu);
+    cross_entropy_forward_backward_inplace(fused, fl, fm, host_ints({N}, targets), 0.25f);
+    Tensor fl_w = Tensor::empty({N}, dt, Device::kCpu);
+    cross_entropy_forward_backward_inplace_weighted(fused_w, fl_w, TensorView{}, host_ints({N}, targets),
+                                                    host_tensor({N}, dt, weights), 0.25f);
+
+    Tensor buf = host_tensor({N, V}, dt, logits), buf_w = host_tensor({N, V}, dt, logits);
+    Tensor losses = Tensor::empty({N}, dt, Device::kCpu), mean = Tensor::empty({1}, dt, Device::kCpu);
+    Tensor lse = host_tensor({N}, dt, std::vector<double>((size_t)N, 1e9));
+    cross_entropy_forward_saving_lse(losses, mean, lse, buf, host_ints({N}, targets));
+    EXPECT_EQ(values_of(losses), values_of(fl));
+    EXPECT_EQ(values_of(mean)[0], values_of(fm)[0]);
+    EXPECT_EQ(values_of(lse)[1], 0.0) << "an ignored token's lse";
+    // lse - x_target is the loss.
+    for (int64_t n = 0; n < N; ++n) {
+      if (targets[(size_t)n] == -1) continue;
+      EXPECT_NEAR(values_of(lse)[(size_t)n] - logits[(size_t)(n * V + targets[(size_t)n])],
+                  values_of(losses)[(size_t)n], 1e-5);
+    }
+    cross_entropy_backward_inplace_from_lse(buf, lse, host_ints({N}, targets), 0.25f);
+    EXPECT_EQ(values_of(buf), values_of(fused)) << "unweighted dlogits";
+    cross_entropy_backward_inplace_from_lse(buf_w, lse, host_ints({N}, targets), 0.25f,
+                                            host_tensor({N}, dt, weights));
+    EXPECT_EQ(values_of(buf_w), values_of(fused_w)) << "weighted dlogits";
+  }
+  // Argument errors name the tensor.
+  Tensor buf = host_tensor({N, V}, DType::kF32, logits);
+  const std::string e1 = error_of([&] {
+    cross_entropy_backward_inplace_from_lse(buf, Tensor::empty({N + 1}, DType::kF32, Device::kCpu),
+                                            host_ints({N}, targets), 1.0f);
+  });
+  EXPECT_NE(e1.find("lse"), std::string::npos) << e1;
+  const std::string e2 = error_of([&] {
+    cross_entropy_backward_inplace_from_lse(buf, TensorView{}, host_ints({N}, targets), 1.0f);
+  });
+  EXPECT_NE(e2.find("lse"), std::string::npos) << e2;
 }
 
 // Per-row weights (the RL loss sum_n w_n losses[n]): float64 central differences of that weighted

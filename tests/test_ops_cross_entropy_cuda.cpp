@@ -3,7 +3,7 @@
 // bf16 and f32 dlogits, V from 1 to 128256 including odd V (50257: every row starts at a
 // different alignment, exercising the scalar head and tail), misaligned buffers, ignored tokens,
 // guard regions; determinism; out-of-range targets through a caller's flag and through the
-// synchronous check.
+// synchronous check; the lse-saving forward and the backward from it, bit for bit the fused call.
 //
 // Tolerances (u = 2^-24). The reference sums V exponentials sequentially in f32 (relative error
 // <= V u) and the kernel in a tree (far less), so lse, and with it every loss, may differ by
@@ -129,6 +129,25 @@ void run_case(const Case& cs) {
     EXPECT_EQ(buf.damaged_guard_bytes(), 0) << "fused: wrote outside the logits buffer";
     EXPECT_TRUE(buf.values() == first_d) << "fused in-place dlogits differ from the backward's";
     EXPECT_TRUE(gl.values() == first_l) << "fused in-place losses differ from the forward's";
+
+    // Training's pair: the forward keeping lse, then the one-pass backward from it: the same bits.
+    const Guarded buf2 = Guarded::copy_of(hx, kPoison, cs.shift_bytes);
+    const Guarded gl2 = Guarded::make({N}, DType::kF32, kPoison), gm2 = Guarded::make({1}, DType::kF32, kPoison);
+    const Guarded glse = Guarded::make({N}, DType::kF32, kPoison);
+    cross_entropy_forward_saving_lse(gl2.view, gm2.view, glse.view, buf2.view, dt);
+    EXPECT_EQ(glse.damaged_guard_bytes(), 0) << "forward wrote outside lse";
+    EXPECT_TRUE(gl2.values() == first_l) << "losses of the lse-saving forward differ";
+    const std::vector<double> got_lse = glse.values();
+    for (int64_t n = 0; n < N; ++n) {
+      if (t[(size_t)n] == -1) {
+        EXPECT_EQ(got_lse[(size_t)n], 0.0) << "ignored token " << n;
+      } else {
+        EXPECT_NEAR(got_lse[(size_t)n], lse[(size_t)n], tol_l[(size_t)n]) << "lse of token " << n;
+      }
+    }
+    cross_entropy_backward_inplace_from_lse(buf2.view, glse.view, dt, scale);
+    EXPECT_EQ(buf2.damaged_guard_bytes(), 0) << "backward from lse: wrote outside the logits buffer";
+    EXPECT_TRUE(buf2.values() == first_d) << "dlogits from the saved lse differ from the fused variant's";
   }
 }
 
@@ -181,6 +200,15 @@ TEST_F(OpsCrossEntropyCuda, WeightedRowsMatchReference) {
       return s * ((2 * V + 64) * kU + 4 * kU * 40.0) + s * kU + round * std::fabs(want[(size_t)e]);
     };
     EXPECT_TRUE(all_close(got, want, tol, "weighted dlogits"));
+
+    // From the forward's saved lse: the same bits as the fused weighted call above.
+    const Guarded buf2 = Guarded::copy_of(host_tensor({N, V}, dt, x), kPoison, 0);
+    Tensor l2 = Tensor::empty({N}, DType::kF32, Device::kCuda), lse = Tensor::empty({N}, DType::kF32, Device::kCuda);
+    cross_entropy_forward_saving_lse(l2, TensorView{}, lse, buf2.view, ht.to(Device::kCuda));
+    cross_entropy_backward_inplace_from_lse(buf2.view, lse, ht.to(Device::kCuda), scale, dw);
+    EXPECT_EQ(buf2.damaged_guard_bytes(), 0);
+    EXPECT_TRUE(buf2.values() == got) << "weighted dlogits from the saved lse differ from the fused call's";
+    EXPECT_TRUE(values_of(l2) == gl.values()) << "losses of the lse-saving forward differ";
   }
 }
 

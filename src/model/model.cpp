@@ -454,6 +454,7 @@ Acts Model::Impl::plan(detail::Carver& c, int B, int T, bool training, int64_t l
   if (training) {
     a.losses = c.take({N}, sdt, "losses");
     a.mean_loss = c.take({1}, sdt, "mean loss");
+    a.lse = c.take({N}, sdt, "logits lse");
     detail::Scratch& s = a.s;
     s.d_resid = c.take({N, C}, adt, "d_resid");
     s.d_tmp = c.take({N, C}, adt, "d_tmp");
@@ -1194,7 +1195,8 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
   im.fprop(Section::kLmHead, c.n_layers, LinearKind::kLmHead, a.lnf, im.w(im.lm_head), a.logits);
   {
     Scope s(im, Section::kLmHead, Work::kOther);
-    ops::cross_entropy_forward(a.losses, a.mean_loss, a.logits, a.targets, im.flag(), st);
+    // The lse of every row is kept for the backward's one-pass gradient (no second softmax).
+    ops::cross_entropy_forward_saving_lse(a.losses, a.mean_loss, a.lse, a.logits, a.targets, im.flag(), st);
   }
   im.record("final_norm", a.lnf);
   im.record("logits", a.logits, true);
@@ -1261,14 +1263,13 @@ void Model::backward(const BackwardOptions& o) {
       }
       Tensor weights = Tensor::empty({N}, stat_dtype_, options_.device);
       detail::copy_to_device(weights.view(), host, st);
-      ops::cross_entropy_forward_backward_inplace_weighted(a.logits, a.losses, a.mean_loss, a.targets,
-                                                           weights.view(), (float)o.loss_scale,
-                                                           im.flag(), st);
+      ops::cross_entropy_backward_inplace_from_lse(a.logits, a.lse, a.targets, (float)o.loss_scale,
+                                                   weights.view(), im.flag(), st);
       detail::sync_stream(options_.device, st);  // `weights` dies here
     } else {
       const double scale = im.n_valid > 0 ? o.loss_scale / (double)im.n_valid : 0.0;
-      ops::cross_entropy_forward_backward_inplace(a.logits, a.losses, a.mean_loss, a.targets,
-                                                  (float)scale, im.flag(), st);
+      ops::cross_entropy_backward_inplace_from_lse(a.logits, a.lse, a.targets, (float)scale,
+                                                   TensorView{}, im.flag(), st);
     }
     im.bf16(a.logits);
   }

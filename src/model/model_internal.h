@@ -119,6 +119,8 @@ struct Acts {
   TensorView logits;     // [rows, V]
   TensorView losses;     // [N] stat dtype
   TensorView mean_loss;  // [1] stat dtype
+  TensorView lse;        // [N] stat dtype: the forward's per-token log-sum-exp of the logits,
+                         // read by the backward's one-pass cross-entropy gradient (training)
   Scratch s;
 };
 

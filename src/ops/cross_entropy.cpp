@@ -30,10 +30,12 @@ T row_lse(const T* row, int64_t V) {
 }
 
 // Forward and/or backward of every row; dlogits may equal logits (each row's lse is computed
-// before the row is overwritten).
+// before the row is overwritten). lse_out: each row's lse is written (0 when ignored); lse_in: the
+// rows' lse are taken from it instead of computed (backward only: losses and mean_loss null).
 template <typename T>
 void reference(T* losses, T* mean_loss, T* dlogits, const T* logits, const int32_t* targets,
-               const T* row_weights, int64_t N, int64_t V, T dloss_scale) {
+               const T* row_weights, int64_t N, int64_t V, T dloss_scale, T* lse_out = nullptr,
+               const T* lse_in = nullptr) {
   T sum = 0;
   int64_t count = 0;
   for (int64_t n = 0; n < N; ++n) {
@@ -42,11 +44,13 @@ void reference(T* losses, T* mean_loss, T* dlogits, const T* logits, const int32
     T* drow = dlogits ? dlogits + n * V : nullptr;
     if (t == kIgnored) {
       if (losses) losses[n] = 0;
+      if (lse_out) lse_out[n] = 0;
       if (drow)
         for (int64_t v = 0; v < V; ++v) drow[v] = 0;
       continue;
     }
-    const T lse = row_lse(row, V);
+    const T lse = lse_in ? lse_in[n] : row_lse(row, V);
+    if (lse_out) lse_out[n] = lse;
     const T loss = lse - row[t];
     if (losses) losses[n] = loss;
     sum += loss;
@@ -77,16 +81,20 @@ kernels::FloatType float_type(const TensorView& t) {
 
 // The shared body of the entry points. dlogits absent: forward only; losses absent: backward
 // only; row_weights absent: weight 1.
+// lse_out: the forward also writes each row's lse; lse_in: the backward takes them (no forward).
 void run(std::string_view op, const TensorView& losses, const TensorView& mean_loss,
          const TensorView& dlogits, const TensorView& logits, const TensorView& targets,
          float dloss_scale, int* error_flag, void* stream,
-         const TensorView& row_weights = TensorView{}) {
+         const TensorView& row_weights = TensorView{}, const TensorView& lse_out = TensorView{},
+         const TensorView& lse_in = TensorView{}) {
   const Device dev = detail::common_device(op, {{"logits", &logits},
                                                 {"targets", &targets},
                                                 {"losses", &losses},
                                                 {"mean_loss", &mean_loss},
                                                 {"dlogits", &dlogits},
-                                                {"row_weights", &row_weights}});
+                                                {"row_weights", &row_weights},
+                                                {"lse (out)", &lse_out},
+                                                {"lse", &lse_in}});
   FOURBIT_CHECK(logits.shape.ndim == 2 && logits.shape[1] >= 1,
                 "{}: logits must be [N, V] with V >= 1, got {}", op, logits.describe());
   const int64_t N = logits.shape[0], V = logits.shape[1];
@@ -99,6 +107,8 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
                   "{}: mean_loss must hold one element, got {}", op, mean_loss.describe());
   }
   if (present(row_weights)) check_shape(op, "row_weights", row_weights, {N});
+  if (present(lse_out)) check_shape(op, "lse", lse_out, {N});
+  if (present(lse_in)) check_shape(op, "lse", lse_in, {N});
   if (present(dlogits)) {
     check_shape(op, "dlogits", dlogits, {N, V});
     FOURBIT_CHECK(std::isfinite(dloss_scale), "{}: dloss_scale must be finite, got {}", op,
@@ -110,7 +120,8 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
                                                   {"losses", &losses},
                                                   {"mean_loss", &mean_loss},
                                                   {"dlogits", &dlogits},
-                                                  {"row_weights", &row_weights}});
+                                                  {"row_weights", &row_weights},
+                                                  {"lse", present(lse_out) ? &lse_out : &lse_in}});
     check_targets_cpu(op, targets, V);
     const int32_t* t = targets.ptr<const int32_t>();
     if (dt == DType::kF64) {
@@ -119,13 +130,15 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
                         present(dlogits) ? dlogits.ptr<double>() : nullptr,
                         logits.ptr<const double>(), t,
                         present(row_weights) ? row_weights.ptr<const double>() : nullptr, N, V,
-                        (double)dloss_scale);
+                        (double)dloss_scale, present(lse_out) ? lse_out.ptr<double>() : nullptr,
+                        present(lse_in) ? lse_in.ptr<const double>() : nullptr);
     } else {
       reference<float>(present(losses) ? losses.ptr<float>() : nullptr,
                        present(mean_loss) ? mean_loss.ptr<float>() : nullptr,
                        present(dlogits) ? dlogits.ptr<float>() : nullptr, logits.ptr<const float>(),
                        t, present(row_weights) ? row_weights.ptr<const float>() : nullptr, N, V,
-                       dloss_scale);
+                       dloss_scale, present(lse_out) ? lse_out.ptr<float>() : nullptr,
+                       present(lse_in) ? lse_in.ptr<const float>() : nullptr);
     }
     return;
   }
@@ -135,6 +148,8 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
   if (present(mean_loss)) check_dtype(op, "mean_loss", mean_loss, {DType::kF32});
   if (present(dlogits)) check_dtype(op, "dlogits", dlogits, {DType::kBF16, DType::kF32});
   if (present(row_weights)) check_dtype(op, "row_weights", row_weights, {DType::kF32});
+  if (present(lse_out)) check_dtype(op, "lse", lse_out, {DType::kF32});
+  if (present(lse_in)) check_dtype(op, "lse", lse_in, {DType::kF32});
   FOURBIT_CHECK(
       reinterpret_cast<uintptr_t>(logits.data) % dtype_bytes(logits.dtype, 1) == 0 &&
           (!present(dlogits) ||
@@ -152,6 +167,8 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
   a.vocab = V;
   a.dloss_scale = dloss_scale;
   a.row_weights = present(row_weights) ? row_weights.ptr<const float>() : nullptr;
+  a.lse_out = present(lse_out) ? lse_out.ptr<float>() : nullptr;
+  a.lse_in = present(lse_in) ? lse_in.ptr<const float>() : nullptr;
   detail::DeviceFlag flag(error_flag, stream);
   a.error_flag = flag.get();
   kernels::launch_cross_entropy(a, static_cast<cudaStream_t>(stream));
@@ -175,6 +192,28 @@ void cross_entropy_forward(const TensorView& losses, const TensorView& mean_loss
   FOURBIT_CHECK(present(losses), "cross_entropy_forward: losses is required");
   run("cross_entropy_forward", losses, mean_loss, TensorView{}, logits, targets, 0.0f, error_flag,
       stream);
+}
+
+void cross_entropy_forward_saving_lse(const TensorView& losses, const TensorView& mean_loss,
+                                      const TensorView& lse, const TensorView& logits,
+                                      const TensorView& targets, int* error_flag, void* stream) {
+  constexpr std::string_view op = "cross_entropy_forward_saving_lse";
+  FOURBIT_CHECK(present(losses), "{}: losses is required", op);
+  FOURBIT_CHECK(present(lse), "{}: lse is required (use cross_entropy_forward without it)", op);
+  FOURBIT_CHECK(lse.is_contiguous(), "{}: lse must be contiguous, got {}", op, lse.describe());
+  run(op, losses, mean_loss, TensorView{}, logits, targets, 0.0f, error_flag, stream, TensorView{},
+      lse);
+}
+
+void cross_entropy_backward_inplace_from_lse(const TensorView& logits_to_dlogits,
+                                             const TensorView& lse, const TensorView& targets,
+                                             float dloss_scale, const TensorView& row_weights,
+                                             int* error_flag, void* stream) {
+  constexpr std::string_view op = "cross_entropy_backward_inplace_from_lse";
+  FOURBIT_CHECK(present(lse), "{}: lse (from cross_entropy_forward_saving_lse) is required", op);
+  FOURBIT_CHECK(lse.is_contiguous(), "{}: lse must be contiguous, got {}", op, lse.describe());
+  run(op, TensorView{}, TensorView{}, logits_to_dlogits, logits_to_dlogits, targets, dloss_scale,
+      error_flag, stream, row_weights, TensorView{}, lse);
 }
 
 void cross_entropy_backward(const TensorView& dlogits, const TensorView& logits,

@@ -26,6 +26,10 @@
 // dlogits row. error_flag: null -> an internal flag, checked synchronously (throws); a device int ->
 // OR-ed into asynchronously, for the caller to read once per step. Ignored on the CPU.
 //
+// Training keeps each row's lse from the forward (cross_entropy_forward_saving_lse) and the
+// backward then reads the row once (cross_entropy_backward_inplace_from_lse) instead of recomputing
+// the softmax: the same bits as the fused forward-backward, one pass over [N, V] fewer.
+//
 // CUDA kernels: one CTA per row (up to 512 threads). Pass 1 is an online softmax (running max and
 // rescaled sum per thread, then a fixed-order CTA reduction); pass 2 (backward) re-reads the row
 // (mostly from L2) and writes dlogits. Rows are read with 16-byte loads after a scalar head that
@@ -44,6 +48,27 @@ namespace fourbit::ops {
 void cross_entropy_forward(const TensorView& losses, const TensorView& mean_loss,
                            const TensorView& logits, const TensorView& targets,
                            int* error_flag = nullptr, void* stream = nullptr);
+
+// cross_entropy_forward, also writing each row's log-sum-exp (for the backward below).
+// lse: [N] overwritten: f32 on CUDA, the logits' dtype on the CPU; 0 for an ignored token.
+void cross_entropy_forward_saving_lse(const TensorView& losses, const TensorView& mean_loss,
+                                      const TensorView& lse, const TensorView& logits,
+                                      const TensorView& targets, int* error_flag = nullptr,
+                                      void* stream = nullptr);
+
+// The backward alone, in place, from the lse that cross_entropy_forward_saving_lse wrote for these
+// very logits: one read and one write of each row. dlogits equal, bit for bit, what
+// cross_entropy_forward_backward_inplace(_weighted) writes (the lse comes from the same kernel and
+// reduction order). A stale lse (other logits) gives wrong gradients: the caller owns the pairing.
+// logits_to_dlogits: [N, V]  in: logits; out: dlogits
+// lse:               [N]     from cross_entropy_forward_saving_lse
+// targets:           [N] i32
+// row_weights:       [N] optional (TensorView{}: weight 1); as in the _weighted entry point
+void cross_entropy_backward_inplace_from_lse(const TensorView& logits_to_dlogits,
+                                             const TensorView& lse, const TensorView& targets,
+                                             float dloss_scale,
+                                             const TensorView& row_weights = TensorView{},
+                                             int* error_flag = nullptr, void* stream = nullptr);
 
 // dlogits: [N, V]  OVERWRITTEN (an activation gradient); must not alias logits (see
 //                  cross_entropy_forward_backward_inplace)

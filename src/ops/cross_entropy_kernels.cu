@@ -7,6 +7,7 @@
 // the same (m, s) and lse = m + log(s). Pass 2 (backward) re-reads the row and writes
 // (exp(x - lse) - onehot) * scale; in place, each element is read before it is written by the
 // same thread. A second, single-CTA kernel sums the valid losses in a fixed order for the mean.
+// The forward may keep lse per row (lse_out); a backward given those (lse_in) skips pass 1.
 #include "ops/cross_entropy_kernels.h"
 
 #include "core/error.h"
@@ -97,7 +98,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     cross_entropy_kernel(const TL* logits, TD* dlogits, float* __restrict__ losses,
                          const int32_t* __restrict__ targets, int64_t n_rows, int64_t vocab,
                          float dloss_scale, const float* __restrict__ row_weights,
-                         int* error_flag) {
+                         int* error_flag, float* __restrict__ lse_out,
+                         const float* __restrict__ lse_in) {
   __shared__ Softmax scratch[32];
   const int tid = threadIdx.x;
   for (int64_t n = blockIdx.x; n < n_rows; n += gridDim.x) {
@@ -106,6 +108,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     TD* drow = dlogits ? dlogits + n * vocab : nullptr;
     if (target == -1) {  // ignored: zero loss and gradient (uniform across the CTA: no sync issue)
       if (losses && tid == 0) losses[n] = 0.0f;
+      if (lse_out && tid == 0) lse_out[n] = 0.0f;
       if (drow) fill_row(drow, vocab, 0.0f);
       continue;
     }
@@ -120,25 +123,31 @@ __global__ void __launch_bounds__(kMaxThreads)
 
     int64_t head, body_end;
     split_row(row, vocab, head, body_end);
-    Softmax st{-CUDART_INF_F, 0.0f};
     float v[8];
     const int64_t tail = vocab - body_end;
-    if (tid < head || tid < tail) {  // the scalar head and tail elements (< 8 each)
+    float lse;
+    if (lse_in != nullptr) {
+      lse = lse_in[n];  // the forward's, for these logits
+    } else {
+      Softmax st{-CUDART_INF_F, 0.0f};
+      if (tid < head || tid < tail) {  // the scalar head and tail elements (< 8 each)
 #pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = -CUDART_INF_F;
-      if (tid < head) v[0] = to_float(row[tid]);
-      if (tid < tail) v[1] = to_float(row[body_end + tid]);
-      add8(st, v);
+        for (int k = 0; k < 8; ++k) v[k] = -CUDART_INF_F;
+        if (tid < head) v[0] = to_float(row[tid]);
+        if (tid < tail) v[1] = to_float(row[body_end + tid]);
+        add8(st, v);
+      }
+      for (int64_t i = head + (int64_t)tid * 8; i < body_end; i += (int64_t)blockDim.x * 8) {
+        load8_aligned(row + i, v);
+        add8(st, v);
+      }
+      // Read before the barrier in block_softmax: in place, pass 2 overwrites the row.
+      const float x_target = tid == 0 ? to_float(row[target]) : 0.0f;
+      st = block_softmax(st, scratch);
+      lse = st.m + logf(st.s);
+      if (losses && tid == 0) losses[n] = lse - x_target;
+      if (lse_out && tid == 0) lse_out[n] = lse;
     }
-    for (int64_t i = head + (int64_t)tid * 8; i < body_end; i += (int64_t)blockDim.x * 8) {
-      load8_aligned(row + i, v);
-      add8(st, v);
-    }
-    // Read before the barrier in block_softmax: in place, pass 2 overwrites the row.
-    const float x_target = tid == 0 ? to_float(row[target]) : 0.0f;
-    st = block_softmax(st, scratch);
-    const float lse = st.m + logf(st.s);
-    if (losses && tid == 0) losses[n] = lse - x_target;
     if (!drow) continue;
 
     // Pass 2: dlogits. The same split as the read; vector stores where drow's body is aligned.
@@ -202,7 +211,7 @@ void launch_cross_entropy(const CrossEntropyArgs& a, cudaStream_t stream) {
       using TD = decltype(td);
       cross_entropy_kernel<TL, TD><<<grid, threads, 0, stream>>>(
           static_cast<const TL*>(a.logits), static_cast<TD*>(a.dlogits), a.losses, a.targets,
-          a.n_rows, a.vocab, a.dloss_scale, a.row_weights, a.error_flag);
+          a.n_rows, a.vocab, a.dloss_scale, a.row_weights, a.error_flag, a.lse_out, a.lse_in);
     });
   });
   FOURBIT_CUDA_CHECK_LAUNCH();

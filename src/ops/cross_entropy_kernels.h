@@ -21,6 +21,8 @@ struct CrossEntropyArgs {
   float dloss_scale;
   const float* row_weights;  // [N]; null: every row's gradient weight is 1
   int* error_flag;        // device int: kErrIndexOutOfRange
+  float* lse_out = nullptr;       // [N]; null: not written (0 for an ignored row)
+  const float* lse_in = nullptr;  // [N]; non-null: no pass 1, the backward uses these lse
 };
 void launch_cross_entropy(const CrossEntropyArgs& a, cudaStream_t stream);
 
