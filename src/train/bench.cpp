@@ -134,8 +134,8 @@ std::string train_bench_table(const std::vector<TrainBenchRow>& rows) {
   }
   out += "arena: the activation arena; saved X: the quantized Wgrad inputs a forward keeps (GiB); "
          "mem: peak over bf16's\n";
-  out += "MFU: model FLOPs (6 N_active + 6 L T d) per second over the H200 dense BF16 peak, 989 "
-         "TFLOP/s\n";
+  out += "MFU: model FLOPs (6 N_active + 6 L T d) per second over 989 TFLOP/s, the dense BF16 peak "
+         "of an H100 or H200 SXM (rescale for other GPUs)\n";
   return out;
 }
 

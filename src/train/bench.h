@@ -1,6 +1,6 @@
 // `fourbit bench train`: whole training steps (forward, backward, gradient norm, AdamW with the
 // BF16 copy) of real-size models per recipe on the GPU: tokens/s, MFU (train/trainer.h: model
-// FLOPs over the H200 dense BF16 peak of 989 TFLOP/s), step time and peak device memory
+// FLOPs over the H100 / H200 SXM dense BF16 peak of 989 TFLOP/s), step time and peak device memory
 // (fourbit tensors: the stream-ordered pool's used peak, reset before each recipe), with the
 // activation arena and the quantized Wgrad inputs a forward keeps reported next to it.
 //

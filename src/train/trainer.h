@@ -45,7 +45,7 @@
 
 namespace fourbit::train {
 
-inline constexpr double kPeakFlops = 989e12;  // H200 SXM dense BF16 tensor-core peak, FLOP/s
+inline constexpr double kPeakFlops = 989e12;  // H100 / H200 SXM dense BF16 tensor-core peak, FLOP/s
 
 enum class NanPolicy : uint8_t { kStop, kSkip };
 std::string_view nan_policy_name(NanPolicy p);
