@@ -127,8 +127,10 @@ TEST_F(OpsRmsnormCuda, MatchesReference) {
       {6, 12000, DType::kBF16, DType::kBF16, false},   // J = 2
       {3, 16384, DType::kBF16, DType::kF32, false},    // the limit
       {2, 16384, DType::kF32, DType::kF32, false},
-      {1000, 136, DType::kBF16, DType::kBF16, false},  // 4 rows per backward chunk
-      {70001, 64, DType::kBF16, DType::kBF16, false},  // grid-stride forward, 274-row chunks
+      {1000, 136, DType::kBF16, DType::kBF16, false},  // 1 row per backward chunk (1000 chunks)
+      {8192, 768, DType::kBF16, DType::kBF16, false},  // GPT-2 small at B 8: 4-row chunks
+      {3000, 2100, DType::kBF16, DType::kF32, false},  // wide rows: <= 1997 chunks (workspace), 2-row chunks
+      {70001, 64, DType::kBF16, DType::kBF16, false},  // grid-stride forward, 35-row chunks
   };
   for (const Case& cs : cases) run_case(cs);
 }

@@ -4,7 +4,9 @@
 
 #include "ops/arg_checks.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #if defined(FOURBIT_WITH_CUDA)
 #include "ops/rmsnorm_kernels.h"
@@ -16,13 +18,30 @@ namespace {
 using detail::check_dtype;
 using detail::check_shape;
 
-// CUDA backward: the rows are split into at most this many chunks (a function of N only, so that
-// the dweight reduction order does not depend on the device).
-constexpr int64_t kMaxRowChunks = 256;
-
-int64_t rows_per_chunk(int64_t n_rows) { return (n_rows + kMaxRowChunks - 1) / kMaxRowChunks; }
-int64_t n_chunks(int64_t n_rows) {
-  return n_rows == 0 ? 0 : (n_rows + rows_per_chunk(n_rows) - 1) / rows_per_chunk(n_rows);
+// CUDA backward: the rows are split into chunks, one CTA each, whose rows the CTA walks in order
+// (one row's load, reduction and store at a time). The chunk count is a function of N and C only,
+// so that the dweight reduction order does not depend on the device: up to 2048 chunks (enough
+// CTAs to keep every SM's loads in flight: with 256, a GPT-2-small step spent ~4x the memory
+// time in these kernels, bench/notes-train.md, session 15), fewer for wide rows so that the f32
+// partial sums (chunks x C) stay within 4 Mi floats (16 MiB), but never fewer than 256.
+// FOURBIT_RMSNORM_MAX_CHUNKS=<n> (read once per process) replaces the bound, for A/B runs (256:
+// the kernels' launch before session 15).
+int64_t max_row_chunks(int64_t C) {
+  static const int64_t forced = [] {
+    const char* v = std::getenv("FOURBIT_RMSNORM_MAX_CHUNKS");
+    const long long n = v != nullptr ? std::atoll(v) : 0;
+    return n > 0 ? (int64_t)n : int64_t{0};
+  }();
+  if (forced > 0) return forced;
+  const int64_t by_workspace = (int64_t{4} << 20) / std::max<int64_t>(C, 1);
+  return std::clamp<int64_t>(by_workspace, 256, 2048);
+}
+int64_t rows_per_chunk(int64_t n_rows, int64_t C) {
+  const int64_t chunks = max_row_chunks(C);
+  return (n_rows + chunks - 1) / chunks;
+}
+int64_t n_chunks(int64_t n_rows, int64_t C) {
+  return n_rows == 0 ? 0 : (n_rows + rows_per_chunk(n_rows, C) - 1) / rows_per_chunk(n_rows, C);
 }
 
 template <typename T>
@@ -120,7 +139,7 @@ void rmsnorm_forward(const TensorView& y, const TensorView& rstd, const TensorVi
 }
 
 int64_t rmsnorm_backward_workspace_bytes(int64_t n_rows, int64_t C) {
-  return n_chunks(n_rows) * C * (int64_t)sizeof(float);
+  return n_chunks(n_rows, C) * C * (int64_t)sizeof(float);
 }
 
 void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const TensorView& dy,
@@ -189,8 +208,8 @@ void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const Ten
   a.weight_type = float_type(weight);
   a.n_rows = N;
   a.cols = (int)C;
-  a.n_chunks = n_chunks(N);
-  a.rows_per_chunk = rows_per_chunk(N);
+  a.n_chunks = n_chunks(N, C);
+  a.rows_per_chunk = rows_per_chunk(N, C);
   kernels::launch_rmsnorm_backward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;
