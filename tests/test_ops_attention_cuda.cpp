@@ -49,13 +49,14 @@ struct Case {
   int64_t B, T, H, Hkv, D;
   double input_scale = 1.0;
   bool fused = false;  // q, k, v (and dq, dk, dv) as strided slices of one fused buffer
+  bool wide = false;   // AttentionOptions::wide_key_tiles (D = 64: 32 keys a warp in dK/dV)
 };
 
 std::string describe(const Case& c) {
   return "B " + std::to_string(c.B) + " T " + std::to_string(c.T) + " H " + std::to_string(c.H) +
          " Hkv " + std::to_string(c.Hkv) + " D " + std::to_string(c.D) +
          (c.input_scale != 1.0 ? " input scale " + std::to_string(c.input_scale) : "") +
-         (c.fused ? " fused-QKV views" : "");
+         (c.fused ? " fused-QKV views" : "") + (c.wide ? " wide dK/dV tiles" : "");
 }
 
 std::vector<double> abs_of(std::vector<double> v) {
@@ -297,7 +298,9 @@ void check_case(const Case& c, uint64_t seed) {
     const Tensor dout_d = host_tensor({c.B, c.T, c.H, c.D}, DType::kBF16, dout).to(Device::kCuda);
     const Tensor out_d = host_tensor({c.B, c.T, c.H, c.D}, DType::kBF16, out_gpu).to(Device::kCuda);
     const Tensor lse_d = lse32.to(Device::kCuda);
-    attention_backward(dout_d, in.q, in.k, in.v, out_d, lse_d, grad.q, grad.k, grad.v);
+    AttentionOptions options;
+    options.wide_key_tiles = c.wide;
+    attention_backward(dout_d, in.q, in.k, in.v, out_d, lse_d, grad.q, grad.k, grad.v, options);
     device_synchronize();
     if (c.fused) {
       ASSERT_EQ(grad.fused.damaged_guard_bytes(), 0) << "dqkv: write outside the fused buffer";
@@ -355,6 +358,20 @@ TEST_F(OpsAttentionCuda, ManyKeyBlocksAndGqaGroups) {
   check_case(Case{2, 1000, 4, 1, 64}, 5010);
   if (HasFatalFailure()) return;
   check_case(Case{3, 777, 4, 2, 128}, 5020);
+}
+
+// The dK/dV kernel with 32 keys a warp and 128 keys a CTA (D = 64): ragged key blocks (T not a
+// multiple of 128, 32 or 16), warps whose keys all follow a query tile, GQA, strided views.
+TEST_F(OpsAttentionCuda, WideKeyTilesMatchTheReference) {
+  uint64_t seed = 7000;
+  for (const Case& c : {Case{2, 1, 4, 2, 64, 1.0, false, true}, Case{1, 7, 2, 2, 64, 1.0, false, true},
+                        Case{2, 65, 4, 1, 64, 1.0, false, true}, Case{1, 128, 2, 2, 64, 1.0, false, true},
+                        Case{1, 200, 6, 2, 64, 1.0, false, true}, Case{1, 333, 2, 1, 64, 1.0, false, true},
+                        Case{2, 100, 4, 2, 64, 1.0, true, true}, Case{1, 150, 2, 1, 64, 4.0, false, true},
+                        Case{2, 1000, 4, 1, 64, 1.0, false, true}}) {
+    check_case(c, seed += 10);
+    if (HasFatalFailure()) return;
+  }
 }
 
 TEST_F(OpsAttentionCuda, FusedQkvStridedViews) {

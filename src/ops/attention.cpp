@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string_view>
 #include <vector>
 
@@ -270,6 +271,15 @@ void check_cuda_heads(std::string_view op,
   }
 }
 
+// FOURBIT_ATTENTION_WIDE_DKDV=1: every CUDA backward with D = 64 takes the 32-keys-a-warp dK/dV
+// kernel (AttentionOptions::wide_key_tiles), for A/B runs; read once per process.
+[[maybe_unused]] bool wide_key_tiles_forced() {
+  static const bool forced = [] {
+    const char* v = std::getenv("FOURBIT_ATTENTION_WIDE_DKDV");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  return forced;
+}
 
 }  // namespace
 
@@ -367,6 +377,7 @@ void attention_backward(const TensorView& dout, const TensorView& q, const Tenso
   a.dk_stride = head_strides(dk);
   a.dv = bf16_out(dv);
   a.dv_stride = head_strides(dv);
+  a.wide_key_tiles = options.wide_key_tiles || wide_key_tiles_forced();
   kernels::launch_attention_backward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;

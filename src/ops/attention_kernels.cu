@@ -202,12 +202,23 @@ __device__ __forceinline__ void gemm_acc_b(float (&acc)[D / 8][4], const float (
 // of a strided sequence, staged through the warp's own 16 rows of `stage` (a tile no other warp
 // reads any more) so that global stores are 16 bytes wide. Rows at or beyond n_rows are skipped.
 template <int D>
+__device__ __forceinline__ void store_rows_16(const float (&acc)[D / 8][4], float mul, uint16_t* w,
+                                              int lane, uint16_t* base, int64_t stride, int row0,
+                                              int n_rows);
+template <int D>
 __device__ __forceinline__ void store_rows(const float (&acc)[D / 8][4], float mul, uint16_t* stage,
                                            int warp, int lane, uint16_t* base, int64_t stride,
                                            int row0, int n_rows) {
+  store_rows_16<D>(acc, mul, stage + warp * 16 * TileLayout<D>::kStride, lane, base, stride, row0,
+                   n_rows);
+}
+// The same with the 16 stage rows given: `w` points at rows no other warp touches any more.
+template <int D>
+__device__ __forceinline__ void store_rows_16(const float (&acc)[D / 8][4], float mul, uint16_t* w,
+                                              int lane, uint16_t* base, int64_t stride, int row0,
+                                              int n_rows) {
   constexpr int S = TileLayout<D>::kStride;
   const int g = lane >> 2, t = lane & 3;
-  uint16_t* w = stage + warp * 16 * S;
   __syncwarp();
 #pragma unroll
   for (int nd = 0; nd < D / 8; ++nd) {
@@ -519,6 +530,198 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
                 a.dk_stride.t, n0 + warp * 16, T);
   store_rows<D>(dv, 1.0f, v_s, warp, lane, a.dv + b * a.dv_stride.b + hk * a.dv_stride.h,
                 a.dv_stride.t, n0 + warp * 16, T);
+}
+
+// --- backward: dK, dV with 32 keys a warp (D = 64; AttentionBackwardArgs::wide_key_tiles) -------
+//
+// The kernel above gives each warp 16 keys against a 64-query tile, so each of the 4 warps reads
+// the whole Q and dO tiles as B operands twice per iteration: 72 ldmatrix.x4 for 128 mma per warp
+// and iteration, more shared-memory traffic than the mma take (bench/notes-train.md, session 15).
+// Here a CTA takes 128 keys, a warp 32 (two 16-row m-blocks that share every B fragment), and a
+// query tile is 32 rows: the same 128 mma per warp and iteration, 48 ldmatrix. Registers: dK and
+// dV 2 x 32 FP32 each per m-block, S^T and dP^T 2 x 16 each. A warp whose 32 keys all come after
+// the tile's last query skips the tile (its P would be all zero). Same math, same rounding points
+// (P and dS to bf16 before their products) as the narrow kernel; only the FP32 accumulation order
+// over queries differs.
+constexpr int kWideKeys = 128;   // keys per CTA
+constexpr int kWideQ = 32;       // queries per tile
+constexpr int kWideM = 2;        // 16-row m-blocks per warp
+
+template <int D>
+constexpr int dkdv_wide_smem_bytes() {
+  return (2 * TileLayout<D>::template elems<kWideKeys>() + 4 * TileLayout<D>::template elems<kWideQ>()) * 2 +
+         4 * kWideQ * 4;  // K, V, 2 x (Q, dO) tiles; 2 x (lse, D_i)
+}
+
+// acc[m][16 x 8 kNBlocks] += A (rows m0 + 16 m.., D) . B^T, B an n-major tile; every B fragment
+// serves the kM m-blocks.
+template <int D, int kM, int kNBlocks>
+__device__ __forceinline__ void gemm_a_tile_bt_m(float (&acc)[kM][kNBlocks][4], const uint16_t* a_tile,
+                                                 int m0, const uint16_t* b_tile, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[kM][4];
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi) load_a<D>(a[mi], a_tile, m0 + 16 * mi, kk * 16, lane);
+#pragma unroll
+    for (int nb = 0; nb < kNBlocks / 2; ++nb) {
+      uint32_t b[4];
+      load_b_nk<D>(b, b_tile, nb * 16, kk * 16, lane);
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) {
+        mma_bf16(acc[mi][2 * nb], a[mi], b[0], b[1]);
+        mma_bf16(acc[mi][2 * nb + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// acc[m][16 x D] += P[m] (16 x 16 kKBlocks, FP32 C layout, rounded to bf16 here) . B, B k-major.
+template <int D, int kM, int kKBlocks>
+__device__ __forceinline__ void gemm_acc_b_m(float (&acc)[kM][D / 8][4], const float (&p)[kM][kKBlocks][4],
+                                             const uint16_t* b_tile, int lane) {
+#pragma unroll
+  for (int kc = 0; kc < kKBlocks / 2; ++kc) {
+    uint32_t a[kM][4];
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi) {
+      a[mi][0] = pack_bf16(p[mi][2 * kc][0], p[mi][2 * kc][1]);
+      a[mi][1] = pack_bf16(p[mi][2 * kc][2], p[mi][2 * kc][3]);
+      a[mi][2] = pack_bf16(p[mi][2 * kc + 1][0], p[mi][2 * kc + 1][1]);
+      a[mi][3] = pack_bf16(p[mi][2 * kc + 1][2], p[mi][2 * kc + 1][3]);
+    }
+#pragma unroll
+    for (int nd = 0; nd < D / 16; ++nd) {
+      uint32_t b[4];
+      load_b_kn<D>(b, b_tile, kc * 16, nd * 16, lane);
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) {
+        mma_bf16(acc[mi][2 * nd], a[mi], b[0], b[1]);
+        mma_bf16(acc[mi][2 * nd + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_dkdv_wide_kernel(const AttentionBackwardArgs a,
+                                                                       const float* delta) {
+  constexpr int kQ = kWideQ;
+  constexpr int kKvElems = TileLayout<D>::template elems<kWideKeys>();
+  constexpr int kQElems = TileLayout<D>::template elems<kQ>();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint16_t* k_s = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* v_s = k_s + kKvElems;
+  uint16_t* q_s = v_s + kKvElems;      // [2][kQ][S]
+  uint16_t* do_s = q_s + 2 * kQElems;  // [2][kQ][S]
+  float* lse_s = reinterpret_cast<float*>(do_s + 2 * kQElems);  // [2][kQ]
+  float* delta_s = lse_s + 2 * kQ;                               // [2][kQ]
+
+  const AttentionDims& d = a.dims;
+  const int T = d.seq, H = d.heads;
+  const int group = d.heads / d.kv_heads;
+  const int n_block = blockIdx.x;  // the first key blocks see the most queries: launched first
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = n_block * kWideKeys;
+  const int warp_key0 = n0 + warp * 16 * kWideM;  // this warp's first key
+
+  load_tile<D, kWideKeys>(k_s, a.k + b * a.k_stride.b + hk * a.k_stride.h, a.k_stride.t, n0, T, tid);
+  load_tile<D, kWideKeys>(v_s, a.v + b * a.v_stride.b + hk * a.v_stride.h, a.v_stride.t, n0, T, tid);
+  cp_async_commit();
+
+  const int i_begin = n0 / kQ;
+  const int n_qtiles = (T + kQ - 1) / kQ;
+  const int per_head = n_qtiles - i_begin;  // >= 1 because n0 < T
+  const int total = group * per_head;
+
+  auto issue = [&](int it, int buf) {
+    const int h = hk * group + it / per_head;
+    const int q0 = (i_begin + it % per_head) * kQ;
+    load_tile<D, kQ>(q_s + buf * kQElems, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t,
+                     q0, T, tid);
+    load_tile<D, kQ>(do_s + buf * kQElems, a.dout + b * a.dout_stride.b + h * a.dout_stride.h,
+                     a.dout_stride.t, q0, T, tid);
+    if (tid < 2 * kQ) {
+      const int r = tid % kQ;
+      const bool valid = q0 + r < T;
+      const int64_t off = ((int64_t)b * H + h) * T + (valid ? q0 + r : 0);
+      if (tid < kQ) {
+        cp_async_4(smem_u32(lse_s + buf * kQ + r), a.lse + off, valid);
+      } else {
+        cp_async_4(smem_u32(delta_s + buf * kQ + r), delta + off, valid);
+      }
+    }
+    cp_async_commit();
+  };
+  issue(0, 0);
+
+  const float sl2 = d.scale * kLog2e;
+  float dk[kWideM][D / 8][4], dv[kWideM][D / 8][4];
+#pragma unroll
+  for (int mi = 0; mi < kWideM; ++mi)
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[mi][i][e] = dv[mi][i][e] = 0.0f;
+
+  for (int it = 0; it < total; ++it) {
+    const int buf = it & 1;
+    if (it + 1 < total) {
+      issue(it + 1, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int q0 = (i_begin + it % per_head) * kQ;
+    // Warp-uniform: every query of the tile precedes this warp's keys (P = 0): nothing to add.
+    if (q0 + kQ - 1 >= warp_key0) {
+      const uint16_t* qt = q_s + buf * kQElems;
+      const uint16_t* dot = do_s + buf * kQElems;
+      const float* lse_t = lse_s + buf * kQ;
+      const float* delta_t = delta_s + buf * kQ;
+
+      float st[kWideM][kQ / 8][4], dpt[kWideM][kQ / 8][4];
+#pragma unroll
+      for (int mi = 0; mi < kWideM; ++mi)
+#pragma unroll
+        for (int i = 0; i < kQ / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st[mi][i][e] = dpt[mi][i][e] = 0.0f;
+      gemm_a_tile_bt_m<D, kWideM, kQ / 8>(st, k_s, warp * 16 * kWideM, qt, lane);   // S^T = K Q^T
+      gemm_a_tile_bt_m<D, kWideM, kQ / 8>(dpt, v_s, warp * 16 * kWideM, dot, lane); // dP^T = V dO^T
+#pragma unroll
+      for (int mi = 0; mi < kWideM; ++mi)
+#pragma unroll
+        for (int nb = 0; nb < kQ / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = warp_key0 + mi * 16 + g + (e >> 1) * 8;
+            const int ql = nb * 8 + 2 * t + (e & 1);
+            const int qi = q0 + ql;
+            const bool valid = qi >= key && qi < T;
+            const float p = valid ? exp2f(fmaf(st[mi][nb][e], sl2, -lse_t[ql] * kLog2e)) : 0.0f;
+            st[mi][nb][e] = p;
+            dpt[mi][nb][e] = p * (dpt[mi][nb][e] - delta_t[ql]);
+          }
+      gemm_acc_b_m<D, kWideM, kQ / 8>(dv, st, dot, lane);  // dV += P^T dO
+      gemm_acc_b_m<D, kWideM, kQ / 8>(dk, dpt, qt, lane);  // dK += dS^T Q
+    }
+    __syncthreads();  // before this buffer is refilled
+  }
+
+  // All reads of K and V are done (the loop ended on a barrier): a warp's own rows are its stage.
+  constexpr int S = TileLayout<D>::kStride;
+#pragma unroll
+  for (int mi = 0; mi < kWideM; ++mi) {
+    const int row_l = warp * 16 * kWideM + mi * 16;
+    store_rows_16<D>(dk[mi], d.scale, k_s + row_l * S, lane,
+                     a.dk + b * a.dk_stride.b + hk * a.dk_stride.h, a.dk_stride.t, n0 + row_l, T);
+    store_rows_16<D>(dv[mi], 1.0f, v_s + row_l * S, lane,
+                     a.dv + b * a.dv_stride.b + hk * a.dv_stride.h, a.dv_stride.t, n0 + row_l, T);
+  }
 }
 
 // --- backward: dQ --------------------------------------------------------------------------------
@@ -908,10 +1111,22 @@ void backward_d(const AttentionBackwardArgs& a, float* delta, cudaStream_t strea
   FOURBIT_CUDA_CHECK_LAUNCH();
 
   const int n_tiles = (d.seq + kTile - 1) / kTile;
-  constexpr int smem_kv = dkdv_smem_bytes<D>();
-  set_smem(attention_dkdv_kernel<D>, smem_kv);
-  attention_dkdv_kernel<D><<<dim3(n_tiles, d.kv_heads, d.batch), kThreads, smem_kv, stream>>>(
-      a, delta);
+  bool wide = false;
+  if constexpr (D == 64) wide = a.wide_key_tiles;
+  if (wide) {
+    if constexpr (D == 64) {
+      constexpr int smem_wide = dkdv_wide_smem_bytes<D>();
+      set_smem(attention_dkdv_wide_kernel<D>, smem_wide);
+      const int n_wide = (d.seq + kWideKeys - 1) / kWideKeys;
+      attention_dkdv_wide_kernel<D><<<dim3(n_wide, d.kv_heads, d.batch), kThreads, smem_wide, stream>>>(
+          a, delta);
+    }
+  } else {
+    constexpr int smem_kv = dkdv_smem_bytes<D>();
+    set_smem(attention_dkdv_kernel<D>, smem_kv);
+    attention_dkdv_kernel<D><<<dim3(n_tiles, d.kv_heads, d.batch), kThreads, smem_kv, stream>>>(
+        a, delta);
+  }
   FOURBIT_CUDA_CHECK_LAUNCH();
 
   constexpr int smem_q = dq_smem_bytes<D>();
