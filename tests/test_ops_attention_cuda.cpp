@@ -360,8 +360,9 @@ TEST_F(OpsAttentionCuda, ManyKeyBlocksAndGqaGroups) {
   check_case(Case{3, 777, 4, 2, 128}, 5020);
 }
 
-// The dK/dV kernel with 32 keys a warp and 128 keys a CTA (D = 64): ragged key blocks (T not a
-// multiple of 128, 32 or 16), warps whose keys all follow a query tile, GQA, strided views.
+// The wide backward kernels (D = 64): dK/dV with 32 keys a warp and 128 a CTA, dQ with 32 queries a
+// warp and 128 a CTA: ragged blocks (T not a multiple of 128, 32 or 16), warps that skip a tile
+// (all keys after all queries), GQA, strided views, large scores.
 TEST_F(OpsAttentionCuda, WideKeyTilesMatchTheReference) {
   uint64_t seed = 7000;
   for (const Case& c : {Case{2, 1, 4, 2, 64, 1.0, false, true}, Case{1, 7, 2, 2, 64, 1.0, false, true},

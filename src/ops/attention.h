@@ -46,8 +46,9 @@ struct AttentionOptions {
   // attention_decode on CUDA: scratch that lets the kernel split the cache over several CTAs
   // (flash-decoding). Null: one CTA streams the whole cache of its (b, kv head, 16 query rows).
   AttentionDecodeWorkspace* decode_workspace = nullptr;
-  // attention_backward on CUDA with D = 64: dK and dV by the kernel that gives each warp 32 keys
-  // (less shared-memory traffic per tensor-core op; attention_kernels.cu). Same tolerance and
+  // attention_backward on CUDA with D = 64: dK and dV by the kernel that gives each warp 32 keys,
+  // dQ by the one that gives each warp 32 queries (less shared-memory traffic per tensor-core op;
+  // attention_kernels.cu). Same tolerance and
   // determinism, another FP32 summation order. Off by default until it is measured (session 15
   // wrote it without a GPU); FOURBIT_ATTENTION_WIDE_DKDV=1 turns it on for every call of the
   // process (A/B runs), =0 or unset leaves this option in charge.

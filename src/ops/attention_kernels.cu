@@ -817,6 +817,120 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionB
                 a.dq_stride.t, m0 + warp * 16, T);
 }
 
+// --- backward: dQ with 32 queries a warp (D = 64; AttentionBackwardArgs::wide_key_tiles) --------
+//
+// As the wide dK/dV kernel: a CTA takes 128 queries, a warp 32 (two m-blocks sharing every K and
+// V fragment), key tiles of 64 double-buffered: 64 ldmatrix.x4 for 192 mma per warp and key tile
+// instead of 56 for 96. A warp whose queries all precede a key tile skips it.
+constexpr int kWideQueries = 128;  // queries per CTA
+
+template <int D>
+constexpr int dq_wide_smem_bytes() {
+  return (2 * TileLayout<D>::template elems<kWideQueries>() + 4 * TileLayout<D>::template elems<kTile>()) * 2;
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_dq_wide_kernel(const AttentionBackwardArgs a,
+                                                                     const float* delta) {
+  constexpr int kQElems = TileLayout<D>::template elems<kWideQueries>();
+  constexpr int kKElems = TileLayout<D>::template elems<kTile>();
+  constexpr int S = TileLayout<D>::kStride;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint16_t* q_s = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* do_s = q_s + kQElems;
+  uint16_t* k_s = do_s + kQElems;     // [2][kTile][S]
+  uint16_t* v_s = k_s + 2 * kKElems;  // [2][kTile][S]
+
+  const AttentionDims& d = a.dims;
+  const int T = d.seq;
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // the last queries see the most keys: first
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (d.heads / d.kv_heads);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = m_block * kWideQueries;
+  const int warp_q0 = m0 + warp * 16 * kWideM;
+
+  const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
+  const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
+  load_tile<D, kWideQueries>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
+  load_tile<D, kWideQueries>(do_s, a.dout + b * a.dout_stride.b + h * a.dout_stride.h,
+                             a.dout_stride.t, m0, T, tid);
+  load_tile<D, kTile>(k_s, k_base, a.k_stride.t, 0, T, tid);
+  load_tile<D, kTile>(v_s, v_base, a.v_stride.t, 0, T, tid);
+  cp_async_commit();
+
+  // This thread's rows (g and g + 8 of each of its warp's m-blocks): lse (times log2 e) and D_i.
+  float lse2[kWideM][2], dlt[kWideM][2];
+#pragma unroll
+  for (int mi = 0; mi < kWideM; ++mi)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp_q0 + mi * 16 + g + r * 8;
+      const int64_t off = ((int64_t)b * d.heads + h) * T + row;
+      lse2[mi][r] = row < T ? a.lse[off] * kLog2e : 0.0f;
+      dlt[mi][r] = row < T ? delta[off] : 0.0f;
+    }
+
+  const float sl2 = d.scale * kLog2e;
+  float dq[kWideM][D / 8][4];
+#pragma unroll
+  for (int mi = 0; mi < kWideM; ++mi)
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) dq[mi][i][0] = dq[mi][i][1] = dq[mi][i][2] = dq[mi][i][3] = 0.0f;
+
+  // Key tiles 0 .. the one holding key min(m0 + 127, T - 1).
+  const int n_tiles = (min(m0 + kWideQueries, T) - 1) / kTile + 1;
+  for (int j = 0; j < n_tiles; ++j) {
+    const int buf = j & 1;
+    if (j + 1 < n_tiles) {
+      load_tile<D, kTile>(k_s + (buf ^ 1) * kKElems, k_base, a.k_stride.t, (j + 1) * kTile, T, tid);
+      load_tile<D, kTile>(v_s + (buf ^ 1) * kKElems, v_base, a.v_stride.t, (j + 1) * kTile, T, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    // Warp-uniform: the tile's first key follows every query of this warp (P = 0): skip.
+    if (j * kTile <= warp_q0 + 16 * kWideM - 1) {
+      const uint16_t* kt = k_s + buf * kKElems;
+      const uint16_t* vt = v_s + buf * kKElems;
+      float sc[kWideM][kTile / 8][4], dp[kWideM][kTile / 8][4];
+#pragma unroll
+      for (int mi = 0; mi < kWideM; ++mi)
+#pragma unroll
+        for (int i = 0; i < kTile / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[mi][i][e] = dp[mi][i][e] = 0.0f;
+      gemm_a_tile_bt_m<D, kWideM, kTile / 8>(sc, q_s, warp * 16 * kWideM, kt, lane);   // S = Q K^T
+      gemm_a_tile_bt_m<D, kWideM, kTile / 8>(dp, do_s, warp * 16 * kWideM, vt, lane);  // dP = dO V^T
+#pragma unroll
+      for (int mi = 0; mi < kWideM; ++mi)
+#pragma unroll
+        for (int nb = 0; nb < kTile / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qi = warp_q0 + mi * 16 + g + (e >> 1) * 8;
+            const int key = j * kTile + nb * 8 + 2 * t + (e & 1);
+            const bool valid = key <= qi && qi < T;
+            const float p = valid ? exp2f(fmaf(sc[mi][nb][e], sl2, -lse2[mi][e >> 1])) : 0.0f;
+            dp[mi][nb][e] = p * (dp[mi][nb][e] - dlt[mi][e >> 1]);  // dS
+          }
+      gemm_acc_b_m<D, kWideM, kTile / 8>(dq, dp, kt, lane);  // dQ += dS K
+    }
+    __syncthreads();
+  }
+
+  // Q's rows of this warp were only read by this warp: its stage.
+#pragma unroll
+  for (int mi = 0; mi < kWideM; ++mi) {
+    const int row_l = warp * 16 * kWideM + mi * 16;
+    store_rows_16<D>(dq[mi], d.scale, q_s + row_l * S, lane,
+                     a.dq + b * a.dq_stride.b + h * a.dq_stride.h, a.dq_stride.t, m0 + row_l, T);
+  }
+}
+
 // --- decode --------------------------------------------------------------------------------------
 
 constexpr int kDecodeRows = 16;  // query rows (heads of a group x new tokens) per CTA
@@ -1129,9 +1243,19 @@ void backward_d(const AttentionBackwardArgs& a, float* delta, cudaStream_t strea
   }
   FOURBIT_CUDA_CHECK_LAUNCH();
 
-  constexpr int smem_q = dq_smem_bytes<D>();
-  set_smem(attention_dq_kernel<D>, smem_q);
-  attention_dq_kernel<D><<<dim3(n_tiles, d.heads, d.batch), kThreads, smem_q, stream>>>(a, delta);
+  if (wide) {
+    if constexpr (D == 64) {
+      constexpr int smem_wide_q = dq_wide_smem_bytes<D>();
+      set_smem(attention_dq_wide_kernel<D>, smem_wide_q);
+      const int n_wide_q = (d.seq + kWideQueries - 1) / kWideQueries;
+      attention_dq_wide_kernel<D><<<dim3(n_wide_q, d.heads, d.batch), kThreads, smem_wide_q, stream>>>(
+          a, delta);
+    }
+  } else {
+    constexpr int smem_q = dq_smem_bytes<D>();
+    set_smem(attention_dq_kernel<D>, smem_q);
+    attention_dq_kernel<D><<<dim3(n_tiles, d.heads, d.batch), kThreads, smem_q, stream>>>(a, delta);
+  }
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 

@@ -43,7 +43,8 @@ struct AttentionBackwardArgs {
   uint16_t* dq;         HeadStrides dq_stride;    // bf16 [B, T, H, D]
   uint16_t* dk;         HeadStrides dk_stride;    // bf16 [B, T, Hkv, D]
   uint16_t* dv;         HeadStrides dv_stride;    // bf16 [B, T, Hkv, D]
-  // D = 64: dK and dV by the kernel with 32 keys a warp (attention_kernels.cu); ignored for D = 128.
+  // D = 64: dK/dV and dQ by the kernels with 32 keys / 32 queries a warp (attention_kernels.cu);
+  // ignored for D = 128.
   bool wide_key_tiles = false;
 };
 
