@@ -49,7 +49,7 @@ struct Case {
   int64_t B, T, H, Hkv, D;
   double input_scale = 1.0;
   bool fused = false;  // q, k, v (and dq, dk, dv) as strided slices of one fused buffer
-  bool wide = false;   // AttentionOptions::wide_key_tiles (D = 64: 32 keys a warp in dK/dV)
+  bool wide = false;   // AttentionOptions::wide_tiles (D = 64: 32 rows a warp, forward and backward)
 };
 
 std::string describe(const Case& c) {
@@ -252,7 +252,9 @@ void check_case(const Case& c, uint64_t seed) {
     write_heads(in, in.v, v);
     Guarded out = Guarded::make({c.B, c.T, c.H, c.D}, DType::kBF16, poison);
     Guarded lse = Guarded::make({c.B, c.H, c.T}, DType::kF32, poison);
-    attention_forward(in.q, in.k, in.v, out.view, lse.view);
+    AttentionOptions fwd_options;
+    fwd_options.wide_tiles = c.wide;
+    attention_forward(in.q, in.k, in.v, out.view, lse.view, fwd_options);
     device_synchronize();
     ASSERT_EQ(out.damaged_guard_bytes(), 0) << "out: write outside the tensor";
     ASSERT_EQ(lse.damaged_guard_bytes(), 0) << "lse: write outside the tensor";
@@ -299,7 +301,7 @@ void check_case(const Case& c, uint64_t seed) {
     const Tensor out_d = host_tensor({c.B, c.T, c.H, c.D}, DType::kBF16, out_gpu).to(Device::kCuda);
     const Tensor lse_d = lse32.to(Device::kCuda);
     AttentionOptions options;
-    options.wide_key_tiles = c.wide;
+    options.wide_tiles = c.wide;
     attention_backward(dout_d, in.q, in.k, in.v, out_d, lse_d, grad.q, grad.k, grad.v, options);
     device_synchronize();
     if (c.fused) {
@@ -360,10 +362,10 @@ TEST_F(OpsAttentionCuda, ManyKeyBlocksAndGqaGroups) {
   check_case(Case{3, 777, 4, 2, 128}, 5020);
 }
 
-// The wide backward kernels (D = 64): dK/dV with 32 keys a warp and 128 a CTA, dQ with 32 queries a
-// warp and 128 a CTA: ragged blocks (T not a multiple of 128, 32 or 16), warps that skip a tile
+// The wide kernels (D = 64): the forward and dQ with 32 queries a warp and 128 a CTA, dK/dV with 32
+// keys a warp and 128 a CTA: ragged blocks (T not a multiple of 128, 32 or 16), warps that skip a tile
 // (all keys after all queries), GQA, strided views, large scores.
-TEST_F(OpsAttentionCuda, WideKeyTilesMatchTheReference) {
+TEST_F(OpsAttentionCuda, WideTilesMatchTheReference) {
   uint64_t seed = 7000;
   for (const Case& c : {Case{2, 1, 4, 2, 64, 1.0, false, true}, Case{1, 7, 2, 2, 64, 1.0, false, true},
                         Case{2, 65, 4, 1, 64, 1.0, false, true}, Case{1, 128, 2, 2, 64, 1.0, false, true},

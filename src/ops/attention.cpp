@@ -271,11 +271,11 @@ void check_cuda_heads(std::string_view op,
   }
 }
 
-// FOURBIT_ATTENTION_WIDE_DKDV=1: every CUDA backward with D = 64 takes the 32-keys-a-warp dK/dV
-// kernel (AttentionOptions::wide_key_tiles), for A/B runs; read once per process.
-[[maybe_unused]] bool wide_key_tiles_forced() {
+// FOURBIT_ATTENTION_WIDE=1: every CUDA forward and backward with D = 64 takes the wide kernels
+// (AttentionOptions::wide_tiles), for A/B runs; read once per process.
+[[maybe_unused]] bool wide_tiles_forced() {
   static const bool forced = [] {
-    const char* v = std::getenv("FOURBIT_ATTENTION_WIDE_DKDV");
+    const char* v = std::getenv("FOURBIT_ATTENTION_WIDE");
     return v != nullptr && std::string_view(v) == "1";
   }();
   return forced;
@@ -318,6 +318,7 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   a.out = bf16_out(out);
   a.out_stride = head_strides(out);
   a.lse = lse.ptr<float>();
+  a.wide_tiles = options.wide_tiles || wide_tiles_forced();
   kernels::launch_attention_forward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;
@@ -377,7 +378,7 @@ void attention_backward(const TensorView& dout, const TensorView& q, const Tenso
   a.dk_stride = head_strides(dk);
   a.dv = bf16_out(dv);
   a.dv_stride = head_strides(dv);
-  a.wide_key_tiles = options.wide_key_tiles || wide_key_tiles_forced();
+  a.wide_tiles = options.wide_tiles || wide_tiles_forced();
   kernels::launch_attention_backward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;

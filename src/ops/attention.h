@@ -46,13 +46,13 @@ struct AttentionOptions {
   // attention_decode on CUDA: scratch that lets the kernel split the cache over several CTAs
   // (flash-decoding). Null: one CTA streams the whole cache of its (b, kv head, 16 query rows).
   AttentionDecodeWorkspace* decode_workspace = nullptr;
-  // attention_backward on CUDA with D = 64: dK and dV by the kernel that gives each warp 32 keys,
-  // dQ by the one that gives each warp 32 queries (less shared-memory traffic per tensor-core op;
-  // attention_kernels.cu). Same tolerance and
-  // determinism, another FP32 summation order. Off by default until it is measured (session 15
-  // wrote it without a GPU); FOURBIT_ATTENTION_WIDE_DKDV=1 turns it on for every call of the
-  // process (A/B runs), =0 or unset leaves this option in charge.
-  bool wide_key_tiles = false;
+  // CUDA with D = 64: the "wide" kernels, which give each warp 32 rows instead of 16 (less
+  // shared-memory traffic per tensor-core op; attention_kernels.cu): the forward with 32 queries a
+  // warp, the backward's dK/dV with 32 keys and dQ with 32 queries a warp. Same tolerances and
+  // determinism, another FP32 summation order in the backward. Off by default until measured
+  // (session 15 wrote them without a GPU); FOURBIT_ATTENTION_WIDE=1 turns them on for every call
+  // of the process (A/B runs), =0 or unset leaves this option in charge. Ignored for D = 128.
+  bool wide_tiles = false;
 };
 
 // Scratch of the split-cache decode kernel, made once by the owner of a KV cache (never inside a

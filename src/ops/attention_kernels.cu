@@ -532,7 +532,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
                 a.dv_stride.t, n0 + warp * 16, T);
 }
 
-// --- backward: dK, dV with 32 keys a warp (D = 64; AttentionBackwardArgs::wide_key_tiles) -------
+// --- backward: dK, dV with 32 keys a warp (D = 64; AttentionBackwardArgs::wide_tiles) -------
 //
 // The kernel above gives each warp 16 keys against a 64-query tile, so each of the 4 warps reads
 // the whole Q and dO tiles as B operands twice per iteration: 72 ldmatrix.x4 for 128 mma per warp
@@ -817,7 +817,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionB
                 a.dq_stride.t, m0 + warp * 16, T);
 }
 
-// --- backward: dQ with 32 queries a warp (D = 64; AttentionBackwardArgs::wide_key_tiles) --------
+// --- backward: dQ with 32 queries a warp (D = 64; AttentionBackwardArgs::wide_tiles) --------
 //
 // As the wide dK/dV kernel: a CTA takes 128 queries, a warp 32 (two m-blocks sharing every K and
 // V fragment), key tiles of 64 double-buffered: 64 ldmatrix.x4 for 192 mma per warp and key tile
@@ -928,6 +928,155 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wide_kernel(const Atten
     const int row_l = warp * 16 * kWideM + mi * 16;
     store_rows_16<D>(dq[mi], d.scale, q_s + row_l * S, lane,
                      a.dq + b * a.dq_stride.b + h * a.dq_stride.h, a.dq_stride.t, m0 + row_l, T);
+  }
+}
+
+// --- forward with 32 queries a warp (D = 64; AttentionForwardArgs::wide_tiles) ------------------
+//
+// The forward above gives a warp 16 queries: per 64-key tile it reads the K and V tiles whole
+// (32 ldmatrix.x4) for 64 mma. Here a CTA takes 128 queries and a warp 32 (two m-blocks sharing
+// every K and V fragment): 32 ldmatrix for 128 mma (Q is re-read from shared memory per tile
+// instead of kept in registers: 232 registers as it is). The online softmax runs per m-block with
+// the same operations in the same order per row, over the same 64-key tiles (a warp's 32 rows lie
+// in one 64-row block of the narrow kernel and visit the same tiles), so the output should be the
+// narrow kernel's bit for bit; the test holds both to the same tolerance.
+template <int D>
+constexpr int forward_wide_smem_bytes() {
+  return (TileLayout<D>::template elems<kWideQueries>() + 4 * TileLayout<D>::template elems<kTile>()) * 2;
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_forward_wide_kernel(const AttentionForwardArgs a) {
+  constexpr int kQElems = TileLayout<D>::template elems<kWideQueries>();
+  constexpr int kKElems = TileLayout<D>::template elems<kTile>();
+  constexpr int S = TileLayout<D>::kStride;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint16_t* q_s = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* k_s = q_s + kQElems;      // [2][kTile][S]
+  uint16_t* v_s = k_s + 2 * kKElems;  // [2][kTile][S]
+
+  const AttentionDims& d = a.dims;
+  const int T = d.seq;
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (d.heads / d.kv_heads);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = m_block * kWideQueries;
+  const int warp_q0 = m0 + warp * 16 * kWideM;
+
+  const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
+  const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
+  load_tile<D, kWideQueries>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
+  load_tile<D, kTile>(k_s, k_base, a.k_stride.t, 0, T, tid);
+  load_tile<D, kTile>(v_s, v_base, a.v_stride.t, 0, T, tid);
+  cp_async_commit();
+
+  const float sl2 = d.scale * kLog2e;
+  float o[kWideM][D / 8][4];
+#pragma unroll
+  for (int mi = 0; mi < kWideM; ++mi)
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[mi][i][0] = o[mi][i][1] = o[mi][i][2] = o[mi][i][3] = 0.0f;
+  float row_max[kWideM][2], row_sum[kWideM][2];
+#pragma unroll
+  for (int mi = 0; mi < kWideM; ++mi) {
+    row_max[mi][0] = row_max[mi][1] = -INFINITY;
+    row_sum[mi][0] = row_sum[mi][1] = 0.0f;
+  }
+
+  const int n_tiles = (min(m0 + kWideQueries, T) - 1) / kTile + 1;
+  for (int j = 0; j < n_tiles; ++j) {
+    const int buf = j & 1;
+    if (j + 1 < n_tiles) {
+      load_tile<D, kTile>(k_s + (buf ^ 1) * kKElems, k_base, a.k_stride.t, (j + 1) * kTile, T, tid);
+      load_tile<D, kTile>(v_s + (buf ^ 1) * kKElems, v_base, a.v_stride.t, (j + 1) * kTile, T, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    // Warp-uniform: every key of the tile follows every query of this warp: nothing to add.
+    if (j * kTile <= warp_q0 + 16 * kWideM - 1) {
+      const uint16_t* kt = k_s + buf * kKElems;
+      const uint16_t* vt = v_s + buf * kKElems;
+      float sc[kWideM][kTile / 8][4];
+#pragma unroll
+      for (int mi = 0; mi < kWideM; ++mi)
+#pragma unroll
+        for (int i = 0; i < kTile / 8; ++i) sc[mi][i][0] = sc[mi][i][1] = sc[mi][i][2] = sc[mi][i][3] = 0.0f;
+      gemm_a_tile_bt_m<D, kWideM, kTile / 8>(sc, q_s, warp * 16 * kWideM, kt, lane);  // S = Q K^T
+      if (j * kTile + kTile - 1 > warp_q0) {  // a tile on or past the diagonal: key > query masked
+#pragma unroll
+        for (int mi = 0; mi < kWideM; ++mi)
+#pragma unroll
+          for (int nb = 0; nb < kTile / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int qi = warp_q0 + mi * 16 + g + (e >> 1) * 8;
+              const int key = j * kTile + nb * 8 + 2 * t + (e & 1);
+              if (key > qi) sc[mi][nb][e] = -INFINITY;
+            }
+      }
+      // Online softmax per m-block, rows g (r = 0) and g + 8 (r = 1), as the narrow kernel.
+#pragma unroll
+      for (int mi = 0; mi < kWideM; ++mi)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = row_max[mi][r];
+#pragma unroll
+          for (int nb = 0; nb < kTile / 8; ++nb)
+            mx = fmaxf(mx, fmaxf(sc[mi][nb][2 * r], sc[mi][nb][2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_scaled = mx == -INFINITY ? 0.0f : mx * sl2;
+          const float alpha = exp2f(row_max[mi][r] * sl2 - m_scaled);
+          row_max[mi][r] = mx;
+          float sum = 0.0f;
+#pragma unroll
+          for (int nb = 0; nb < kTile / 8; ++nb) {
+            sc[mi][nb][2 * r] = exp2f(fmaf(sc[mi][nb][2 * r], sl2, -m_scaled));
+            sc[mi][nb][2 * r + 1] = exp2f(fmaf(sc[mi][nb][2 * r + 1], sl2, -m_scaled));
+            sum += sc[mi][nb][2 * r] + sc[mi][nb][2 * r + 1];
+          }
+          row_sum[mi][r] = row_sum[mi][r] * alpha + sum;
+#pragma unroll
+          for (int nd = 0; nd < D / 8; ++nd) {
+            o[mi][nd][2 * r] *= alpha;
+            o[mi][nd][2 * r + 1] *= alpha;
+          }
+        }
+      gemm_acc_b_m<D, kWideM, kTile / 8>(o, sc, vt, lane);  // O += P V
+    }
+    __syncthreads();  // before this buffer is refilled
+  }
+
+#pragma unroll
+  for (int mi = 0; mi < kWideM; ++mi) {
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[mi][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      inv[r] = 1.0f / l;
+      const int row = warp_q0 + mi * 16 + g + r * 8;
+      if (t == 0 && row < T) {
+        a.lse[((int64_t)b * d.heads + h) * T + row] = (row_max[mi][r] * sl2 + log2f(l)) * kLn2;
+      }
+    }
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) {
+      o[mi][nd][0] *= inv[0];
+      o[mi][nd][1] *= inv[0];
+      o[mi][nd][2] *= inv[1];
+      o[mi][nd][3] *= inv[1];
+    }
+    // Q's rows of this warp were only read by this warp: its stage.
+    const int row_l = warp * 16 * kWideM + mi * 16;
+    store_rows_16<D>(o[mi], 1.0f, q_s + row_l * S, lane, a.out + b * a.out_stride.b + h * a.out_stride.h,
+                     a.out_stride.t, m0 + row_l, T);
   }
 }
 
@@ -1209,6 +1358,16 @@ void set_smem(Kernel kernel, int bytes) {
 
 template <int D>
 void forward_d(const AttentionForwardArgs& a, cudaStream_t stream) {
+  if constexpr (D == 64) {
+    if (a.wide_tiles) {
+      const dim3 grid((a.dims.seq + kWideQueries - 1) / kWideQueries, a.dims.heads, a.dims.batch);
+      constexpr int smem = forward_wide_smem_bytes<D>();
+      set_smem(attention_forward_wide_kernel<D>, smem);
+      attention_forward_wide_kernel<D><<<grid, kThreads, smem, stream>>>(a);
+      FOURBIT_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
   const dim3 grid((a.dims.seq + kTile - 1) / kTile, a.dims.heads, a.dims.batch);
   constexpr int smem = forward_smem_bytes<D>();
   set_smem(attention_forward_kernel<D>, smem);
@@ -1226,7 +1385,7 @@ void backward_d(const AttentionBackwardArgs& a, float* delta, cudaStream_t strea
 
   const int n_tiles = (d.seq + kTile - 1) / kTile;
   bool wide = false;
-  if constexpr (D == 64) wide = a.wide_key_tiles;
+  if constexpr (D == 64) wide = a.wide_tiles;
   if (wide) {
     if constexpr (D == 64) {
       constexpr int smem_wide = dkdv_wide_smem_bytes<D>();

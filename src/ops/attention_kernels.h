@@ -30,6 +30,8 @@ struct AttentionForwardArgs {
   const uint16_t* v;  HeadStrides v_stride;    // bf16 [B, T, Hkv, D]
   uint16_t* out;      HeadStrides out_stride;  // bf16 [B, T, H, D]
   float* lse;                                  // f32 [B, H, T], contiguous
+  // D = 64: the kernel with 32 queries a warp (attention_kernels.cu); ignored for D = 128.
+  bool wide_tiles = false;
 };
 
 struct AttentionBackwardArgs {
@@ -45,7 +47,7 @@ struct AttentionBackwardArgs {
   uint16_t* dv;         HeadStrides dv_stride;    // bf16 [B, T, Hkv, D]
   // D = 64: dK/dV and dQ by the kernels with 32 keys / 32 queries a warp (attention_kernels.cu);
   // ignored for D = 128.
-  bool wide_key_tiles = false;
+  bool wide_tiles = false;
 };
 
 struct AttentionDecodeArgs {
