@@ -134,6 +134,8 @@ std::string train_bench_table(const std::vector<TrainBenchRow>& rows) {
   }
   out += "arena: the activation arena; saved X: the quantized Wgrad inputs a forward keeps (GiB); "
          "mem: peak over bf16's\n";
+  out += "loss: the last timed step's, on one fixed random batch; the model carries its weights from "
+         "recipe to recipe (in the order listed), so it is not a quality comparison\n";
   out += "MFU: model FLOPs (6 N_active + 6 L T d) per second over 989 TFLOP/s, the dense BF16 peak "
          "of an H100 or H200 SXM (rescale for other GPUs)\n";
   return out;
