@@ -240,6 +240,109 @@ __device__ __forceinline__ void store_rows_16(const float (&acc)[D / 8][4], floa
   }
 }
 
+// --- pieces shared by the narrow (16 rows a warp) and wide (32 rows a warp) kernels -------------
+
+// Online-softmax step for one warp's 16-row block and a 64-key tile: rows g (r = 0) and g + 8
+// (r = 1), a row's 64 scores in the 4 threads of a quad. s becomes P (unnormalized, FP32), o is
+// rescaled; row_sum holds this thread's columns only (reduced in finish_softmax_rows).
+template <int D>
+__device__ __forceinline__ void online_softmax_step(float (&s)[kTile / 8][4], float (&o)[D / 8][4],
+                                                    float (&row_max)[2], float (&row_sum)[2],
+                                                    float sl2) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = row_max[r];
+#pragma unroll
+    for (int nb = 0; nb < kTile / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_scaled = mx == -INFINITY ? 0.0f : mx * sl2;
+    const float alpha = exp2f(row_max[r] * sl2 - m_scaled);
+    row_max[r] = mx;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nb = 0; nb < kTile / 8; ++nb) {
+      s[nb][2 * r] = exp2f(fmaf(s[nb][2 * r], sl2, -m_scaled));
+      s[nb][2 * r + 1] = exp2f(fmaf(s[nb][2 * r + 1], sl2, -m_scaled));
+      sum += s[nb][2 * r] + s[nb][2 * r + 1];
+    }
+    row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) {
+      o[nd][2 * r] *= alpha;
+      o[nd][2 * r + 1] *= alpha;
+    }
+  }
+}
+
+// The end of the forward for one warp's 16-row block starting at query row0: lse of rows < T
+// (lse_row: the [T] row of lse for this (b, h)), o divided by the row sums.
+template <int D>
+__device__ __forceinline__ void finish_softmax_rows(float (&o)[D / 8][4], const float (&row_max)[2],
+                                                    const float (&row_sum)[2], float sl2, float* lse_row,
+                                                    int row0, int T, int g, int t) {
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[r] = 1.0f / l;
+    const int row = row0 + g + r * 8;
+    if (t == 0 && row < T) lse_row[row] = (row_max[r] * sl2 + log2f(l)) * kLn2;
+  }
+#pragma unroll
+  for (int nd = 0; nd < D / 8; ++nd) {
+    o[nd][0] *= inv[0];
+    o[nd][1] *= inv[0];
+    o[nd][2] *= inv[1];
+    o[nd][3] *= inv[1];
+  }
+}
+
+// dK/dV kernels: asynchronously loads query rows [q0, q0 + kQ) of head h (Q and dO tiles, lse and
+// D_i; rows at or beyond T zero-filled) and commits them as one cp.async group.
+template <int D, int kQ>
+__device__ __forceinline__ void load_query_tile(uint16_t* q_dst, uint16_t* do_dst, float* lse_dst,
+                                                float* delta_dst, const AttentionBackwardArgs& a,
+                                                const float* delta, int b, int h, int q0, int tid) {
+  const int T = a.dims.seq, H = a.dims.heads;
+  load_tile<D, kQ>(q_dst, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, q0, T, tid);
+  load_tile<D, kQ>(do_dst, a.dout + b * a.dout_stride.b + h * a.dout_stride.h, a.dout_stride.t, q0, T,
+                   tid);
+  if (tid < 2 * kQ) {
+    const int r = tid % kQ;
+    const bool valid = q0 + r < T;
+    const int64_t off = ((int64_t)b * H + h) * T + (valid ? q0 + r : 0);
+    if (tid < kQ) {
+      cp_async_4(smem_u32(lse_dst + r), a.lse + off, valid);
+    } else {
+      cp_async_4(smem_u32(delta_dst + r), delta + off, valid);
+    }
+  }
+  cp_async_commit();
+}
+
+// Forward and dQ kernels: the key/value tile pipeline. Before key tile j is used (buffer j & 1 of
+// k_s / v_s, kTile rows each), tile j + 1 is issued into the other buffer, tile j is waited for,
+// and the CTA synchronizes.
+template <int D>
+__device__ __forceinline__ void advance_kv_tiles(uint16_t* k_s, uint16_t* v_s, const uint16_t* k_base,
+                                                 const uint16_t* v_base, int64_t k_stride,
+                                                 int64_t v_stride, int j, int n_tiles, int T, int tid) {
+  constexpr int kElems = TileLayout<D>::template elems<kTile>();
+  const int buf = j & 1;
+  if (j + 1 < n_tiles) {
+    load_tile<D, kTile>(k_s + (buf ^ 1) * kElems, k_base, k_stride, (j + 1) * kTile, T, tid);
+    load_tile<D, kTile>(v_s + (buf ^ 1) * kElems, v_base, v_stride, (j + 1) * kTile, T, tid);
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
 // --- forward -------------------------------------------------------------------------------------
 
 template <int D>
@@ -284,17 +387,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const Atten
   const int n_tiles = m_block + 1;  // causal: key tiles 0..m_block (kTile queries == kTile keys)
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
-    if (j + 1 < n_tiles) {
-      load_tile<D, kTile>(k_s + (buf ^ 1) * kTileElems, k_base, a.k_stride.t, (j + 1) * kTile, T,
-                          tid);
-      load_tile<D, kTile>(v_s + (buf ^ 1) * kTileElems, v_base, a.v_stride.t, (j + 1) * kTile, T,
-                          tid);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
     if (j == 0) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) load_a<D>(qf[kk], q_s, warp * 16, kk * 16, lane);
@@ -325,55 +418,13 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const Atten
           if (col > row) s[nb][e] = -INFINITY;
         }
     }
-    // Online softmax, rows g (r = 0) and g + 8 (r = 1); a row's 64 values live in the 4 threads of
-    // a quad.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
-#pragma unroll
-      for (int nb = 0; nb < kTile / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_scaled = mx == -INFINITY ? 0.0f : mx * sl2;
-      const float alpha = exp2f(row_max[r] * sl2 - m_scaled);
-      row_max[r] = mx;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nb = 0; nb < kTile / 8; ++nb) {
-        s[nb][2 * r] = exp2f(fmaf(s[nb][2 * r], sl2, -m_scaled));
-        s[nb][2 * r + 1] = exp2f(fmaf(s[nb][2 * r + 1], sl2, -m_scaled));
-        sum += s[nb][2 * r] + s[nb][2 * r + 1];
-      }
-      row_sum[r] = row_sum[r] * alpha + sum;
-#pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd) {
-        o[nd][2 * r] *= alpha;
-        o[nd][2 * r + 1] *= alpha;
-      }
-    }
+    online_softmax_step<D>(s, o, row_max, row_sum, sl2);
     gemm_acc_b<D, kTile / 8>(o, s, vt, lane);  // O += P V
     __syncthreads();                           // before this buffer is refilled
   }
 
-  float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = row_sum[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[r] = 1.0f / l;
-    const int row = m0 + warp * 16 + g + r * 8;
-    if (t == 0 && row < T) {
-      a.lse[((int64_t)b * d.heads + h) * T + row] = (row_max[r] * sl2 + log2f(l)) * kLn2;
-    }
-  }
-#pragma unroll
-  for (int nd = 0; nd < D / 8; ++nd) {
-    o[nd][0] *= inv[0];
-    o[nd][1] *= inv[0];
-    o[nd][2] *= inv[1];
-    o[nd][3] *= inv[1];
-  }
+  finish_softmax_rows<D>(o, row_max, row_sum, sl2, a.lse + ((int64_t)b * d.heads + h) * T,
+                         m0 + warp * 16, T, g, t);
   // Q's tile rows of this warp were only read by this warp (into qf): reuse them as the stage.
   store_rows<D>(o, 1.0f, q_s, warp, lane, a.out + b * a.out_stride.b + h * a.out_stride.h,
                 a.out_stride.t, m0 + warp * 16, T);
@@ -438,7 +489,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
   float* delta_s = lse_s + 2 * kQ;                               // [2][kQ]
 
   const AttentionDims& d = a.dims;
-  const int T = d.seq, H = d.heads;
+  const int T = d.seq;
   const int group = d.heads / d.kv_heads;
   const int n_block = blockIdx.x;  // the first key blocks see the most queries: launched first
   const int hk = blockIdx.y, b = blockIdx.z;
@@ -456,23 +507,9 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
   const int total = group * per_head;
 
   auto issue = [&](int it, int buf) {
-    const int h = hk * group + it / per_head;
-    const int q0 = (i_begin + it % per_head) * kQ;
-    load_tile<D, kQ>(q_s + buf * kQElems, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t,
-                     q0, T, tid);
-    load_tile<D, kQ>(do_s + buf * kQElems, a.dout + b * a.dout_stride.b + h * a.dout_stride.h,
-                     a.dout_stride.t, q0, T, tid);
-    if (tid < 2 * kQ) {
-      const int r = tid % kQ;
-      const bool valid = q0 + r < T;
-      const int64_t off = ((int64_t)b * H + h) * T + (valid ? q0 + r : 0);
-      if (tid < kQ) {
-        cp_async_4(smem_u32(lse_s + buf * kQ + r), a.lse + off, valid);
-      } else {
-        cp_async_4(smem_u32(delta_s + buf * kQ + r), delta + off, valid);
-      }
-    }
-    cp_async_commit();
+    load_query_tile<D, kQ>(q_s + buf * kQElems, do_s + buf * kQElems, lse_s + buf * kQ,
+                           delta_s + buf * kQ, a, delta, b, hk * group + it / per_head,
+                           (i_begin + it % per_head) * kQ, tid);
   };
   issue(0, 0);
 
@@ -618,7 +655,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wide_kernel(const Att
   float* delta_s = lse_s + 2 * kQ;                               // [2][kQ]
 
   const AttentionDims& d = a.dims;
-  const int T = d.seq, H = d.heads;
+  const int T = d.seq;
   const int group = d.heads / d.kv_heads;
   const int n_block = blockIdx.x;  // the first key blocks see the most queries: launched first
   const int hk = blockIdx.y, b = blockIdx.z;
@@ -637,23 +674,9 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wide_kernel(const Att
   const int total = group * per_head;
 
   auto issue = [&](int it, int buf) {
-    const int h = hk * group + it / per_head;
-    const int q0 = (i_begin + it % per_head) * kQ;
-    load_tile<D, kQ>(q_s + buf * kQElems, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t,
-                     q0, T, tid);
-    load_tile<D, kQ>(do_s + buf * kQElems, a.dout + b * a.dout_stride.b + h * a.dout_stride.h,
-                     a.dout_stride.t, q0, T, tid);
-    if (tid < 2 * kQ) {
-      const int r = tid % kQ;
-      const bool valid = q0 + r < T;
-      const int64_t off = ((int64_t)b * H + h) * T + (valid ? q0 + r : 0);
-      if (tid < kQ) {
-        cp_async_4(smem_u32(lse_s + buf * kQ + r), a.lse + off, valid);
-      } else {
-        cp_async_4(smem_u32(delta_s + buf * kQ + r), delta + off, valid);
-      }
-    }
-    cp_async_commit();
+    load_query_tile<D, kQ>(q_s + buf * kQElems, do_s + buf * kQElems, lse_s + buf * kQ,
+                           delta_s + buf * kQ, a, delta, b, hk * group + it / per_head,
+                           (i_begin + it % per_head) * kQ, tid);
   };
   issue(0, 0);
 
@@ -777,17 +800,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionB
   const int n_tiles = m_block + 1;
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
-    if (j + 1 < n_tiles) {
-      load_tile<D, kTile>(k_s + (buf ^ 1) * kTileElems, k_base, a.k_stride.t, (j + 1) * kTile, T,
-                          tid);
-      load_tile<D, kTile>(v_s + (buf ^ 1) * kTileElems, v_base, a.v_stride.t, (j + 1) * kTile, T,
-                          tid);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
     const uint16_t* kt = k_s + buf * kTileElems;
     const uint16_t* vt = v_s + buf * kTileElems;
 
@@ -883,15 +896,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wide_kernel(const Atten
   const int n_tiles = (min(m0 + kWideQueries, T) - 1) / kTile + 1;
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
-    if (j + 1 < n_tiles) {
-      load_tile<D, kTile>(k_s + (buf ^ 1) * kKElems, k_base, a.k_stride.t, (j + 1) * kTile, T, tid);
-      load_tile<D, kTile>(v_s + (buf ^ 1) * kKElems, v_base, a.v_stride.t, (j + 1) * kTile, T, tid);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
     // Warp-uniform: the tile's first key follows every query of this warp (P = 0): skip.
     if (j * kTile <= warp_q0 + 16 * kWideM - 1) {
       const uint16_t* kt = k_s + buf * kKElems;
@@ -988,15 +993,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wide_kernel(const 
   const int n_tiles = (min(m0 + kWideQueries, T) - 1) / kTile + 1;
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
-    if (j + 1 < n_tiles) {
-      load_tile<D, kTile>(k_s + (buf ^ 1) * kKElems, k_base, a.k_stride.t, (j + 1) * kTile, T, tid);
-      load_tile<D, kTile>(v_s + (buf ^ 1) * kKElems, v_base, a.v_stride.t, (j + 1) * kTile, T, tid);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
     // Warp-uniform: every key of the tile follows every query of this warp: nothing to add.
     if (j * kTile <= warp_q0 + 16 * kWideM - 1) {
       const uint16_t* kt = k_s + buf * kKElems;
@@ -1019,34 +1016,9 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wide_kernel(const 
               if (key > qi) sc[mi][nb][e] = -INFINITY;
             }
       }
-      // Online softmax per m-block, rows g (r = 0) and g + 8 (r = 1), as the narrow kernel.
 #pragma unroll
       for (int mi = 0; mi < kWideM; ++mi)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = row_max[mi][r];
-#pragma unroll
-          for (int nb = 0; nb < kTile / 8; ++nb)
-            mx = fmaxf(mx, fmaxf(sc[mi][nb][2 * r], sc[mi][nb][2 * r + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_scaled = mx == -INFINITY ? 0.0f : mx * sl2;
-          const float alpha = exp2f(row_max[mi][r] * sl2 - m_scaled);
-          row_max[mi][r] = mx;
-          float sum = 0.0f;
-#pragma unroll
-          for (int nb = 0; nb < kTile / 8; ++nb) {
-            sc[mi][nb][2 * r] = exp2f(fmaf(sc[mi][nb][2 * r], sl2, -m_scaled));
-            sc[mi][nb][2 * r + 1] = exp2f(fmaf(sc[mi][nb][2 * r + 1], sl2, -m_scaled));
-            sum += sc[mi][nb][2 * r] + sc[mi][nb][2 * r + 1];
-          }
-          row_sum[mi][r] = row_sum[mi][r] * alpha + sum;
-#pragma unroll
-          for (int nd = 0; nd < D / 8; ++nd) {
-            o[mi][nd][2 * r] *= alpha;
-            o[mi][nd][2 * r + 1] *= alpha;
-          }
-        }
+        online_softmax_step<D>(sc[mi], o[mi], row_max[mi], row_sum[mi], sl2);
       gemm_acc_b_m<D, kWideM, kTile / 8>(o, sc, vt, lane);  // O += P V
     }
     __syncthreads();  // before this buffer is refilled
@@ -1054,25 +1026,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wide_kernel(const 
 
 #pragma unroll
   for (int mi = 0; mi < kWideM; ++mi) {
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float l = row_sum[mi][r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      inv[r] = 1.0f / l;
-      const int row = warp_q0 + mi * 16 + g + r * 8;
-      if (t == 0 && row < T) {
-        a.lse[((int64_t)b * d.heads + h) * T + row] = (row_max[mi][r] * sl2 + log2f(l)) * kLn2;
-      }
-    }
-#pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd) {
-      o[mi][nd][0] *= inv[0];
-      o[mi][nd][1] *= inv[0];
-      o[mi][nd][2] *= inv[1];
-      o[mi][nd][3] *= inv[1];
-    }
+    finish_softmax_rows<D>(o[mi], row_max[mi], row_sum[mi], sl2, a.lse + ((int64_t)b * d.heads + h) * T,
+                           warp_q0 + mi * 16, T, g, t);
     // Q's rows of this warp were only read by this warp: its stage.
     const int row_l = warp * 16 * kWideM + mi * 16;
     store_rows_16<D>(o[mi], 1.0f, q_s + row_l * S, lane, a.out + b * a.out_stride.b + h * a.out_stride.h,
