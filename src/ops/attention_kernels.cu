@@ -4,14 +4,16 @@
 //
 // Tensor-core path (mma.sync.m16n8k16 BF16 x BF16 -> FP32, operands fed by ldmatrix from
 // shared-memory tiles whose rows are padded by 16 bytes, which makes every ldmatrix phase hit 8
-// distinct 16-byte bank groups). A CTA is 4 warps; each warp owns 16 rows of the CTA's tile, so
-// no cross-warp reduction is ever needed:
-//   forward     CTA = 64 queries of one (b, h). Q's fragments stay in registers; key/value tiles
+// distinct 16-byte bank groups). A CTA is 4 warps; each warp owns kM m-blocks of 16 rows of the
+// CTA's tile, so no cross-warp reduction is ever needed. Every kernel is one template over kM:
+// kM = 1 by default (the CTA sizes below), kM = 2 ("wide", D = 64 only, AttentionOptions::wide_tiles:
+// CTAs of 128 rows, each B fragment read from shared memory serves two m-blocks; not yet measured).
+//   forward     CTA = 64 queries of one (b, h). Q's fragments stay in registers (kM = 1); key/value tiles
 //               of 64 rows stream through a 2-stage cp.async pipeline; S = Q K^T and the online
 //               softmax (running max and sum, FP32, exp2 with log2(e) folded into the scale) stay
 //               in registers; P is rounded to bf16 and reused directly as the A operand of P V
 //               (the accumulator layout of two adjacent 8-column blocks is the A-fragment layout).
-//               Only the causal diagonal tile is masked. The T x T scores never reach memory.
+//               Only tiles on the causal diagonal are masked. The T x T scores never reach memory.
 //   backward    three kernels, no atomics (deterministic):
 //               1. delta: D_i = rowsum(dout * out) in FP32 into a [B, H, T] scratch;
 //               2. dk/dv: CTA = 64 keys of one (b, kv head); it loops over the query heads of
@@ -159,64 +161,74 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const uint16_t* tile
   ldsm_x4_trans(b, smem_u32(tile + r * TileLayout<D>::kStride + c));
 }
 
-// acc[16 x 8 n_blocks] += A (16 x D, row-major tile rows m0..) . B^T, B an n-major tile (rows n).
-template <int D, int kNBlocks>
-__device__ __forceinline__ void gemm_a_tile_bt(float (&acc)[kNBlocks][4], const uint16_t* a_tile,
+// A warp owns kM m-blocks of 16 rows: kM = 1 in the default ("narrow") kernels, kM = 2 in the
+// "wide" ones (D = 64, AttentionOptions::wide_tiles). Every B fragment read from shared memory
+// serves the warp's kM m-blocks, so kM = 2 halves the shared-memory traffic per mma (the kernels
+// are bound by ldmatrix, bench/notes-train.md, session 15) for more registers.
+constexpr int kWideM = 2;
+template <int kM>
+constexpr int rows_per_cta() {  // queries (forward, dq) or keys (dk/dv) of a CTA: 64 or 128
+  return kWarps * 16 * kM;
+}
+
+// acc[m][16 x 8 kNBlocks] += A (rows m0 + 16 m.., D; a row-major tile) . B^T, B an n-major tile
+// (rows n).
+template <int D, int kM, int kNBlocks>
+__device__ __forceinline__ void gemm_a_tile_bt(float (&acc)[kM][kNBlocks][4], const uint16_t* a_tile,
                                                int m0, const uint16_t* b_tile, int lane) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    uint32_t a[4];
-    load_a<D>(a, a_tile, m0, kk * 16, lane);
+    uint32_t a[kM][4];
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi) load_a<D>(a[mi], a_tile, m0 + 16 * mi, kk * 16, lane);
 #pragma unroll
     for (int nb = 0; nb < kNBlocks / 2; ++nb) {
       uint32_t b[4];
       load_b_nk<D>(b, b_tile, nb * 16, kk * 16, lane);
-      mma_bf16(acc[2 * nb], a, b[0], b[1]);
-      mma_bf16(acc[2 * nb + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) {
+        mma_bf16(acc[mi][2 * nb], a[mi], b[0], b[1]);
+        mma_bf16(acc[mi][2 * nb + 1], a[mi], b[2], b[3]);
+      }
     }
   }
 }
 
-// acc[16 x D] += P (16 x 16 kChunks, given as FP32 accumulators in C layout) . B, B a k-major tile
-// (rows = the reduction index). P is rounded to bf16 here.
-template <int D, int kKBlocks>
-__device__ __forceinline__ void gemm_acc_b(float (&acc)[D / 8][4], const float (&p)[kKBlocks][4],
+// acc[m][16 x D] += P[m] (16 x 16 kKBlocks, given as FP32 accumulators in C layout) . B, B a
+// k-major tile (rows = the reduction index). P is rounded to bf16 here.
+template <int D, int kM, int kKBlocks>
+__device__ __forceinline__ void gemm_acc_b(float (&acc)[kM][D / 8][4], const float (&p)[kM][kKBlocks][4],
                                            const uint16_t* b_tile, int lane) {
 #pragma unroll
   for (int kc = 0; kc < kKBlocks / 2; ++kc) {
-    const uint32_t a[4] = {pack_bf16(p[2 * kc][0], p[2 * kc][1]),
-                           pack_bf16(p[2 * kc][2], p[2 * kc][3]),
-                           pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]),
-                           pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+    uint32_t a[kM][4];
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi) {
+      a[mi][0] = pack_bf16(p[mi][2 * kc][0], p[mi][2 * kc][1]);
+      a[mi][1] = pack_bf16(p[mi][2 * kc][2], p[mi][2 * kc][3]);
+      a[mi][2] = pack_bf16(p[mi][2 * kc + 1][0], p[mi][2 * kc + 1][1]);
+      a[mi][3] = pack_bf16(p[mi][2 * kc + 1][2], p[mi][2 * kc + 1][3]);
+    }
 #pragma unroll
     for (int nd = 0; nd < D / 16; ++nd) {
       uint32_t b[4];
       load_b_kn<D>(b, b_tile, kc * 16, nd * 16, lane);
-      mma_bf16(acc[2 * nd], a, b[0], b[1]);
-      mma_bf16(acc[2 * nd + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) {
+        mma_bf16(acc[mi][2 * nd], a[mi], b[0], b[1]);
+        mma_bf16(acc[mi][2 * nd + 1], a[mi], b[2], b[3]);
+      }
     }
   }
 }
 
 // Writes a warp's 16 x D FP32 accumulator block (times `mul`) as bf16 to rows [row0, row0 + 16)
-// of a strided sequence, staged through the warp's own 16 rows of `stage` (a tile no other warp
-// reads any more) so that global stores are 16 bytes wide. Rows at or beyond n_rows are skipped.
+// of a strided sequence, staged through 16 tile rows `w` that no other warp reads any more, so
+// that global stores are 16 bytes wide. Rows at or beyond n_rows are skipped.
 template <int D>
-__device__ __forceinline__ void store_rows_16(const float (&acc)[D / 8][4], float mul, uint16_t* w,
-                                              int lane, uint16_t* base, int64_t stride, int row0,
-                                              int n_rows);
-template <int D>
-__device__ __forceinline__ void store_rows(const float (&acc)[D / 8][4], float mul, uint16_t* stage,
-                                           int warp, int lane, uint16_t* base, int64_t stride,
-                                           int row0, int n_rows) {
-  store_rows_16<D>(acc, mul, stage + warp * 16 * TileLayout<D>::kStride, lane, base, stride, row0,
-                   n_rows);
-}
-// The same with the 16 stage rows given: `w` points at rows no other warp touches any more.
-template <int D>
-__device__ __forceinline__ void store_rows_16(const float (&acc)[D / 8][4], float mul, uint16_t* w,
-                                              int lane, uint16_t* base, int64_t stride, int row0,
-                                              int n_rows) {
+__device__ __forceinline__ void store_rows(const float (&acc)[D / 8][4], float mul, uint16_t* w,
+                                           int lane, uint16_t* base, int64_t stride, int row0,
+                                           int n_rows) {
   constexpr int S = TileLayout<D>::kStride;
   const int g = lane >> 2, t = lane & 3;
   __syncwarp();
@@ -240,7 +252,7 @@ __device__ __forceinline__ void store_rows_16(const float (&acc)[D / 8][4], floa
   }
 }
 
-// --- pieces shared by the narrow (16 rows a warp) and wide (32 rows a warp) kernels -------------
+// --- pieces shared by the forward and backward kernels ------------------------------------------
 
 // Online-softmax step for one warp's 16-row block and a 64-key tile: rows g (r = 0) and g + 8
 // (r = 1), a row's 64 scores in the 4 threads of a quad. s becomes P (unnormalized, FP32), o is
@@ -345,18 +357,21 @@ __device__ __forceinline__ void advance_kv_tiles(uint16_t* k_s, uint16_t* v_s, c
 
 // --- forward -------------------------------------------------------------------------------------
 
-template <int D>
-constexpr int forward_smem_bytes() {
-  return (TileLayout<D>::template elems<kTile>() * 5) * 2;  // Q, 2 x K, 2 x V
+template <int D, int kM>
+constexpr int forward_smem_bytes() {  // Q, 2 x K, 2 x V
+  constexpr int kRows = rows_per_cta<kM>();
+  return (TileLayout<D>::template elems<kRows>() + 4 * TileLayout<D>::template elems<kTile>()) * 2;
 }
 
-template <int D>
+template <int D, int kM>
 __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const AttentionForwardArgs a) {
-  constexpr int kTileElems = TileLayout<D>::template elems<kTile>();
+  constexpr int kRows = rows_per_cta<kM>();
+  constexpr int kQElems = TileLayout<D>::template elems<kRows>();
+  constexpr int S = TileLayout<D>::kStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint16_t* q_s = reinterpret_cast<uint16_t*>(smem_raw);
-  uint16_t* k_s = q_s + kTileElems;      // [2][kTile][S]
-  uint16_t* v_s = k_s + 2 * kTileElems;  // [2][kTile][S]
+  uint16_t* k_s = q_s + kQElems;                                    // [2][kTile][S]
+  uint16_t* v_s = k_s + 2 * TileLayout<D>::template elems<kTile>();  // [2][kTile][S]
 
   const AttentionDims& d = a.dims;
   const int T = d.seq;
@@ -365,69 +380,92 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const Atten
   const int hk = h / (d.heads / d.kv_heads);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int m0 = m_block * kTile;
+  const int m0 = m_block * kRows;
+  const int warp_row0 = warp * 16 * kM;  // this warp's first row of the tile
+  const int warp_q0 = m0 + warp_row0;
 
-  const uint16_t* q_base = a.q + b * a.q_stride.b + h * a.q_stride.h;
   const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
   const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
-
-  load_tile<D, kTile>(q_s, q_base, a.q_stride.t, m0, T, tid);
+  load_tile<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
   load_tile<D, kTile>(k_s, k_base, a.k_stride.t, 0, T, tid);
   load_tile<D, kTile>(v_s, v_base, a.v_stride.t, 0, T, tid);
   cp_async_commit();
 
   const float sl2 = d.scale * kLog2e;
-  float o[D / 8][4];
+  float o[kM][D / 8][4];
+  float row_max[kM][2], row_sum[kM][2];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.0f, 0.0f};  // partial: this thread's columns only, reduced at the end
-  uint32_t qf[D / 16][4];
+  for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[mi][i][0] = o[mi][i][1] = o[mi][i][2] = o[mi][i][3] = 0.0f;
+    row_max[mi][0] = row_max[mi][1] = -INFINITY;
+    row_sum[mi][0] = row_sum[mi][1] = 0.0f;  // partial: this thread's columns, reduced at the end
+  }
+  // kM = 1 keeps the warp's Q fragments in registers; kM = 2 re-reads them per key tile (the
+  // registers are spent on the second m-block).
+  uint32_t qf[kM == 1 ? D / 16 : 1][4];
 
-  const int n_tiles = m_block + 1;  // causal: key tiles 0..m_block (kTile queries == kTile keys)
+  // Key tiles 0 .. the one holding key min(m0 + kRows, T) - 1.
+  const int n_tiles = (min(m0 + kRows, T) - 1) / kTile + 1;
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
     advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
-    if (j == 0) {
+    // Warp-uniform: every key of the tile follows every query of this warp: nothing to add.
+    if (j * kTile <= warp_q0 + 16 * kM - 1) {
+      const uint16_t* kt = k_s + buf * TileLayout<D>::template elems<kTile>();
+      const uint16_t* vt = v_s + buf * TileLayout<D>::template elems<kTile>();
+      // S = Q K^T for this warp's rows and the tile's 64 keys.
+      float sc[kM][kTile / 8][4];
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) load_a<D>(qf[kk], q_s, warp * 16, kk * 16, lane);
-    }
-    const uint16_t* kt = k_s + buf * kTileElems;
-    const uint16_t* vt = v_s + buf * kTileElems;
-
-    // S = Q K^T for this warp's 16 rows and the tile's 64 keys.
-    float s[kTile / 8][4];
+      for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
-    for (int i = 0; i < kTile / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+        for (int i = 0; i < kTile / 8; ++i) sc[mi][i][0] = sc[mi][i][1] = sc[mi][i][2] = sc[mi][i][3] = 0.0f;
+      if constexpr (kM == 1) {
+        if (j == 0) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int nb = 0; nb < kTile / 16; ++nb) {
-        uint32_t bf[4];
-        load_b_nk<D>(bf, kt, nb * 16, kk * 16, lane);
-        mma_bf16(s[2 * nb], qf[kk], bf[0], bf[1]);
-        mma_bf16(s[2 * nb + 1], qf[kk], bf[2], bf[3]);
-      }
-    }
-    if (j == m_block) {  // the diagonal tile: key (local) > query (local) is masked
-#pragma unroll
-      for (int nb = 0; nb < kTile / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = warp * 16 + g + (e >> 1) * 8, col = nb * 8 + 2 * t + (e & 1);
-          if (col > row) s[nb][e] = -INFINITY;
+          for (int kk = 0; kk < D / 16; ++kk) load_a<D>(qf[kk], q_s, warp_row0, kk * 16, lane);
         }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+          for (int nb = 0; nb < kTile / 16; ++nb) {
+            uint32_t bf[4];
+            load_b_nk<D>(bf, kt, nb * 16, kk * 16, lane);
+            mma_bf16(sc[0][2 * nb], qf[kk], bf[0], bf[1]);
+            mma_bf16(sc[0][2 * nb + 1], qf[kk], bf[2], bf[3]);
+          }
+        }
+      } else {
+        gemm_a_tile_bt<D, kM, kTile / 8>(sc, q_s, warp_row0, kt, lane);
+      }
+      if (j * kTile + kTile - 1 > warp_q0) {  // a tile on the diagonal: key > query is masked
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+          for (int nb = 0; nb < kTile / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int qi = warp_q0 + mi * 16 + g + (e >> 1) * 8;
+              const int key = j * kTile + nb * 8 + 2 * t + (e & 1);
+              if (key > qi) sc[mi][nb][e] = -INFINITY;
+            }
+      }
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) online_softmax_step<D>(sc[mi], o[mi], row_max[mi], row_sum[mi], sl2);
+      gemm_acc_b<D, kM, kTile / 8>(o, sc, vt, lane);  // O += P V
     }
-    online_softmax_step<D>(s, o, row_max, row_sum, sl2);
-    gemm_acc_b<D, kTile / 8>(o, s, vt, lane);  // O += P V
-    __syncthreads();                           // before this buffer is refilled
+    __syncthreads();  // before this buffer is refilled
   }
 
-  finish_softmax_rows<D>(o, row_max, row_sum, sl2, a.lse + ((int64_t)b * d.heads + h) * T,
-                         m0 + warp * 16, T, g, t);
-  // Q's tile rows of this warp were only read by this warp (into qf): reuse them as the stage.
-  store_rows<D>(o, 1.0f, q_s, warp, lane, a.out + b * a.out_stride.b + h * a.out_stride.h,
-                a.out_stride.t, m0 + warp * 16, T);
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi) {
+    finish_softmax_rows<D>(o[mi], row_max[mi], row_sum[mi], sl2, a.lse + ((int64_t)b * d.heads + h) * T,
+                           warp_q0 + mi * 16, T, g, t);
+    // Q's rows of this warp were only read by this warp: its stage.
+    const int row_l = warp_row0 + mi * 16;
+    store_rows<D>(o[mi], 1.0f, q_s + row_l * S, lane, a.out + b * a.out_stride.b + h * a.out_stride.h,
+                  a.out_stride.t, m0 + row_l, T);
+  }
 }
 
 // --- backward: D_i = rowsum(dout * out) ---------------------------------------------------------
@@ -460,192 +498,30 @@ __global__ void __launch_bounds__(kThreads) attention_delta_kernel(const Attenti
 
 // --- backward: dK, dV ----------------------------------------------------------------------------
 
-// Query rows per inner tile of the dk/dv kernel: 32 for D = 128 keeps dK and dV (64 + 64 FP32
-// registers per thread) plus S^T and dP^T within the register file.
-template <int D>
+// Query rows per inner tile of the dk/dv kernel: 64 for the narrow kernel at D = 64; 32 for
+// D = 128 (dK and dV, 64 + 64 FP32 registers a thread, plus S^T and dP^T within the register
+// file) and for the wide one (two m-blocks of S^T and dP^T).
+template <int D, int kM>
 constexpr int dkdv_query_tile() {
-  return D == 128 ? 32 : 64;
+  return D == 128 || kM == 2 ? 32 : 64;
 }
 
-template <int D>
+template <int D, int kM>
 constexpr int dkdv_smem_bytes() {
-  constexpr int kQ = dkdv_query_tile<D>();
-  return (2 * TileLayout<D>::template elems<kTile>() + 4 * TileLayout<D>::template elems<kQ>()) * 2 +
+  constexpr int kQ = dkdv_query_tile<D, kM>();
+  constexpr int kKeys = rows_per_cta<kM>();
+  return (2 * TileLayout<D>::template elems<kKeys>() + 4 * TileLayout<D>::template elems<kQ>()) * 2 +
          4 * kQ * 4;  // K, V, 2 x (Q, dO) tiles; 2 x (lse, D_i)
 }
 
-template <int D>
+template <int D, int kM>
 __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const AttentionBackwardArgs a,
                                                                   const float* delta) {
-  constexpr int kQ = dkdv_query_tile<D>();
-  constexpr int kKvElems = TileLayout<D>::template elems<kTile>();
+  constexpr int kKeys = rows_per_cta<kM>();
+  constexpr int kQ = dkdv_query_tile<D, kM>();
+  constexpr int kKvElems = TileLayout<D>::template elems<kKeys>();
   constexpr int kQElems = TileLayout<D>::template elems<kQ>();
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint16_t* k_s = reinterpret_cast<uint16_t*>(smem_raw);
-  uint16_t* v_s = k_s + kKvElems;
-  uint16_t* q_s = v_s + kKvElems;    // [2][kQ][S]
-  uint16_t* do_s = q_s + 2 * kQElems;  // [2][kQ][S]
-  float* lse_s = reinterpret_cast<float*>(do_s + 2 * kQElems);  // [2][kQ], times log2(e)
-  float* delta_s = lse_s + 2 * kQ;                               // [2][kQ]
-
-  const AttentionDims& d = a.dims;
-  const int T = d.seq;
-  const int group = d.heads / d.kv_heads;
-  const int n_block = blockIdx.x;  // the first key blocks see the most queries: launched first
-  const int hk = blockIdx.y, b = blockIdx.z;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int n0 = n_block * kTile;
-
-  load_tile<D, kTile>(k_s, a.k + b * a.k_stride.b + hk * a.k_stride.h, a.k_stride.t, n0, T, tid);
-  load_tile<D, kTile>(v_s, a.v + b * a.v_stride.b + hk * a.v_stride.h, a.v_stride.t, n0, T, tid);
-  cp_async_commit();
-
-  const int i_begin = n0 / kQ;                 // earlier query tiles lie entirely before the keys
-  const int n_qtiles = (T + kQ - 1) / kQ;
-  const int per_head = n_qtiles - i_begin;     // >= 1 because n0 < T
-  const int total = group * per_head;
-
-  auto issue = [&](int it, int buf) {
-    load_query_tile<D, kQ>(q_s + buf * kQElems, do_s + buf * kQElems, lse_s + buf * kQ,
-                           delta_s + buf * kQ, a, delta, b, hk * group + it / per_head,
-                           (i_begin + it % per_head) * kQ, tid);
-  };
-  issue(0, 0);
-
-  const float sl2 = d.scale * kLog2e;
-  float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.0f;
-
-  for (int it = 0; it < total; ++it) {
-    const int buf = it & 1;
-    if (it + 1 < total) {
-      issue(it + 1, buf ^ 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const uint16_t* qt = q_s + buf * kQElems;
-    const uint16_t* dot = do_s + buf * kQElems;
-    const float* lse_t = lse_s + buf * kQ;
-    const float* delta_t = delta_s + buf * kQ;
-    const int q0 = (i_begin + it % per_head) * kQ;
-
-    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys and the tile's kQ queries.
-    float st[kQ / 8][4], dpt[kQ / 8][4];
-#pragma unroll
-    for (int i = 0; i < kQ / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
-    gemm_a_tile_bt<D, kQ / 8>(st, k_s, warp * 16, qt, lane);
-    gemm_a_tile_bt<D, kQ / 8>(dpt, v_s, warp * 16, dot, lane);
-
-    // P^T = exp(S^T - lse) where query >= key and query < T, else 0; dS^T = P^T (dP^T - D).
-#pragma unroll
-    for (int nb = 0; nb < kQ / 8; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = n0 + warp * 16 + g + (e >> 1) * 8;
-        const int ql = nb * 8 + 2 * t + (e & 1);
-        const int qi = q0 + ql;
-        const bool valid = qi >= key && qi < T;
-        const float p = valid ? exp2f(fmaf(st[nb][e], sl2, -lse_t[ql] * kLog2e)) : 0.0f;
-        st[nb][e] = p;
-        dpt[nb][e] = p * (dpt[nb][e] - delta_t[ql]);
-      }
-    gemm_acc_b<D, kQ / 8>(dv, st, dot, lane);  // dV += P^T dO
-    gemm_acc_b<D, kQ / 8>(dk, dpt, qt, lane);  // dK += dS^T Q
-    __syncthreads();  // before this buffer is refilled
-  }
-
-  // All reads of K and V are done (the loop ended on a barrier): their rows are the stages.
-  store_rows<D>(dk, d.scale, k_s, warp, lane, a.dk + b * a.dk_stride.b + hk * a.dk_stride.h,
-                a.dk_stride.t, n0 + warp * 16, T);
-  store_rows<D>(dv, 1.0f, v_s, warp, lane, a.dv + b * a.dv_stride.b + hk * a.dv_stride.h,
-                a.dv_stride.t, n0 + warp * 16, T);
-}
-
-// --- backward: dK, dV with 32 keys a warp (D = 64; AttentionBackwardArgs::wide_tiles) -------
-//
-// The kernel above gives each warp 16 keys against a 64-query tile, so each of the 4 warps reads
-// the whole Q and dO tiles as B operands twice per iteration: 72 ldmatrix.x4 for 128 mma per warp
-// and iteration, more shared-memory traffic than the mma take (bench/notes-train.md, session 15).
-// Here a CTA takes 128 keys, a warp 32 (two 16-row m-blocks that share every B fragment), and a
-// query tile is 32 rows: the same 128 mma per warp and iteration, 48 ldmatrix. Registers: dK and
-// dV 2 x 32 FP32 each per m-block, S^T and dP^T 2 x 16 each. A warp whose 32 keys all come after
-// the tile's last query skips the tile (its P would be all zero). Same math, same rounding points
-// (P and dS to bf16 before their products) as the narrow kernel; only the FP32 accumulation order
-// over queries differs.
-constexpr int kWideKeys = 128;   // keys per CTA
-constexpr int kWideQ = 32;       // queries per tile
-constexpr int kWideM = 2;        // 16-row m-blocks per warp
-
-template <int D>
-constexpr int dkdv_wide_smem_bytes() {
-  return (2 * TileLayout<D>::template elems<kWideKeys>() + 4 * TileLayout<D>::template elems<kWideQ>()) * 2 +
-         4 * kWideQ * 4;  // K, V, 2 x (Q, dO) tiles; 2 x (lse, D_i)
-}
-
-// acc[m][16 x 8 kNBlocks] += A (rows m0 + 16 m.., D) . B^T, B an n-major tile; every B fragment
-// serves the kM m-blocks.
-template <int D, int kM, int kNBlocks>
-__device__ __forceinline__ void gemm_a_tile_bt_m(float (&acc)[kM][kNBlocks][4], const uint16_t* a_tile,
-                                                 int m0, const uint16_t* b_tile, int lane) {
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    uint32_t a[kM][4];
-#pragma unroll
-    for (int mi = 0; mi < kM; ++mi) load_a<D>(a[mi], a_tile, m0 + 16 * mi, kk * 16, lane);
-#pragma unroll
-    for (int nb = 0; nb < kNBlocks / 2; ++nb) {
-      uint32_t b[4];
-      load_b_nk<D>(b, b_tile, nb * 16, kk * 16, lane);
-#pragma unroll
-      for (int mi = 0; mi < kM; ++mi) {
-        mma_bf16(acc[mi][2 * nb], a[mi], b[0], b[1]);
-        mma_bf16(acc[mi][2 * nb + 1], a[mi], b[2], b[3]);
-      }
-    }
-  }
-}
-
-// acc[m][16 x D] += P[m] (16 x 16 kKBlocks, FP32 C layout, rounded to bf16 here) . B, B k-major.
-template <int D, int kM, int kKBlocks>
-__device__ __forceinline__ void gemm_acc_b_m(float (&acc)[kM][D / 8][4], const float (&p)[kM][kKBlocks][4],
-                                             const uint16_t* b_tile, int lane) {
-#pragma unroll
-  for (int kc = 0; kc < kKBlocks / 2; ++kc) {
-    uint32_t a[kM][4];
-#pragma unroll
-    for (int mi = 0; mi < kM; ++mi) {
-      a[mi][0] = pack_bf16(p[mi][2 * kc][0], p[mi][2 * kc][1]);
-      a[mi][1] = pack_bf16(p[mi][2 * kc][2], p[mi][2 * kc][3]);
-      a[mi][2] = pack_bf16(p[mi][2 * kc + 1][0], p[mi][2 * kc + 1][1]);
-      a[mi][3] = pack_bf16(p[mi][2 * kc + 1][2], p[mi][2 * kc + 1][3]);
-    }
-#pragma unroll
-    for (int nd = 0; nd < D / 16; ++nd) {
-      uint32_t b[4];
-      load_b_kn<D>(b, b_tile, kc * 16, nd * 16, lane);
-#pragma unroll
-      for (int mi = 0; mi < kM; ++mi) {
-        mma_bf16(acc[mi][2 * nd], a[mi], b[0], b[1]);
-        mma_bf16(acc[mi][2 * nd + 1], a[mi], b[2], b[3]);
-      }
-    }
-  }
-}
-
-template <int D>
-__global__ void __launch_bounds__(kThreads) attention_dkdv_wide_kernel(const AttentionBackwardArgs a,
-                                                                       const float* delta) {
-  constexpr int kQ = kWideQ;
-  constexpr int kKvElems = TileLayout<D>::template elems<kWideKeys>();
-  constexpr int kQElems = TileLayout<D>::template elems<kQ>();
+  constexpr int S = TileLayout<D>::kStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint16_t* k_s = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* v_s = k_s + kKvElems;
@@ -661,18 +537,18 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wide_kernel(const Att
   const int hk = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int n0 = n_block * kWideKeys;
-  const int warp_key0 = n0 + warp * 16 * kWideM;  // this warp's first key
+  const int n0 = n_block * kKeys;
+  const int warp_row0 = warp * 16 * kM;
+  const int warp_key0 = n0 + warp_row0;
 
-  load_tile<D, kWideKeys>(k_s, a.k + b * a.k_stride.b + hk * a.k_stride.h, a.k_stride.t, n0, T, tid);
-  load_tile<D, kWideKeys>(v_s, a.v + b * a.v_stride.b + hk * a.v_stride.h, a.v_stride.t, n0, T, tid);
+  load_tile<D, kKeys>(k_s, a.k + b * a.k_stride.b + hk * a.k_stride.h, a.k_stride.t, n0, T, tid);
+  load_tile<D, kKeys>(v_s, a.v + b * a.v_stride.b + hk * a.v_stride.h, a.v_stride.t, n0, T, tid);
   cp_async_commit();
 
-  const int i_begin = n0 / kQ;
+  const int i_begin = n0 / kQ;              // earlier query tiles lie entirely before the keys
   const int n_qtiles = (T + kQ - 1) / kQ;
   const int per_head = n_qtiles - i_begin;  // >= 1 because n0 < T
   const int total = group * per_head;
-
   auto issue = [&](int it, int buf) {
     load_query_tile<D, kQ>(q_s + buf * kQElems, do_s + buf * kQElems, lse_s + buf * kQ,
                            delta_s + buf * kQ, a, delta, b, hk * group + it / per_head,
@@ -681,9 +557,9 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wide_kernel(const Att
   issue(0, 0);
 
   const float sl2 = d.scale * kLog2e;
-  float dk[kWideM][D / 8][4], dv[kWideM][D / 8][4];
+  float dk[kM][D / 8][4], dv[kM][D / 8][4];
 #pragma unroll
-  for (int mi = 0; mi < kWideM; ++mi)
+  for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
     for (int i = 0; i < D / 8; ++i)
 #pragma unroll
@@ -706,17 +582,20 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wide_kernel(const Att
       const float* lse_t = lse_s + buf * kQ;
       const float* delta_t = delta_s + buf * kQ;
 
-      float st[kWideM][kQ / 8][4], dpt[kWideM][kQ / 8][4];
+      // S^T = K Q^T and dP^T = V dO^T for this warp's keys and the tile's kQ queries.
+      float st[kM][kQ / 8][4], dpt[kM][kQ / 8][4];
 #pragma unroll
-      for (int mi = 0; mi < kWideM; ++mi)
+      for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
         for (int i = 0; i < kQ / 8; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e) st[mi][i][e] = dpt[mi][i][e] = 0.0f;
-      gemm_a_tile_bt_m<D, kWideM, kQ / 8>(st, k_s, warp * 16 * kWideM, qt, lane);   // S^T = K Q^T
-      gemm_a_tile_bt_m<D, kWideM, kQ / 8>(dpt, v_s, warp * 16 * kWideM, dot, lane); // dP^T = V dO^T
+      gemm_a_tile_bt<D, kM, kQ / 8>(st, k_s, warp_row0, qt, lane);
+      gemm_a_tile_bt<D, kM, kQ / 8>(dpt, v_s, warp_row0, dot, lane);
+
+      // P^T = exp(S^T - lse) where query >= key and query < T, else 0; dS^T = P^T (dP^T - D).
 #pragma unroll
-      for (int mi = 0; mi < kWideM; ++mi)
+      for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
         for (int nb = 0; nb < kQ / 8; ++nb)
 #pragma unroll
@@ -729,123 +608,36 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wide_kernel(const Att
             st[mi][nb][e] = p;
             dpt[mi][nb][e] = p * (dpt[mi][nb][e] - delta_t[ql]);
           }
-      gemm_acc_b_m<D, kWideM, kQ / 8>(dv, st, dot, lane);  // dV += P^T dO
-      gemm_acc_b_m<D, kWideM, kQ / 8>(dk, dpt, qt, lane);  // dK += dS^T Q
+      gemm_acc_b<D, kM, kQ / 8>(dv, st, dot, lane);  // dV += P^T dO
+      gemm_acc_b<D, kM, kQ / 8>(dk, dpt, qt, lane);  // dK += dS^T Q
     }
     __syncthreads();  // before this buffer is refilled
   }
 
   // All reads of K and V are done (the loop ended on a barrier): a warp's own rows are its stage.
-  constexpr int S = TileLayout<D>::kStride;
 #pragma unroll
-  for (int mi = 0; mi < kWideM; ++mi) {
-    const int row_l = warp * 16 * kWideM + mi * 16;
-    store_rows_16<D>(dk[mi], d.scale, k_s + row_l * S, lane,
-                     a.dk + b * a.dk_stride.b + hk * a.dk_stride.h, a.dk_stride.t, n0 + row_l, T);
-    store_rows_16<D>(dv[mi], 1.0f, v_s + row_l * S, lane,
-                     a.dv + b * a.dv_stride.b + hk * a.dv_stride.h, a.dv_stride.t, n0 + row_l, T);
+  for (int mi = 0; mi < kM; ++mi) {
+    const int row_l = warp_row0 + mi * 16;
+    store_rows<D>(dk[mi], d.scale, k_s + row_l * S, lane, a.dk + b * a.dk_stride.b + hk * a.dk_stride.h,
+                  a.dk_stride.t, n0 + row_l, T);
+    store_rows<D>(dv[mi], 1.0f, v_s + row_l * S, lane, a.dv + b * a.dv_stride.b + hk * a.dv_stride.h,
+                  a.dv_stride.t, n0 + row_l, T);
   }
 }
 
 // --- backward: dQ --------------------------------------------------------------------------------
 
-template <int D>
-constexpr int dq_smem_bytes() {
-  return TileLayout<D>::template elems<kTile>() * 6 * 2;  // Q, dO, 2 x K, 2 x V
+template <int D, int kM>
+constexpr int dq_smem_bytes() {  // Q, dO, 2 x K, 2 x V
+  constexpr int kRows = rows_per_cta<kM>();
+  return (2 * TileLayout<D>::template elems<kRows>() + 4 * TileLayout<D>::template elems<kTile>()) * 2;
 }
 
-template <int D>
+template <int D, int kM>
 __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionBackwardArgs a,
                                                                 const float* delta) {
-  constexpr int kTileElems = TileLayout<D>::template elems<kTile>();
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint16_t* q_s = reinterpret_cast<uint16_t*>(smem_raw);
-  uint16_t* do_s = q_s + kTileElems;
-  uint16_t* k_s = do_s + kTileElems;     // [2][kTile][S]
-  uint16_t* v_s = k_s + 2 * kTileElems;  // [2][kTile][S]
-
-  const AttentionDims& d = a.dims;
-  const int T = d.seq;
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (d.heads / d.kv_heads);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int m0 = m_block * kTile;
-
-  const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
-  const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
-  load_tile<D, kTile>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
-  load_tile<D, kTile>(do_s, a.dout + b * a.dout_stride.b + h * a.dout_stride.h, a.dout_stride.t,
-                      m0, T, tid);
-  load_tile<D, kTile>(k_s, k_base, a.k_stride.t, 0, T, tid);
-  load_tile<D, kTile>(v_s, v_base, a.v_stride.t, 0, T, tid);
-  cp_async_commit();
-
-  // This thread's two rows (g and g + 8 of the warp's 16): lse (times log2 e) and D_i.
-  float lse2[2], dlt[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = m0 + warp * 16 + g + r * 8;
-    const int64_t off = ((int64_t)b * d.heads + h) * T + row;
-    lse2[r] = row < T ? a.lse[off] * kLog2e : 0.0f;
-    dlt[r] = row < T ? delta[off] : 0.0f;
-  }
-
-  const float sl2 = d.scale * kLog2e;
-  float dq[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.0f;
-
-  const int n_tiles = m_block + 1;
-  for (int j = 0; j < n_tiles; ++j) {
-    const int buf = j & 1;
-    advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
-    const uint16_t* kt = k_s + buf * kTileElems;
-    const uint16_t* vt = v_s + buf * kTileElems;
-
-    float s[kTile / 8][4], dp[kTile / 8][4];
-#pragma unroll
-    for (int i = 0; i < kTile / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.0f;
-    gemm_a_tile_bt<D, kTile / 8>(s, q_s, warp * 16, kt, lane);    // S = Q K^T
-    gemm_a_tile_bt<D, kTile / 8>(dp, do_s, warp * 16, vt, lane);  // dP = dO V^T
-#pragma unroll
-    for (int nb = 0; nb < kTile / 8; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qi = m0 + warp * 16 + g + (e >> 1) * 8;
-        const int key = j * kTile + nb * 8 + 2 * t + (e & 1);
-        const bool valid = key <= qi && qi < T;
-        const float p = valid ? exp2f(fmaf(s[nb][e], sl2, -lse2[e >> 1])) : 0.0f;
-        dp[nb][e] = p * (dp[nb][e] - dlt[e >> 1]);  // dS
-      }
-    gemm_acc_b<D, kTile / 8>(dq, dp, kt, lane);  // dQ += dS K
-    __syncthreads();
-  }
-
-  // Q's rows of this warp were only read by this warp: reuse them as the stage.
-  store_rows<D>(dq, d.scale, q_s, warp, lane, a.dq + b * a.dq_stride.b + h * a.dq_stride.h,
-                a.dq_stride.t, m0 + warp * 16, T);
-}
-
-// --- backward: dQ with 32 queries a warp (D = 64; AttentionBackwardArgs::wide_tiles) --------
-//
-// As the wide dK/dV kernel: a CTA takes 128 queries, a warp 32 (two m-blocks sharing every K and
-// V fragment), key tiles of 64 double-buffered: 64 ldmatrix.x4 for 192 mma per warp and key tile
-// instead of 56 for 96. A warp whose queries all precede a key tile skips it.
-constexpr int kWideQueries = 128;  // queries per CTA
-
-template <int D>
-constexpr int dq_wide_smem_bytes() {
-  return (2 * TileLayout<D>::template elems<kWideQueries>() + 4 * TileLayout<D>::template elems<kTile>()) * 2;
-}
-
-template <int D>
-__global__ void __launch_bounds__(kThreads) attention_dq_wide_kernel(const AttentionBackwardArgs a,
-                                                                     const float* delta) {
-  constexpr int kQElems = TileLayout<D>::template elems<kWideQueries>();
+  constexpr int kRows = rows_per_cta<kM>();
+  constexpr int kQElems = TileLayout<D>::template elems<kRows>();
   constexpr int kKElems = TileLayout<D>::template elems<kTile>();
   constexpr int S = TileLayout<D>::kStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -861,22 +653,23 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wide_kernel(const Atten
   const int hk = h / (d.heads / d.kv_heads);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int m0 = m_block * kWideQueries;
-  const int warp_q0 = m0 + warp * 16 * kWideM;
+  const int m0 = m_block * kRows;
+  const int warp_row0 = warp * 16 * kM;
+  const int warp_q0 = m0 + warp_row0;
 
   const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
   const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
-  load_tile<D, kWideQueries>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
-  load_tile<D, kWideQueries>(do_s, a.dout + b * a.dout_stride.b + h * a.dout_stride.h,
-                             a.dout_stride.t, m0, T, tid);
+  load_tile<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
+  load_tile<D, kRows>(do_s, a.dout + b * a.dout_stride.b + h * a.dout_stride.h, a.dout_stride.t, m0, T,
+                      tid);
   load_tile<D, kTile>(k_s, k_base, a.k_stride.t, 0, T, tid);
   load_tile<D, kTile>(v_s, v_base, a.v_stride.t, 0, T, tid);
   cp_async_commit();
 
   // This thread's rows (g and g + 8 of each of its warp's m-blocks): lse (times log2 e) and D_i.
-  float lse2[kWideM][2], dlt[kWideM][2];
+  float lse2[kM][2], dlt[kM][2];
 #pragma unroll
-  for (int mi = 0; mi < kWideM; ++mi)
+  for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = warp_q0 + mi * 16 + g + r * 8;
@@ -886,32 +679,32 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wide_kernel(const Atten
     }
 
   const float sl2 = d.scale * kLog2e;
-  float dq[kWideM][D / 8][4];
+  float dq[kM][D / 8][4];
 #pragma unroll
-  for (int mi = 0; mi < kWideM; ++mi)
+  for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) dq[mi][i][0] = dq[mi][i][1] = dq[mi][i][2] = dq[mi][i][3] = 0.0f;
 
-  // Key tiles 0 .. the one holding key min(m0 + 127, T - 1).
-  const int n_tiles = (min(m0 + kWideQueries, T) - 1) / kTile + 1;
+  // Key tiles 0 .. the one holding key min(m0 + kRows, T) - 1.
+  const int n_tiles = (min(m0 + kRows, T) - 1) / kTile + 1;
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
     advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
     // Warp-uniform: the tile's first key follows every query of this warp (P = 0): skip.
-    if (j * kTile <= warp_q0 + 16 * kWideM - 1) {
+    if (j * kTile <= warp_q0 + 16 * kM - 1) {
       const uint16_t* kt = k_s + buf * kKElems;
       const uint16_t* vt = v_s + buf * kKElems;
-      float sc[kWideM][kTile / 8][4], dp[kWideM][kTile / 8][4];
+      float sc[kM][kTile / 8][4], dp[kM][kTile / 8][4];
 #pragma unroll
-      for (int mi = 0; mi < kWideM; ++mi)
+      for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
         for (int i = 0; i < kTile / 8; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e) sc[mi][i][e] = dp[mi][i][e] = 0.0f;
-      gemm_a_tile_bt_m<D, kWideM, kTile / 8>(sc, q_s, warp * 16 * kWideM, kt, lane);   // S = Q K^T
-      gemm_a_tile_bt_m<D, kWideM, kTile / 8>(dp, do_s, warp * 16 * kWideM, vt, lane);  // dP = dO V^T
+      gemm_a_tile_bt<D, kM, kTile / 8>(sc, q_s, warp_row0, kt, lane);   // S = Q K^T
+      gemm_a_tile_bt<D, kM, kTile / 8>(dp, do_s, warp_row0, vt, lane);  // dP = dO V^T
 #pragma unroll
-      for (int mi = 0; mi < kWideM; ++mi)
+      for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
         for (int nb = 0; nb < kTile / 8; ++nb)
 #pragma unroll
@@ -922,116 +715,17 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wide_kernel(const Atten
             const float p = valid ? exp2f(fmaf(sc[mi][nb][e], sl2, -lse2[mi][e >> 1])) : 0.0f;
             dp[mi][nb][e] = p * (dp[mi][nb][e] - dlt[mi][e >> 1]);  // dS
           }
-      gemm_acc_b_m<D, kWideM, kTile / 8>(dq, dp, kt, lane);  // dQ += dS K
+      gemm_acc_b<D, kM, kTile / 8>(dq, dp, kt, lane);  // dQ += dS K
     }
     __syncthreads();
   }
 
   // Q's rows of this warp were only read by this warp: its stage.
 #pragma unroll
-  for (int mi = 0; mi < kWideM; ++mi) {
-    const int row_l = warp * 16 * kWideM + mi * 16;
-    store_rows_16<D>(dq[mi], d.scale, q_s + row_l * S, lane,
-                     a.dq + b * a.dq_stride.b + h * a.dq_stride.h, a.dq_stride.t, m0 + row_l, T);
-  }
-}
-
-// --- forward with 32 queries a warp (D = 64; AttentionForwardArgs::wide_tiles) ------------------
-//
-// The forward above gives a warp 16 queries: per 64-key tile it reads the K and V tiles whole
-// (32 ldmatrix.x4) for 64 mma. Here a CTA takes 128 queries and a warp 32 (two m-blocks sharing
-// every K and V fragment): 32 ldmatrix for 128 mma (Q is re-read from shared memory per tile
-// instead of kept in registers: 232 registers as it is). The online softmax runs per m-block with
-// the same operations in the same order per row, over the same 64-key tiles (a warp's 32 rows lie
-// in one 64-row block of the narrow kernel and visit the same tiles), so the output should be the
-// narrow kernel's bit for bit; the test holds both to the same tolerance.
-template <int D>
-constexpr int forward_wide_smem_bytes() {
-  return (TileLayout<D>::template elems<kWideQueries>() + 4 * TileLayout<D>::template elems<kTile>()) * 2;
-}
-
-template <int D>
-__global__ void __launch_bounds__(kThreads) attention_forward_wide_kernel(const AttentionForwardArgs a) {
-  constexpr int kQElems = TileLayout<D>::template elems<kWideQueries>();
-  constexpr int kKElems = TileLayout<D>::template elems<kTile>();
-  constexpr int S = TileLayout<D>::kStride;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint16_t* q_s = reinterpret_cast<uint16_t*>(smem_raw);
-  uint16_t* k_s = q_s + kQElems;      // [2][kTile][S]
-  uint16_t* v_s = k_s + 2 * kKElems;  // [2][kTile][S]
-
-  const AttentionDims& d = a.dims;
-  const int T = d.seq;
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (d.heads / d.kv_heads);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int m0 = m_block * kWideQueries;
-  const int warp_q0 = m0 + warp * 16 * kWideM;
-
-  const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
-  const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
-  load_tile<D, kWideQueries>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
-  load_tile<D, kTile>(k_s, k_base, a.k_stride.t, 0, T, tid);
-  load_tile<D, kTile>(v_s, v_base, a.v_stride.t, 0, T, tid);
-  cp_async_commit();
-
-  const float sl2 = d.scale * kLog2e;
-  float o[kWideM][D / 8][4];
-#pragma unroll
-  for (int mi = 0; mi < kWideM; ++mi)
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[mi][i][0] = o[mi][i][1] = o[mi][i][2] = o[mi][i][3] = 0.0f;
-  float row_max[kWideM][2], row_sum[kWideM][2];
-#pragma unroll
-  for (int mi = 0; mi < kWideM; ++mi) {
-    row_max[mi][0] = row_max[mi][1] = -INFINITY;
-    row_sum[mi][0] = row_sum[mi][1] = 0.0f;
-  }
-
-  const int n_tiles = (min(m0 + kWideQueries, T) - 1) / kTile + 1;
-  for (int j = 0; j < n_tiles; ++j) {
-    const int buf = j & 1;
-    advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
-    // Warp-uniform: every key of the tile follows every query of this warp: nothing to add.
-    if (j * kTile <= warp_q0 + 16 * kWideM - 1) {
-      const uint16_t* kt = k_s + buf * kKElems;
-      const uint16_t* vt = v_s + buf * kKElems;
-      float sc[kWideM][kTile / 8][4];
-#pragma unroll
-      for (int mi = 0; mi < kWideM; ++mi)
-#pragma unroll
-        for (int i = 0; i < kTile / 8; ++i) sc[mi][i][0] = sc[mi][i][1] = sc[mi][i][2] = sc[mi][i][3] = 0.0f;
-      gemm_a_tile_bt_m<D, kWideM, kTile / 8>(sc, q_s, warp * 16 * kWideM, kt, lane);  // S = Q K^T
-      if (j * kTile + kTile - 1 > warp_q0) {  // a tile on or past the diagonal: key > query masked
-#pragma unroll
-        for (int mi = 0; mi < kWideM; ++mi)
-#pragma unroll
-          for (int nb = 0; nb < kTile / 8; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int qi = warp_q0 + mi * 16 + g + (e >> 1) * 8;
-              const int key = j * kTile + nb * 8 + 2 * t + (e & 1);
-              if (key > qi) sc[mi][nb][e] = -INFINITY;
-            }
-      }
-#pragma unroll
-      for (int mi = 0; mi < kWideM; ++mi)
-        online_softmax_step<D>(sc[mi], o[mi], row_max[mi], row_sum[mi], sl2);
-      gemm_acc_b_m<D, kWideM, kTile / 8>(o, sc, vt, lane);  // O += P V
-    }
-    __syncthreads();  // before this buffer is refilled
-  }
-
-#pragma unroll
-  for (int mi = 0; mi < kWideM; ++mi) {
-    finish_softmax_rows<D>(o[mi], row_max[mi], row_sum[mi], sl2, a.lse + ((int64_t)b * d.heads + h) * T,
-                           warp_q0 + mi * 16, T, g, t);
-    // Q's rows of this warp were only read by this warp: its stage.
-    const int row_l = warp * 16 * kWideM + mi * 16;
-    store_rows_16<D>(o[mi], 1.0f, q_s + row_l * S, lane, a.out + b * a.out_stride.b + h * a.out_stride.h,
-                     a.out_stride.t, m0 + row_l, T);
+  for (int mi = 0; mi < kM; ++mi) {
+    const int row_l = warp_row0 + mi * 16;
+    store_rows<D>(dq[mi], d.scale, q_s + row_l * S, lane, a.dq + b * a.dq_stride.b + h * a.dq_stride.h,
+                  a.dq_stride.t, m0 + row_l, T);
   }
 }
 
@@ -1311,22 +1005,36 @@ void set_smem(Kernel kernel, int bytes) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+template <int D, int kM>
+void forward_m(const AttentionForwardArgs& a, cudaStream_t stream) {
+  const dim3 grid((a.dims.seq + rows_per_cta<kM>() - 1) / rows_per_cta<kM>(), a.dims.heads, a.dims.batch);
+  constexpr int smem = forward_smem_bytes<D, kM>();
+  set_smem(attention_forward_kernel<D, kM>, smem);
+  attention_forward_kernel<D, kM><<<grid, kThreads, smem, stream>>>(a);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
 template <int D>
 void forward_d(const AttentionForwardArgs& a, cudaStream_t stream) {
   if constexpr (D == 64) {
-    if (a.wide_tiles) {
-      const dim3 grid((a.dims.seq + kWideQueries - 1) / kWideQueries, a.dims.heads, a.dims.batch);
-      constexpr int smem = forward_wide_smem_bytes<D>();
-      set_smem(attention_forward_wide_kernel<D>, smem);
-      attention_forward_wide_kernel<D><<<grid, kThreads, smem, stream>>>(a);
-      FOURBIT_CUDA_CHECK_LAUNCH();
-      return;
-    }
+    if (a.wide_tiles) return forward_m<D, kWideM>(a, stream);
   }
-  const dim3 grid((a.dims.seq + kTile - 1) / kTile, a.dims.heads, a.dims.batch);
-  constexpr int smem = forward_smem_bytes<D>();
-  set_smem(attention_forward_kernel<D>, smem);
-  attention_forward_kernel<D><<<grid, kThreads, smem, stream>>>(a);
+  forward_m<D, 1>(a, stream);
+}
+
+// dK/dV, then dQ, with kM m-blocks a warp; D_i is in `delta`.
+template <int D, int kM>
+void backward_m(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
+  const AttentionDims& d = a.dims;
+  const int n_blocks = (d.seq + rows_per_cta<kM>() - 1) / rows_per_cta<kM>();
+  constexpr int smem_kv = dkdv_smem_bytes<D, kM>();
+  set_smem(attention_dkdv_kernel<D, kM>, smem_kv);
+  attention_dkdv_kernel<D, kM><<<dim3(n_blocks, d.kv_heads, d.batch), kThreads, smem_kv, stream>>>(
+      a, delta);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+  constexpr int smem_q = dq_smem_bytes<D, kM>();
+  set_smem(attention_dq_kernel<D, kM>, smem_q);
+  attention_dq_kernel<D, kM><<<dim3(n_blocks, d.heads, d.batch), kThreads, smem_q, stream>>>(a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
@@ -1337,40 +1045,10 @@ void backward_d(const AttentionBackwardArgs& a, float* delta, cudaStream_t strea
   attention_delta_kernel<D><<<(unsigned)((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(
       a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
-
-  const int n_tiles = (d.seq + kTile - 1) / kTile;
-  bool wide = false;
-  if constexpr (D == 64) wide = a.wide_tiles;
-  if (wide) {
-    if constexpr (D == 64) {
-      constexpr int smem_wide = dkdv_wide_smem_bytes<D>();
-      set_smem(attention_dkdv_wide_kernel<D>, smem_wide);
-      const int n_wide = (d.seq + kWideKeys - 1) / kWideKeys;
-      attention_dkdv_wide_kernel<D><<<dim3(n_wide, d.kv_heads, d.batch), kThreads, smem_wide, stream>>>(
-          a, delta);
-    }
-  } else {
-    constexpr int smem_kv = dkdv_smem_bytes<D>();
-    set_smem(attention_dkdv_kernel<D>, smem_kv);
-    attention_dkdv_kernel<D><<<dim3(n_tiles, d.kv_heads, d.batch), kThreads, smem_kv, stream>>>(
-        a, delta);
+  if constexpr (D == 64) {
+    if (a.wide_tiles) return backward_m<D, kWideM>(a, delta, stream);
   }
-  FOURBIT_CUDA_CHECK_LAUNCH();
-
-  if (wide) {
-    if constexpr (D == 64) {
-      constexpr int smem_wide_q = dq_wide_smem_bytes<D>();
-      set_smem(attention_dq_wide_kernel<D>, smem_wide_q);
-      const int n_wide_q = (d.seq + kWideQueries - 1) / kWideQueries;
-      attention_dq_wide_kernel<D><<<dim3(n_wide_q, d.heads, d.batch), kThreads, smem_wide_q, stream>>>(
-          a, delta);
-    }
-  } else {
-    constexpr int smem_q = dq_smem_bytes<D>();
-    set_smem(attention_dq_kernel<D>, smem_q);
-    attention_dq_kernel<D><<<dim3(n_tiles, d.heads, d.batch), kThreads, smem_q, stream>>>(a, delta);
-  }
-  FOURBIT_CUDA_CHECK_LAUNCH();
+  backward_m<D, 1>(a, delta, stream);
 }
 
 template <int D>
