@@ -120,13 +120,13 @@ TEST(OpsElementwise, AddInplaceOutputAmaxesEqualTheReferenceQuantizers) {
   o.amax = &amax[0];
   o.rht_amax = &amax[1];
   o.rht_sign_mask = cfg.rht_sign_mask();
-  add_inplace(fused, tb, nullptr, o);
+  add_inplace(fused, tb, nullptr, &o);
   EXPECT_EQ(values_of(fused), values_of(plain));
   const quant::QuantizedTensor q = quant::quantize_reference(plain.view(), cfg, {true, true}, {"sum", {}});
   EXPECT_EQ(amax[0], *q.rowwise->amax.ptr<float>());
   EXPECT_EQ(amax[1], *q.colwise->amax.ptr<float>());
   Tensor odd = host_tensor({20, 4}, DType::kF32, random_normal(80, 43));  // 20 rows: no 16-row segments
-  EXPECT_THROW(add_inplace(odd, odd, nullptr, o), Error);
+  EXPECT_THROW(add_inplace(odd, odd, nullptr, &o), Error);
 }
 
 }  // namespace

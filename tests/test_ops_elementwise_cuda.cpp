@@ -177,7 +177,7 @@ TEST_F(OpsElementwiseCuda, AddInplaceOutputAmaxesEqualTheQuantizersAmaxPass) {
     o.rht_sign_mask = k.mask;
     o.nonfinite_flag = flag.ptr<int>();
     add_inplace(plain.view, gb.view);
-    add_inplace(fused.view, gb.view, nullptr, o);
+    add_inplace(fused.view, gb.view, nullptr, &o);
     EXPECT_EQ(fused.damaged_guard_bytes(), 0);
     const std::vector<double> f = fused.values(), pv = plain.values();
     bool same = f.size() == pv.size();
@@ -198,7 +198,7 @@ TEST_F(OpsElementwiseCuda, AddInplaceOutputAmaxesEqualTheQuantizersAmaxPass) {
   Tensor x = Tensor::zeros({24, 128}, DType::kBF16, Device::kCuda), amax = Tensor::zeros({2}, DType::kF32, Device::kCuda);
   OutputAmaxes o;
   o.amax = amax.ptr<float>();
-  EXPECT_THROW(add_inplace(x.view(), x.view(), nullptr, o), Error);
+  EXPECT_THROW(add_inplace(x.view(), x.view(), nullptr, &o), Error);
 }
 
 }  // namespace

@@ -1297,11 +1297,7 @@ void Model::backward(const BackwardOptions& o) {
       ops::rmsnorm_backward(s.d_tmp, im.g(p.mlp_norm), s.d_ln, a.mid[(size_t)l], im.master(p.mlp_norm),
                             b.ln2_rstd, s.norm_ws, st);
       im.bf16(s.d_tmp);
-      if (d_mid_amax) {
-        ops::add_inplace(s.d_resid, s.d_tmp, st, *d_mid_amax);  // now d mid[l]
-      } else {
-        ops::add_inplace(s.d_resid, s.d_tmp, st);
-      }
+      ops::add_inplace(s.d_resid, s.d_tmp, st, d_mid_amax ? &*d_mid_amax : nullptr);  // now d mid[l]
       im.bf16(s.d_resid);
     }
     // Attention half.
@@ -1340,11 +1336,7 @@ void Model::backward(const BackwardOptions& o) {
       ops::rmsnorm_backward(s.d_tmp, im.g(p.attn_norm), s.d_ln, a.resid[(size_t)l],
                             im.master(p.attn_norm), b.ln1_rstd, s.norm_ws, st);
       im.bf16(s.d_tmp);
-      if (d_resid_out) {
-        ops::add_inplace(s.d_resid, s.d_tmp, st, *d_resid_out);  // now d resid[l]
-      } else {
-        ops::add_inplace(s.d_resid, s.d_tmp, st);
-      }
+      ops::add_inplace(s.d_resid, s.d_tmp, st, d_resid_out ? &*d_resid_out : nullptr);  // now d resid[l]
       im.bf16(s.d_resid);
     }
     d_resid_amax = Model::Impl::given_amax(d_resid_out);

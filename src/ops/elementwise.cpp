@@ -128,12 +128,14 @@ void add(const TensorView& out, const TensorView& a, const TensorView& b, void* 
   run_add("add", out, a, b, stream);
 }
 
-void add_inplace(const TensorView& a, const TensorView& b, void* stream) {
-  run_add("add_inplace", a, a, b, stream);
-}
-
-void add_inplace(const TensorView& a, const TensorView& b, void* stream, const OutputAmaxes& amaxes) {
+void add_inplace(const TensorView& a, const TensorView& b, void* stream,
+                 const OutputAmaxes* output_amaxes) {
   constexpr std::string_view op = "add_inplace";
+  if (output_amaxes == nullptr) {
+    run_add(op, a, a, b, stream);
+    return;
+  }
+  const OutputAmaxes& amaxes = *output_amaxes;
   const Device dev = check_add(op, a, a, b);
   FOURBIT_CHECK(a.shape.ndim == 2, "{}: with output amaxes, a must be a matrix [N, C], got {}", op, a.describe());
   const int64_t N = a.shape[0], C = a.shape[1];

@@ -23,12 +23,12 @@ void add(const TensorView& out, const TensorView& a, const TensorView& b, void* 
 
 // a += b (the residual connection in place).
 //   a, b: [*] same shape; dtypes as for add.
-void add_inplace(const TensorView& a, const TensorView& b, void* stream = nullptr);
-
-// a += b, also accumulating the global amaxes of the result (output_amax.h) for the NVFP4
-// quantizer of the next GEMM's input (the residual gradient, dY of attn_out and mlp_down).
-//   a, b: [N, C], one dtype; CUDA: bf16, contiguous, output_amaxes_supported(N, C), 4-byte aligned.
-void add_inplace(const TensorView& a, const TensorView& b, void* stream, const OutputAmaxes& amaxes);
+// amaxes (optional): also accumulate the global amaxes of the result (output_amax.h) for the
+// NVFP4 quantizer of the next GEMM's input (the residual gradient, dY of attn_out and mlp_down);
+// then a, b: [N, C], one dtype; CUDA: bf16, contiguous, output_amaxes_supported(N, C), 4-byte
+// aligned.
+void add_inplace(const TensorView& a, const TensorView& b, void* stream = nullptr,
+                 const OutputAmaxes* amaxes = nullptr);
 
 // out = x in another dtype: f32 -> bf16 (round to nearest even; NaN stays NaN, canonical 0x7FFF;
 // overflow rounds to Inf) or bf16 -> f32 (exact). Same bits on the CPU and CUDA.
