@@ -2,6 +2,7 @@
 // cuda_device_count() is 0 and every device-memory function throws a clear error.
 #pragma once
 
+#include "core/sm_count.h"
 #include "core/tensor.h"
 
 #include <cstdint>
@@ -23,9 +24,7 @@ struct DeviceProperties {
   int64_t shared_memory_per_block_optin = 0;
 };
 DeviceProperties current_device_properties();
-// The current device's multiprocessor count, cached per device and thread (cheap enough for every
-// kernel launch that sizes its grid by it; current_device_properties() is not).
-int current_device_sm_count();
+// current_device_sm_count(): core/sm_count.h.
 
 // Device memory comes from the CUDA stream-ordered allocator (cudaMallocAsync / cudaFreeAsync on
 // the legacy default stream, with the device's default pool keeping freed memory for reuse). Why:

@@ -9,6 +9,7 @@
 // made the producers as much slower as the skipped amax passes had cost (bench/notes-train.md).
 #pragma once
 
+#include "core/sm_count.h"
 #include "core/error.h"
 #include "formats/element.h"
 #include "formats/fp_ops.h"
@@ -72,9 +73,7 @@ __device__ __forceinline__ void amax_strip_loop(int64_t n_rows, int64_t cols, co
 
 // One thread per strip up to 8 CTAs per SM, then grid-stride.
 inline unsigned amax_strip_grid(int64_t n_rows, int64_t cols) {
-  int sms = 0, dev = 0;
-  FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));
-  FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int sms = current_device_sm_count();
   const int64_t strips = (n_rows / kStripRows) * (cols / 2);
   const int64_t blocks = (strips + kAmaxThreads - 1) / kAmaxThreads;
   return (unsigned)std::max<int64_t>(1, std::min<int64_t>(blocks, (int64_t)sms * 8));

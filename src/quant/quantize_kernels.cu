@@ -50,6 +50,7 @@
 
 #include "quant/amax_device.cuh"
 
+#include "core/sm_count.h"
 #include "core/error.h"
 #include "core/pdl.cuh"
 #include "formats/element.h"
@@ -1283,9 +1284,7 @@ void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, 
                  cudaStream_t stream) {
   FOURBIT_CUDA_CHECK(cudaMemsetAsync(row_amax, 0, sizeof(float), stream));
   if (col_amax) FOURBIT_CUDA_CHECK(cudaMemsetAsync(col_amax, 0, sizeof(float), stream));
-  int sms = 0, dev = 0;
-  FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));
-  FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int sms = current_device_sm_count();
   const int64_t bytes = rows * cols * (bf16_source ? 2 : 4);
   if (!rht && bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
     const int64_t chunks = bytes / 16;
