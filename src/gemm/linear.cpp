@@ -115,7 +115,7 @@ void use_source_amax(const LinearOptions& o, const quant::QuantConfig& cfg, std:
                 "take them (NVFP4 1D with a per-tensor amax, and the RHT amax with RHT)",
                 o.name, what, cfg.describe());
   qo.given_rowwise_amax = o.source_amax.amax;
-  qo.given_colwise_amax = cfg.rht ? o.source_amax.rht_amax : o.source_amax.amax;
+  qo.given_colwise_amax = o.source_amax.rht_amax;  // read with RHT only
 }
 #endif
 

@@ -182,7 +182,7 @@ double time_quant(const QuantOp& op, const Tensor& source, int* flag, Timer& tim
       qo.nonfinite_flag = flag;
       if (op.amax_given) {
         qo.given_rowwise_amax = given.ptr<float>();
-        qo.given_colwise_amax = op.config.rht ? given.ptr<float>() + 1 : given.ptr<float>();
+        qo.given_colwise_amax = given.ptr<float>() + 1;  // read with RHT only
       }
       const bool emulated = op.config.format == quant::Format::kNvfp4 || op.config.format == quant::Format::kMxfp8;
       Tensor row_bf16, col_bf16;

@@ -164,7 +164,9 @@ struct CudaQuantizeOptions {
   std::optional<RandomStream> colwise_sr;
   // If set, the global amax (row-wise, column-wise post-RHT) is taken from these device scalars
   // instead of being computed by an extra pass over the source (e.g. produced by the previous op).
-  // Not with nvfp4_row_amax (its per-row amaxes are always computed here).
+  // Not with nvfp4_row_amax (its per-row amaxes are always computed here). given_colwise_amax is
+  // read only when the column-wise copy has RHT (required then); without RHT both copies take
+  // given_rowwise_amax.
   const float* given_rowwise_amax = nullptr;
   const float* given_colwise_amax = nullptr;
   // Non-finite inputs set this device flag (int32); when null, quantize_cuda synchronizes and
