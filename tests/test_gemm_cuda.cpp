@@ -316,7 +316,7 @@ TEST_F(GemmCuda, Mxfp8InexactScalesAreNeverSilent) {
 
 TEST_F(GemmCuda, ScaledBf16KernelMatchesReferenceBitForBit) {
   for (quant::Format f : {quant::Format::kNvfp4, quant::Format::kMxfp8}) {
-    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{64, 256}, {7, 45}, {3, 16}}) {
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{64, 256}, {7, 45}, {3, 16}, {1000, 768}}) {
       SCOPED_TRACE(std::string(quant::format_name(f)) + " " + std::to_string(rows) + "x" + std::to_string(cols));
       TestOperand o = quant_op("x", rows, cols, 22, config(f));
       o.device();

@@ -49,14 +49,26 @@ struct Case {
   int64_t B, T, H, Hkv, D;
   double input_scale = 1.0;
   bool fused = false;  // q, k, v (and dq, dk, dv) as strided slices of one fused buffer
-  bool wide = false;   // AttentionOptions::wide_tiles (D = 64: 32 rows a warp, forward and backward)
+  // D = 64 kernel shapes (AttentionOptions::tiles): the defaults, every kernel narrow (16 rows a
+  // warp) or every kernel wide (32 rows a warp).
+  enum class Tiles { kDefault, kNarrow, kWide } tiles = Tiles::kDefault;
 };
+
+AttentionTiles tiles_of(const Case& c) {
+  switch (c.tiles) {
+    case Case::Tiles::kNarrow: return AttentionTiles{false, false, false};
+    case Case::Tiles::kWide: return AttentionTiles{true, true, true};
+    case Case::Tiles::kDefault: break;
+  }
+  return AttentionTiles{};
+}
 
 std::string describe(const Case& c) {
   return "B " + std::to_string(c.B) + " T " + std::to_string(c.T) + " H " + std::to_string(c.H) +
          " Hkv " + std::to_string(c.Hkv) + " D " + std::to_string(c.D) +
          (c.input_scale != 1.0 ? " input scale " + std::to_string(c.input_scale) : "") +
-         (c.fused ? " fused-QKV views" : "") + (c.wide ? " wide dK/dV tiles" : "");
+         (c.fused ? " fused-QKV views" : "") +
+         (c.tiles == Case::Tiles::kWide ? " all wide" : c.tiles == Case::Tiles::kNarrow ? " all narrow" : "");
 }
 
 std::vector<double> abs_of(std::vector<double> v) {
@@ -253,7 +265,7 @@ void check_case(const Case& c, uint64_t seed) {
     Guarded out = Guarded::make({c.B, c.T, c.H, c.D}, DType::kBF16, poison);
     Guarded lse = Guarded::make({c.B, c.H, c.T}, DType::kF32, poison);
     AttentionOptions fwd_options;
-    fwd_options.wide_tiles = c.wide;
+    fwd_options.tiles = tiles_of(c);
     attention_forward(in.q, in.k, in.v, out.view, lse.view, fwd_options);
     device_synchronize();
     ASSERT_EQ(out.damaged_guard_bytes(), 0) << "out: write outside the tensor";
@@ -301,7 +313,7 @@ void check_case(const Case& c, uint64_t seed) {
     const Tensor out_d = host_tensor({c.B, c.T, c.H, c.D}, DType::kBF16, out_gpu).to(Device::kCuda);
     const Tensor lse_d = lse32.to(Device::kCuda);
     AttentionOptions options;
-    options.wide_tiles = c.wide;
+    options.tiles = tiles_of(c);
     attention_backward(dout_d, in.q, in.k, in.v, out_d, lse_d, grad.q, grad.k, grad.v, options);
     device_synchronize();
     if (c.fused) {
@@ -366,12 +378,25 @@ TEST_F(OpsAttentionCuda, ManyKeyBlocksAndGqaGroups) {
 // keys a warp and 128 a CTA: ragged blocks (T not a multiple of 128, 32 or 16), warps that skip a tile
 // (all keys after all queries), GQA, strided views, large scores.
 TEST_F(OpsAttentionCuda, WideTilesMatchTheReference) {
+  constexpr Case::Tiles kWide = Case::Tiles::kWide;
   uint64_t seed = 7000;
-  for (const Case& c : {Case{2, 1, 4, 2, 64, 1.0, false, true}, Case{1, 7, 2, 2, 64, 1.0, false, true},
-                        Case{2, 65, 4, 1, 64, 1.0, false, true}, Case{1, 128, 2, 2, 64, 1.0, false, true},
-                        Case{1, 200, 6, 2, 64, 1.0, false, true}, Case{1, 333, 2, 1, 64, 1.0, false, true},
-                        Case{2, 100, 4, 2, 64, 1.0, true, true}, Case{1, 150, 2, 1, 64, 4.0, false, true},
-                        Case{2, 1000, 4, 1, 64, 1.0, false, true}}) {
+  for (const Case& c : {Case{2, 1, 4, 2, 64, 1.0, false, kWide}, Case{1, 7, 2, 2, 64, 1.0, false, kWide},
+                        Case{2, 65, 4, 1, 64, 1.0, false, kWide}, Case{1, 128, 2, 2, 64, 1.0, false, kWide},
+                        Case{1, 200, 6, 2, 64, 1.0, false, kWide}, Case{1, 333, 2, 1, 64, 1.0, false, kWide},
+                        Case{2, 100, 4, 2, 64, 1.0, true, kWide}, Case{1, 150, 2, 1, 64, 4.0, false, kWide},
+                        Case{2, 1000, 4, 1, 64, 1.0, false, kWide}}) {
+    check_case(c, seed += 10);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// The default D = 64 forward is wide; its narrow kernel (and the narrow backward) stays tested.
+TEST_F(OpsAttentionCuda, NarrowTilesMatchTheReference) {
+  constexpr Case::Tiles kNarrow = Case::Tiles::kNarrow;
+  uint64_t seed = 7500;
+  for (const Case& c : {Case{2, 1, 4, 2, 64, 1.0, false, kNarrow}, Case{2, 65, 4, 1, 64, 1.0, false, kNarrow},
+                        Case{1, 333, 2, 1, 64, 1.0, false, kNarrow}, Case{2, 100, 4, 2, 64, 1.0, true, kNarrow},
+                        Case{1, 150, 2, 1, 64, 4.0, false, kNarrow}, Case{2, 1000, 4, 1, 64, 1.0, false, kNarrow}}) {
     check_case(c, seed += 10);
     if (HasFatalFailure()) return;
   }

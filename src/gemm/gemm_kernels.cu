@@ -11,6 +11,7 @@
 #include "core/pdl.cuh"
 #include "formats/element.h"
 #include "quant/block_math.h"
+#include "quant/scaled_bf16_device.cuh"
 
 #include <algorithm>
 
@@ -36,6 +37,21 @@ __global__ void scaled_bf16_kernel(ScaledBf16Params p) {
   const int64_t chunks_per_row = (p.cols + 15) / 16;
   const int64_t chunks = p.rows * chunks_per_row;
   const bool vector_rows = p.cols % 16 == 0;
+  const bool aligned = reinterpret_cast<uintptr_t>(p.data) % 8 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
+  if (p.format == quant::Format::kNvfp4 && vector_rows && aligned) {
+    // The common case (every training operand): chunk t is micro-block t of the row-major data,
+    // so its 8 packed bytes are at 8 t, its scale at t and its 16 outputs at 16 t. The quantizer's
+    // helpers: branch-free decode, two values per hardware BF16 conversion (~4x fewer
+    // instructions than the generic path below, which was issue-bound).
+    const uint2* packed = reinterpret_cast<const uint2*>(p.data);
+    for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
+         t += (int64_t)gridDim.x * blockDim.x) {
+      float sv[16];
+      quant::nvfp4_scaled16(packed[t], p.scales[t], sv);
+      quant::store_bf16x16(p.out + 16 * t, sv);
+    }
+    return;
+  }
   for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
        t += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = t / chunks_per_row, c0 = (t % chunks_per_row) * 16;

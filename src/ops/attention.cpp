@@ -271,14 +271,38 @@ void check_cuda_heads(std::string_view op,
   }
 }
 
-// FOURBIT_ATTENTION_WIDE=1: every CUDA forward and backward with D = 64 takes the wide kernels
-// (AttentionOptions::wide_tiles), for A/B runs; read once per process.
-[[maybe_unused]] bool wide_tiles_forced() {
-  static const bool forced = [] {
+// FOURBIT_ATTENTION_WIDE (AttentionTiles): "0", "1" or a comma list out of forward, dkdv, dq;
+// unset leaves AttentionOptions::tiles in charge. Read once per process; an unknown word is an
+// error that names the variable.
+[[maybe_unused]] const std::optional<AttentionTiles>& tiles_forced() {
+  static const std::optional<AttentionTiles> forced = []() -> std::optional<AttentionTiles> {
     const char* v = std::getenv("FOURBIT_ATTENTION_WIDE");
-    return v != nullptr && std::string_view(v) == "1";
+    if (v == nullptr) return std::nullopt;
+    const std::string_view s(v);
+    if (s == "0") return AttentionTiles{false, false, false};
+    if (s == "1") return AttentionTiles{true, true, true};
+    AttentionTiles t{false, false, false};
+    size_t begin = 0;
+    while (begin <= s.size()) {
+      const size_t end = std::min(s.find(',', begin), s.size());
+      const std::string_view word = s.substr(begin, end - begin);
+      if (word == "forward") t.wide_forward = true;
+      else if (word == "dkdv") t.wide_dkdv = true;
+      else if (word == "dq") t.wide_dq = true;
+      else
+        FOURBIT_CHECK(false,
+                      "FOURBIT_ATTENTION_WIDE='{}': expected 0, 1 or a comma list out of forward, "
+                      "dkdv, dq (the kernels that take 32 rows a warp)",
+                      s);
+      begin = end + 1;
+    }
+    return t;
   }();
   return forced;
+}
+
+[[maybe_unused]] AttentionTiles resolve_tiles(const AttentionOptions& options) {
+  return tiles_forced().value_or(options.tiles);
 }
 
 }  // namespace
@@ -318,7 +342,7 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   a.out = bf16_out(out);
   a.out_stride = head_strides(out);
   a.lse = lse.ptr<float>();
-  a.wide_tiles = options.wide_tiles || wide_tiles_forced();
+  a.wide = resolve_tiles(options).wide_forward;
   kernels::launch_attention_forward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;
@@ -378,7 +402,9 @@ void attention_backward(const TensorView& dout, const TensorView& q, const Tenso
   a.dk_stride = head_strides(dk);
   a.dv = bf16_out(dv);
   a.dv_stride = head_strides(dv);
-  a.wide_tiles = options.wide_tiles || wide_tiles_forced();
+  const AttentionTiles tiles = resolve_tiles(options);
+  a.wide_dkdv = tiles.wide_dkdv;
+  a.wide_dq = tiles.wide_dq;
   kernels::launch_attention_backward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;

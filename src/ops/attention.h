@@ -40,19 +40,27 @@ namespace fourbit::ops {
 
 class AttentionDecodeWorkspace;
 
+// Per-kernel tile shapes for D = 64 (ignored for D = 128). The defaults are the fastest measured
+// on an H100 (bench/notes-train.md, session 16: wide forward 0.275 -> 0.251 ms at gpt2-124m B 32;
+// the wide dK/dV + dQ pair 1.02 -> 1.10 ms, slower). FOURBIT_ATTENTION_WIDE overrides every call
+// of the process for A/B runs, read once: "0" (all narrow), "1" (all wide), or a comma list of
+// the wide ones out of forward, dkdv, dq.
+struct AttentionTiles {
+  bool wide_forward = true;
+  bool wide_dkdv = false;
+  bool wide_dq = false;
+};
+
 struct AttentionOptions {
   // Multiplies q . k before the softmax; unset: 1 / sqrt(D). Must be finite and > 0.
   std::optional<float> scale;
   // attention_decode on CUDA: scratch that lets the kernel split the cache over several CTAs
   // (flash-decoding). Null: one CTA streams the whole cache of its (b, kv head, 16 query rows).
   AttentionDecodeWorkspace* decode_workspace = nullptr;
-  // CUDA with D = 64: the "wide" kernels, which give each warp 32 rows instead of 16 (less
-  // shared-memory traffic per tensor-core op; attention_kernels.cu): the forward with 32 queries a
-  // warp, the backward's dK/dV with 32 keys and dQ with 32 queries a warp. Same tolerances and
-  // determinism, another FP32 summation order in the backward. Off by default until measured
-  // (session 15 wrote them without a GPU); FOURBIT_ATTENTION_WIDE=1 turns them on for every call
-  // of the process (A/B runs), =0 or unset leaves this option in charge. Ignored for D = 128.
-  bool wide_tiles = false;
+  // CUDA with D = 64: which kernels give each warp 32 rows instead of 16 ("wide": less
+  // shared-memory traffic per tensor-core op, more registers; attention_kernels.cu). Same
+  // tolerances and determinism either way; the wide backward kernels sum in another FP32 order.
+  AttentionTiles tiles;
 };
 
 // Scratch of the split-cache decode kernel, made once by the owner of a KV cache (never inside a

@@ -6,8 +6,10 @@
 // shared-memory tiles whose rows are padded by 16 bytes, which makes every ldmatrix phase hit 8
 // distinct 16-byte bank groups). A CTA is 4 warps; each warp owns kM m-blocks of 16 rows of the
 // CTA's tile, so no cross-warp reduction is ever needed. Every kernel is one template over kM:
-// kM = 1 by default (the CTA sizes below), kM = 2 ("wide", D = 64 only, AttentionOptions::wide_tiles:
-// CTAs of 128 rows, each B fragment read from shared memory serves two m-blocks; not yet measured).
+// kM = 1 (the CTA sizes below) or kM = 2 ("wide", D = 64 only, chosen per kernel by
+// AttentionOptions::tiles: CTAs of 128 rows, each B fragment read from shared memory serves two
+// m-blocks). Measured on the H100 (bench/notes-train.md, session 16): the wide forward is ~9%
+// faster and the default for D = 64; the wide backward kernels were slower together.
 //   forward     CTA = 64 queries of one (b, h). Q's fragments stay in registers (kM = 1); key/value tiles
 //               of 64 rows stream through a 2-stage cp.async pipeline; S = Q K^T and the online
 //               softmax (running max and sum, FP32, exp2 with log2(e) folded into the scale) stay
@@ -161,10 +163,10 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const uint16_t* tile
   ldsm_x4_trans(b, smem_u32(tile + r * TileLayout<D>::kStride + c));
 }
 
-// A warp owns kM m-blocks of 16 rows: kM = 1 in the default ("narrow") kernels, kM = 2 in the
-// "wide" ones (D = 64, AttentionOptions::wide_tiles). Every B fragment read from shared memory
-// serves the warp's kM m-blocks, so kM = 2 halves the shared-memory traffic per mma (the kernels
-// are bound by ldmatrix, bench/notes-train.md, session 15) for more registers.
+// A warp owns kM m-blocks of 16 rows: kM = 1 in the "narrow" kernels, kM = 2 in the "wide" ones
+// (D = 64, AttentionOptions::tiles). Every B fragment read from shared memory serves the warp's kM
+// m-blocks, so kM = 2 halves the shared-memory traffic per mma (the kernels are bound by ldmatrix,
+// bench/notes-train.md, session 15) for more registers and fewer CTAs an SM.
 constexpr int kWideM = 2;
 template <int kM>
 constexpr int rows_per_cta() {  // queries (forward, dq) or keys (dk/dv) of a CTA: 64 or 128
@@ -1017,24 +1019,30 @@ void forward_m(const AttentionForwardArgs& a, cudaStream_t stream) {
 template <int D>
 void forward_d(const AttentionForwardArgs& a, cudaStream_t stream) {
   if constexpr (D == 64) {
-    if (a.wide_tiles) return forward_m<D, kWideM>(a, stream);
+    if (a.wide) return forward_m<D, kWideM>(a, stream);
   }
   forward_m<D, 1>(a, stream);
 }
 
-// dK/dV, then dQ, with kM m-blocks a warp; D_i is in `delta`.
+// dK/dV with kM m-blocks a warp; D_i is in `delta`.
 template <int D, int kM>
-void backward_m(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
+void dkdv_m(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
   const AttentionDims& d = a.dims;
   const int n_blocks = (d.seq + rows_per_cta<kM>() - 1) / rows_per_cta<kM>();
-  constexpr int smem_kv = dkdv_smem_bytes<D, kM>();
-  set_smem(attention_dkdv_kernel<D, kM>, smem_kv);
-  attention_dkdv_kernel<D, kM><<<dim3(n_blocks, d.kv_heads, d.batch), kThreads, smem_kv, stream>>>(
-      a, delta);
+  constexpr int smem = dkdv_smem_bytes<D, kM>();
+  set_smem(attention_dkdv_kernel<D, kM>, smem);
+  attention_dkdv_kernel<D, kM><<<dim3(n_blocks, d.kv_heads, d.batch), kThreads, smem, stream>>>(a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
-  constexpr int smem_q = dq_smem_bytes<D, kM>();
-  set_smem(attention_dq_kernel<D, kM>, smem_q);
-  attention_dq_kernel<D, kM><<<dim3(n_blocks, d.heads, d.batch), kThreads, smem_q, stream>>>(a, delta);
+}
+
+// dQ with kM m-blocks a warp; D_i is in `delta`.
+template <int D, int kM>
+void dq_m(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
+  const AttentionDims& d = a.dims;
+  const int n_blocks = (d.seq + rows_per_cta<kM>() - 1) / rows_per_cta<kM>();
+  constexpr int smem = dq_smem_bytes<D, kM>();
+  set_smem(attention_dq_kernel<D, kM>, smem);
+  attention_dq_kernel<D, kM><<<dim3(n_blocks, d.heads, d.batch), kThreads, smem, stream>>>(a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
@@ -1046,9 +1054,14 @@ void backward_d(const AttentionBackwardArgs& a, float* delta, cudaStream_t strea
       a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
   if constexpr (D == 64) {
-    if (a.wide_tiles) return backward_m<D, kWideM>(a, delta, stream);
+    if (a.wide_dkdv) dkdv_m<D, kWideM>(a, delta, stream);
+    else dkdv_m<D, 1>(a, delta, stream);
+    if (a.wide_dq) dq_m<D, kWideM>(a, delta, stream);
+    else dq_m<D, 1>(a, delta, stream);
+  } else {
+    dkdv_m<D, 1>(a, delta, stream);
+    dq_m<D, 1>(a, delta, stream);
   }
-  backward_m<D, 1>(a, delta, stream);
 }
 
 template <int D>

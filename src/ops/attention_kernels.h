@@ -31,7 +31,7 @@ struct AttentionForwardArgs {
   uint16_t* out;      HeadStrides out_stride;  // bf16 [B, T, H, D]
   float* lse;                                  // f32 [B, H, T], contiguous
   // D = 64: the kernel with 32 queries a warp (attention_kernels.cu); ignored for D = 128.
-  bool wide_tiles = false;
+  bool wide = false;
 };
 
 struct AttentionBackwardArgs {
@@ -45,9 +45,10 @@ struct AttentionBackwardArgs {
   uint16_t* dq;         HeadStrides dq_stride;    // bf16 [B, T, H, D]
   uint16_t* dk;         HeadStrides dk_stride;    // bf16 [B, T, Hkv, D]
   uint16_t* dv;         HeadStrides dv_stride;    // bf16 [B, T, Hkv, D]
-  // D = 64: dK/dV and dQ by the kernels with 32 keys / 32 queries a warp (attention_kernels.cu);
-  // ignored for D = 128.
-  bool wide_tiles = false;
+  // D = 64: dK/dV by the kernel with 32 keys a warp, dQ by the one with 32 queries a warp
+  // (attention_kernels.cu); ignored for D = 128.
+  bool wide_dkdv = false;
+  bool wide_dq = false;
 };
 
 struct AttentionDecodeArgs {

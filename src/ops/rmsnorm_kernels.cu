@@ -134,21 +134,35 @@ __global__ void __launch_bounds__(1024)
   for (int j = 0; j < J; ++j) store8(pr, (int64_t)(j * blockDim.x + threadIdx.x) * 8, cols, p_vec, acc[j]);
 }
 
-// dweight[c] += sum_b partial[b, c], b in a fixed order. blockDim (32, 8).
-__global__ void rmsnorm_dweight_kernel(float* __restrict__ dweight,
-                                       const float* __restrict__ partial, int64_t n_chunks,
-                                       int cols) {
-  __shared__ float sums[8][33];
+// dweight[c] += sum_b partial[b, c] in a fixed order that depends only on n_chunks. blockDim
+// (32, kDweightRows): thread (x, y) of column c keeps 4 independent sums of the partials
+// b = y + kDweightRows * (4 i + k), k = 0..3 (4 loads in flight instead of one dependent chain of
+// n_chunks / 8 L2 round trips: with 2048 chunks that chain was ~256 deep), adds them as
+// (s0 + s1) + (s2 + s3), and the rows' sums are added in y order in shared memory.
+constexpr int kDweightRows = 32;
+__global__ void __launch_bounds__(32 * kDweightRows)
+rmsnorm_dweight_kernel(float* __restrict__ dweight, const float* __restrict__ partial, int64_t n_chunks,
+                       int cols) {
+  __shared__ float sums[kDweightRows][33];
   const int c = blockIdx.x * 32 + threadIdx.x;
-  float s = 0.0f;
-  if (c < cols)
-    for (int64_t b = threadIdx.y; b < n_chunks; b += 8) s += partial[b * cols + c];
-  sums[threadIdx.y][threadIdx.x] = s;
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (c < cols) {
+    constexpr int64_t kStep = 4 * kDweightRows;
+    int64_t b = threadIdx.y;
+    for (; b + 3 * kDweightRows < n_chunks; b += kStep) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[k] += partial[(b + k * kDweightRows) * cols + c];
+    }
+#pragma unroll
+    for (int k = 0; k < 3; ++k)  // the last 0..3 partials of this row
+      if (b + k * kDweightRows < n_chunks) s[k] += partial[(b + k * kDweightRows) * cols + c];
+  }
+  sums[threadIdx.y][threadIdx.x] = (s[0] + s[1]) + (s[2] + s[3]);
   __syncthreads();
   if (threadIdx.y == 0 && c < cols) {
     float total = 0.0f;
 #pragma unroll
-    for (int g = 0; g < 8; ++g) total += sums[g][threadIdx.x];
+    for (int g = 0; g < kDweightRows; ++g) total += sums[g][threadIdx.x];
     dweight[c] += total;
   }
 }
@@ -200,7 +214,7 @@ void launch_rmsnorm_backward(const RmsnormBackwardArgs& a, cudaStream_t stream) 
     });
   });
   FOURBIT_CUDA_CHECK_LAUNCH();
-  rmsnorm_dweight_kernel<<<(unsigned)((a.cols + 31) / 32), dim3(32, 8), 0, stream>>>(
+  rmsnorm_dweight_kernel<<<(unsigned)((a.cols + 31) / 32), dim3(32, kDweightRows), 0, stream>>>(
       a.dweight, a.partial, a.n_chunks, a.cols);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }

@@ -49,6 +49,7 @@
 #include "quant/quantize_kernels.h"
 
 #include "quant/amax_device.cuh"
+#include "quant/scaled_bf16_device.cuh"
 
 #include "core/sm_count.h"
 #include "core/error.h"
@@ -133,14 +134,6 @@ __device__ __forceinline__ uint2 nvfp4_encode16(const float v[16], float mult, b
   return make_uint2(w[0], w[1]);
 }
 
-// E2M1 value of a code (formats::decode_e2m1 without branches): magnitudes 0 and 0.5 for codes
-// 0 and 1, else the FP32 with exponent and top mantissa bit taken from the code.
-__device__ __forceinline__ float e2m1_value(uint32_t code) {
-  const uint32_t m = code & 7u;
-  const uint32_t mag = m < 2u ? m * 0x3F000000u : 0x3F000000u + (m << 22);
-  return __uint_as_float(mag | ((code & 8u) << 28));
-}
-
 // --- BF16 pairs -----------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t bf16x2_max_nan(uint32_t a, uint32_t b) {
@@ -222,33 +215,6 @@ __device__ __forceinline__ void four_over_six_errors16(const float v[16], FourOv
         formats::mul_rn(formats::mul_rn(e2m1_value(q4), s4), ts.amax), ts.constant, ts.rcp_constant);
     err6 = four_over_six_accumulate_error(err6, deq6, v[i], metric);
     err4 = four_over_six_accumulate_error(err4, deq4, v[i], metric);
-  }
-}
-
-// Stores 16 values as BF16 (two 16-byte stores). The conversion is the hardware's
-// cvt.rn.bf16x2.f32, two values an instruction, which rounds like encode_bf16_rn (RNE, overflow
-// to Inf, canonical NaN 0x7FFF); the values stored here are exact in BF16 anyway, except MXFP8
-// ones that e4m3_scaled16 flags.
-__device__ __forceinline__ void store_bf16x16(uint16_t* dst, const float v[16]) {
-  uint32_t w[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    memcpy(&w[i], &h, 4);
-  }
-  uint4* d = reinterpret_cast<uint4*>(dst);
-  d[0] = make_uint4(w[0], w[1], w[2], w[3]);
-  d[1] = make_uint4(w[4], w[5], w[6], w[7]);
-}
-
-// NVFP4 scaled-domain values q * s_b from packed codes: exact (at most 6 significant bits), so
-// BF16 holds them exactly. e2m1_value is the branch-free decode.
-__device__ __forceinline__ void nvfp4_scaled16(uint2 packed, uint8_t scale, float out[16]) {
-  const float s = formats::decode_e4m3(scale);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const uint32_t word = i < 8 ? packed.x : packed.y;
-    out[i] = formats::mul_rn(e2m1_value(word >> (4 * (i & 7))), s);
   }
 }
 

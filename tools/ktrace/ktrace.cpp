@@ -1,0 +1,158 @@
+// libfourbit_ktrace.so: a kernel-time summary for any CUDA program, by LD_PRELOAD, for machines
+// without Nsight Systems (the device machines have none that works; ncu profiles one launch at a
+// time). It records every kernel and memcpy/memset with the CUPTI activity API (start/end
+// timestamps from the GPU) and, when the program exits, prints one table: per kernel name (template
+// arguments kept, shortened), the launch count, total and mean time, and share of all kernel time,
+// sorted by total.
+//
+//   LD_PRELOAD=build-gpu/tools/ktrace/libfourbit_ktrace.so fourbit bench train --presets gpt2-124m --recipes nvfp4
+//
+// Environment: FOURBIT_KTRACE_OUT=file writes the table there (default: stderr);
+// FOURBIT_KTRACE_TOP=n keeps the n largest rows (default 60); FOURBIT_KTRACE_WIDTH=n cuts names
+// to n characters (default 110).
+// Invariants: the times are GPU durations of each launch (end - start), summed; kernels that ran
+// concurrently are both counted in full, so the total can exceed wall time. CUPTI adds a little
+// time per launch; compare shares, not absolute times, against untraced runs.
+#include <cupti.h>
+
+#include <cxxabi.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Row {
+  long long count = 0;
+  double total_ns = 0;
+};
+
+std::mutex g_mutex;
+std::map<std::string, Row>* g_rows = nullptr;  // leaked on purpose: used from CUPTI's threads at exit
+bool g_ok = false;
+
+constexpr size_t kBufferBytes = 8 << 20;
+
+std::string short_name(const char* mangled) {
+  if (mangled == nullptr) return "(unnamed)";
+  int status = 0;
+  char* d = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string s = status == 0 && d != nullptr ? d : mangled;
+  std::free(d);
+  // Drop the namespaces and the argument list; keep the template arguments.
+  for (const char* ns : {"fourbit::", "(anonymous namespace)::", "kernels::"}) {
+    for (size_t p; (p = s.find(ns)) != std::string::npos;) s.erase(p, std::strlen(ns));
+  }
+  int depth = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '<') ++depth;
+    if (s[i] == '>') --depth;
+    if (s[i] == '(' && depth == 0) {
+      s.resize(i);
+      break;
+    }
+  }
+  return s;
+}
+
+void add(const std::string& name, unsigned long long start, unsigned long long end) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  Row& r = (*g_rows)[name];
+  r.count += 1;
+  r.total_ns += (double)(end - start);
+}
+
+void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
+  *size = kBufferBytes;
+  *max_records = 0;
+}
+
+void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  CUpti_Activity* record = nullptr;
+  while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+    switch (record->kind) {
+      case CUPTI_ACTIVITY_KIND_KERNEL:
+      case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
+        const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
+        add(short_name(k->name), k->start, k->end);
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_MEMCPY: {
+        const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(record);
+        add("[memcpy kind " + std::to_string((int)m->copyKind) + "]", m->start, m->end);
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_MEMSET: {
+        const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(record);
+        add("[memset]", m->start, m->end);
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  std::free(buffer);
+}
+
+long env_long(const char* name, long fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atol(v) : fallback;
+}
+
+__attribute__((constructor)) void start() {
+  g_rows = new std::map<std::string, Row>();
+  if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS) {
+    std::fprintf(stderr, "ktrace: cuptiActivityRegisterCallbacks failed; no kernel table\n");
+    return;
+  }
+  const CUptiResult k = cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
+  cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY);
+  cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET);
+  if (k != CUPTI_SUCCESS) {
+    const char* msg = nullptr;
+    cuptiGetResultString(k, &msg);
+    std::fprintf(stderr, "ktrace: cannot trace kernels (%s); no kernel table\n", msg ? msg : "?");
+    return;
+  }
+  g_ok = true;
+}
+
+__attribute__((destructor)) void finish() {
+  if (!g_ok) return;
+  cuptiActivityFlushAll(1);
+  std::vector<std::pair<std::string, Row>> rows;
+  double all = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    rows.assign(g_rows->begin(), g_rows->end());
+  }
+  for (const auto& [name, r] : rows) all += r.total_ns;
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.total_ns > b.second.total_ns; });
+  const char* path = std::getenv("FOURBIT_KTRACE_OUT");
+  FILE* out = path != nullptr ? std::fopen(path, "w") : stderr;
+  if (out == nullptr) {
+    std::fprintf(stderr, "ktrace: cannot write FOURBIT_KTRACE_OUT=%s; the table goes to stderr\n", path);
+    out = stderr;
+  }
+  const long top = env_long("FOURBIT_KTRACE_TOP", 60);
+  const size_t width = (size_t)env_long("FOURBIT_KTRACE_WIDTH", 110);
+  std::fprintf(out, "ktrace: %zu kernel names, %.3f ms of GPU time in all\n", rows.size(), all * 1e-6);
+  std::fprintf(out, "%10s %10s %10s %7s  %s\n", "total ms", "launches", "mean us", "share", "kernel");
+  long shown = 0;
+  for (const auto& [name, r] : rows) {
+    if (shown++ >= top) break;
+    std::string n = name.size() > width ? name.substr(0, width - 3) + "..." : name;
+    std::fprintf(out, "%10.3f %10lld %10.2f %6.2f%%  %s\n", r.total_ns * 1e-6, r.count,
+                 r.total_ns * 1e-3 / (double)r.count, 100.0 * r.total_ns / all, n.c_str());
+  }
+  if (out != stderr) std::fclose(out);
+}
+
+}  // namespace
