@@ -17,30 +17,39 @@
 #include "ops/output_amax.h"
 #include "quant/amax_device.cuh"
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace fourbit::ops::kernels {
 
 constexpr int kAmaxThreads = 256;
 constexpr int kStripRows = 16;
 
-// Two bf16 values at p (4-byte aligned): the raw word, its two floats, and back (round to nearest
-// even, the codec of formats/element.h that store8 uses).
+// Two bf16 values at p (4-byte aligned): the raw word, its two floats, and back. store_pair rounds
+// by the hardware's cvt.rn.bf16x2.f32 (one instruction for the pair), which gives the bits of
+// formats::encode_bf16_rn, the codec store8 uses (RNE, overflow to Inf, NaN -> 0x7FFF), and leaves
+// lo and hi holding the stored values (what the amaxes are taken of).
 __device__ __forceinline__ uint32_t load_word(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 __device__ __forceinline__ float lo_of(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_of(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
-__device__ __forceinline__ void store_pair(uint16_t* p, float lo, float hi) {
-  *reinterpret_cast<uint32_t*>(p) =
-      (uint32_t)formats::encode_bf16_rn(lo) | ((uint32_t)formats::encode_bf16_rn(hi) << 16);
+__device__ __forceinline__ void store_pair(uint16_t* p, float& lo, float& hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  uint32_t w;
+  memcpy(&w, &h, 4);
+  *reinterpret_cast<uint32_t*>(p) = w;
+  lo = lo_of(w);
+  hi = hi_of(w);
 }
 
 // The strip loop of an amax kernel over an output of [n_rows, cols] (n_rows % 16 == 0, cols even):
 // for each of the thread's strips, body(r0, c, v) computes the results of rows r0 .. r0 + 15,
 // columns c and c + 1, into v[o][j][i] (output o of kOuts, column c + j, row r0 + i) and stores
-// them (store_pair); the loop then folds the stored (BF16-rounded) values into the plain amax
+// them with store_pair, which leaves v holding the stored BF16 values (a body must store every
+// v it fills that way); the loop then folds those values into the plain amax
 // and, when a.rht_amax is set, each column's transform into the RHT amax. Ends with the publish.
 // A body loads all 16 rows before its first store: in the in-place ops the compiler could not
 // move a load above a store to the same buffer, and the 16 round trips would run one by one.
@@ -60,8 +69,7 @@ __device__ __forceinline__ void amax_strip_loop(int64_t n_rows, int64_t cols, co
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
         for (int i = 0; i < kStripRows; ++i) {
-          v[o][j][i] = formats::round_to_bf16(v[o][j][i]);  // the stored value
-          const float x = formats::abs_f32(v[o][j][i]);
+          const float x = formats::abs_f32(v[o][j][i]);  // a stored value (store_pair)
           bad |= !(x <= formats::kFloatMax);
           row_amax = fmaxf(row_amax, x);
         }

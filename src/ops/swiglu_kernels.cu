@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_backward_amax_kernel(bf16_
       const float dy0 = lo_of(d[i]), dy1 = hi_of(d[i]);
       swiglu_gradients(g0, u0, dy0);
       swiglu_gradients(g1, u1, dy1);
-      store_pair(dgate, g0, g1);           // d gate
+      store_pair(dgate, g0, g1);           // d gate (g0, g1 now hold the stored values)
       store_pair(dgate + hidden, u0, u1);  // d up
       v[0][0][i] = g0, v[0][1][i] = g1, v[1][0][i] = u0, v[1][1][i] = u1;
     }
