@@ -250,6 +250,7 @@ TEST(Encode, FastE2M1EncodersEqualTheGenericOne) {
   for (float x : dense_sweep(g.values)) {
     ASSERT_EQ(encode_e2m1_rn_fast(x), encode_e2m1_rn(x)) << x;
     ASSERT_EQ(encode_e2m1_rn_not_nan(x), encode_e2m1_rn(x)) << x;
+    ASSERT_EQ(f32_bits(e2m1_value_rn_not_nan(x)), f32_bits(decode_e2m1(encode_e2m1_rn(x)))) << x;
     ++n;
   }
   // Every float whose exponent is in the E2M1 neighbourhood, at a stride.
@@ -258,6 +259,7 @@ TEST(Encode, FastE2M1EncodersEqualTheGenericOne) {
     ASSERT_EQ(encode_e2m1_rn_fast(x), encode_e2m1_rn(x)) << std::hex << b;
     if (!std::isnan(x)) {
       ASSERT_EQ(encode_e2m1_rn_not_nan(x), encode_e2m1_rn(x)) << std::hex << b;
+      ASSERT_EQ(f32_bits(e2m1_value_rn_not_nan(x)), f32_bits(decode_e2m1(encode_e2m1_rn(x)))) << std::hex << b;
     }
     ++n;
   }
@@ -287,6 +289,8 @@ TEST(Encode, FastE2M1StochasticEncoderEqualsTheGenericOne) {
   for (float x : xs) {
     for (uint32_t r = 0; r < 256; ++r) {
       ASSERT_EQ(encode_e2m1_sr_not_nan(x, r), encode_e2m1_sr(x, r))
+          << x << " (0x" << std::hex << f32_bits(x) << "), rbits " << std::dec << r;
+      ASSERT_EQ(f32_bits(e2m1_value_sr_not_nan(x, r)), f32_bits(decode_e2m1(encode_e2m1_sr(x, r))))
           << x << " (0x" << std::hex << f32_bits(x) << "), rbits " << std::dec << r;
       ++n;
     }

@@ -200,11 +200,13 @@ std::vector<Case> all_configs() {
 }
 
 // Quantizes on the GPU (twice, two poisons) and compares everything with the CPU reference.
+// packed = false: the scaled-domain BF16 copies alone (write_packed off, what the emulated GEMMs
+// of training read), compared with the reference's; the amaxes as well.
 void check_case(const QuantConfig& cfg, Fill fill, int64_t rows, int64_t cols, bool bf16,
-                Orientations o, uint64_t seed) {
+                Orientations o, uint64_t seed, bool packed = true) {
   SCOPED_TRACE(::testing::Message() << cfg.describe() << " | " << fill_name(fill) << " | " << rows
                                     << "x" << cols << (bf16 ? " bf16" : " f32") << " | row "
-                                    << o.rowwise << " col " << o.colwise);
+                                    << o.rowwise << " col " << o.colwise << (packed ? "" : " | bf16 only"));
   const Tensor host = make_source(fill, rows, cols, bf16, seed);
   QuantizeOptions ro;
   ro.tensor_name = "test";
@@ -224,6 +226,8 @@ void check_case(const QuantConfig& cfg, Fill fill, int64_t rows, int64_t cols, b
     co.tensor_name = "test";
     co.sr = ro.sr;
     co.write_bf16_scaled = mx_exact_ok;
+    co.write_packed = packed;
+    if (!packed && !mx_exact_ok) return;  // nothing would be written
     quantize_cuda(dev.view(), gb.q, co, &bf16_out[0].view, &bf16_out[1].view);
     device_synchronize();
     for (const Guarded& g : gb.buffers) ASSERT_EQ(g.damaged_guard_bytes(poison), 0) << "guard overwritten";
@@ -233,8 +237,10 @@ void check_case(const QuantConfig& cfg, Fill fill, int64_t rows, int64_t cols, b
       const std::optional<QuantizedData>& r = col ? ref.colwise : ref.rowwise;
       if (!r) continue;
       const std::string which = col ? "colwise" : "rowwise";
-      ASSERT_TRUE(same_bytes(g->data, r->data, which + " data"));
-      ASSERT_TRUE(same_bytes(g->scales, r->scales, which + " scales"));
+      if (packed) {
+        ASSERT_TRUE(same_bytes(g->data, r->data, which + " data"));
+        ASSERT_TRUE(same_bytes(g->scales, r->scales, which + " scales"));
+      }
       if (r->amax.defined()) {
         ASSERT_TRUE(same_bytes(g->amax, r->amax, which + " amax"));
       }
@@ -242,7 +248,7 @@ void check_case(const QuantConfig& cfg, Fill fill, int64_t rows, int64_t cols, b
         const Tensor want = dequantize_bf16_scaled_reference(ref, col);
         ASSERT_TRUE(same_bytes(bf16_out[col ? 1 : 0].tensor(), want, which + " bf16 scaled"));
       }
-      if (poison == 0xA5) {
+      if (poison == 0xA5 && packed) {
         Tensor out = Tensor::empty({r->rows, r->cols}, DType::kF32, Device::kCuda);
         dequantize_cuda(gb.q, col, out.view(), nullptr);
         ASSERT_TRUE(same_bytes(out, dequantize_reference(ref, col), which + " dequantized"));
@@ -291,6 +297,26 @@ TEST_F(QuantCuda, PerRowAmaxMatchesTheReference) {
           if (HasFatalFailure()) return;
         }
     }
+}
+
+// The training path: NVFP4 1x16 copies written as scaled-domain BF16 only (no packed data), which
+// the kernels compute from the encoders' grid values without forming codes.
+TEST_F(QuantCuda, Bf16OnlyCopiesMatchTheReference) {
+  uint64_t seed = 5000;
+  for (bool sr : {false, true})
+    for (bool rht : {false, true})
+      for (bool bf16 : {true, false}) {
+        QuantConfig c;
+        c.rounding = sr ? Rounding::kStochastic : Rounding::kNearest;
+        c.rht = rht;
+        for (Fill fill : {Fill::kNormal, Fill::kHeavyTailed, Fill::kZeros, Fill::kOneOutlier, Fill::kSubnormal,
+                          Fill::kNearMax, Fill::kAllEqualBlocks}) {
+          check_case(c, fill, 128, 256, bf16, {true, true}, seed++, false);  // tile kernel
+          check_case(c, fill, 64, 384, bf16, {true, false}, seed++, false);  // streaming row kernel
+          check_case(c, fill, 192, 128, bf16, {false, true}, seed++, false);
+          if (HasFatalFailure()) return;
+        }
+      }
 }
 
 TEST_F(QuantCuda, EdgeFillsMatchTheReference) {

@@ -212,6 +212,29 @@ FOURBIT_HD uint32_t encode_e2m1_sr_not_nan(float x, uint32_t rbits8) {
   return e2m1_with_sign(f32_bits(add_rz(t, e2m1_magic(t))), x);
 }
 
+// The E2M1 value of encode_e2m1_rn_not_nan(x) / encode_e2m1_sr_not_nan(x, rbits8), without the
+// code: the grid point of the magic sum (sum - magic is exact: both lie in the magic's binade) with
+// x's sign (a zero result keeps it, as the code's sign bit does). decode_e2m1(code) equals it for
+// every x that is not NaN (tested on dense sweeps); the CUDA kernels that write only the
+// scaled-domain BF16 copy use these and skip packing and decoding codes.
+FOURBIT_HD float e2m1_with_sign_of(float grid, float x) {
+  return f32_from_bits(f32_bits(grid) | (f32_bits(x) & 0x80000000u));
+}
+FOURBIT_HD float e2m1_value_rn_not_nan(float x) {
+  const float a = fmin_ieee(abs_fast(x), 6.0f);
+  const float m = e2m1_magic(a);
+  return e2m1_with_sign_of(add_rn(add_rn(a, m), -m), x);
+}
+FOURBIT_HD float e2m1_value_sr_not_nan(float x, uint32_t rbits8) {
+  const float a = fmin_ieee(abs_fast(x), 6.0f);
+  const uint32_t ab = f32_bits(a);
+  const float step = f32_from_bits(((ab > 0x3F800000u ? ab : 0x3F800000u) & 0xFF800000u) - 0x00800000u);
+  const float u = add_rn(f32_from_bits(0x3F804000u | ((rbits8 & 0xFFu) << 15)), -1.0f);
+  const float t = fma_rn(u, step, a);
+  const float m = e2m1_magic(t);
+  return e2m1_with_sign_of(add_rn(add_rz(t, m), -m), x);
+}
+
 FOURBIT_HD uint8_t encode_e2m1_sr(float x, uint32_t rbits8) {
   return encode_minifloat_sr<kE2M1>(x, rbits8);
 }

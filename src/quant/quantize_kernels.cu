@@ -134,6 +134,23 @@ __device__ __forceinline__ uint2 nvfp4_encode16(const float v[16], float mult, b
   return make_uint2(w[0], w[1]);
 }
 
+// The scaled-domain values q * s_b of a micro-block that is written as BF16 only (no packed
+// copy): the encoders' grid values (formats::e2m1_value_*_not_nan), so no codes are packed and
+// decoded again. Bit for bit nvfp4_scaled16(nvfp4_encode16(v, mult, false, stochastic, rb),
+// scale, out) (the formats tests compare the element functions on dense sweeps; test_quant_cuda
+// compares the BF16-only copies with the reference).
+__device__ __forceinline__ void nvfp4_scaled16_direct(const float v[16], float mult, uint8_t scale,
+                                                      bool stochastic, const Philox4x32Result& rb,
+                                                      float out[16]) {
+  const float s = formats::decode_e4m3(scale);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float y = formats::mul_rn(v[i], mult);
+    const float q = stochastic ? formats::e2m1_value_sr_not_nan(y, rbyte(rb, i)) : formats::e2m1_value_rn_not_nan(y);
+    out[i] = formats::mul_rn(q, s);
+  }
+}
+
 // --- BF16 pairs -----------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t bf16x2_max_nan(uint32_t a, uint32_t b) {
@@ -466,7 +483,9 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
     const Nvfp4Tensor nv_row = do_row ? nvfp4_tensor(p, p.row.amax) : Nvfp4Tensor{};
     const Nvfp4Tensor nv_col = do_col ? nvfp4_tensor(p, p.col.amax) : Nvfp4Tensor{};
     // Returns the packed codes; writes the BF16 values for the micro-block at stored (out_row,
-    // out_col) of an [*, out_cols] matrix, and its scale to the shared-memory *scale_slot.
+    // out_col) of an [*, out_cols] matrix, and its scale to the shared-memory *scale_slot. An
+    // orientation without packed output gets its BF16 values straight from the grid values (and
+    // zero codes, which no one stores).
     auto encode = [&](const float v[16], float amax, const Nvfp4Tensor& t, const OrientationOut& out,
                       int64_t out_row, int64_t out_col, int64_t out_cols, uint8_t* scale_slot) {
       const int64_t index = out_row * out_cols + out_col;
@@ -484,8 +503,14 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
         s = nvfp4_block_scale(amax, t.ts);
         mult = nvfp4_element_multiplier(s, t.ts);
       }
-      const uint2 packed = nvfp4_encode16(v, mult, four_over_six, stochastic, rb);
       *scale_slot = s;
+      if (!four_over_six && out.data == nullptr) {  // the BF16 copy alone (the emulated GEMMs' operands)
+        float sv[16];
+        nvfp4_scaled16_direct(v, mult, s, stochastic, rb, sv);
+        store_bf16x16(out.bf16 + index, sv);
+        return make_uint2(0u, 0u);  // not stored: this orientation has no packed output
+      }
+      const uint2 packed = nvfp4_encode16(v, mult, four_over_six, stochastic, rb);
       if (out.bf16) {
         float sv[16];
         nvfp4_scaled16(packed, s, sv);
@@ -903,13 +928,19 @@ __global__ void __launch_bounds__(kThreads) rowwise_kernel(Params p) {
     const Nvfp4TensorScales ts = nvfp4_tensor_scales(tensor_amax, p.nvfp4_scale_constant, p.nvfp4_element_constant);
     const uint8_t s = nvfp4_block_scale(amax, ts);
     const float mult = nvfp4_element_multiplier(s, ts);
-    const uint2 packed = nvfp4_encode16(v, mult, false, kStochastic, rb);
-    if (p.row.data) reinterpret_cast<uint2*>(p.row.data)[g] = packed;
     if (p.row.scales) static_cast<uint8_t*>(p.row.scales)[g] = s;
-    if (p.row.bf16) {
+    if (p.row.data == nullptr) {  // the BF16 copy alone: grid values, no codes
       float sv[16];
-      nvfp4_scaled16(packed, s, sv);
+      nvfp4_scaled16_direct(v, mult, s, kStochastic, rb, sv);
       store_bf16x16(p.row.bf16 + g * 16, sv);
+    } else {
+      const uint2 packed = nvfp4_encode16(v, mult, false, kStochastic, rb);
+      reinterpret_cast<uint2*>(p.row.data)[g] = packed;
+      if (p.row.bf16) {
+        float sv[16];
+        nvfp4_scaled16(packed, s, sv);
+        store_bf16x16(p.row.bf16 + g * 16, sv);
+      }
     }
   } else {
     float mult, decode;
