@@ -483,9 +483,9 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
     const Nvfp4Tensor nv_row = do_row ? nvfp4_tensor(p, p.row.amax) : Nvfp4Tensor{};
     const Nvfp4Tensor nv_col = do_col ? nvfp4_tensor(p, p.col.amax) : Nvfp4Tensor{};
     // Returns the packed codes; writes the BF16 values for the micro-block at stored (out_row,
-    // out_col) of an [*, out_cols] matrix, and its scale to the shared-memory *scale_slot. An
-    // orientation without packed output gets its BF16 values straight from the grid values (and
-    // zero codes, which no one stores).
+    // out_col) of an [*, out_cols] matrix, and its scale to the shared-memory *scale_slot. (The
+    // grid-value path of rowwise_kernel, nvfp4_scaled16_direct, made this kernel slower: 178 ->
+    // 232 us a launch for the gradients' SR + RHT variant in `bench train`, H100; not used here.)
     auto encode = [&](const float v[16], float amax, const Nvfp4Tensor& t, const OrientationOut& out,
                       int64_t out_row, int64_t out_col, int64_t out_cols, uint8_t* scale_slot) {
       const int64_t index = out_row * out_cols + out_col;
@@ -503,14 +503,8 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
         s = nvfp4_block_scale(amax, t.ts);
         mult = nvfp4_element_multiplier(s, t.ts);
       }
-      *scale_slot = s;
-      if (!four_over_six && out.data == nullptr) {  // the BF16 copy alone (the emulated GEMMs' operands)
-        float sv[16];
-        nvfp4_scaled16_direct(v, mult, s, stochastic, rb, sv);
-        store_bf16x16(out.bf16 + index, sv);
-        return make_uint2(0u, 0u);  // not stored: this orientation has no packed output
-      }
       const uint2 packed = nvfp4_encode16(v, mult, four_over_six, stochastic, rb);
+      *scale_slot = s;
       if (out.bf16) {
         float sv[16];
         nvfp4_scaled16(packed, s, sv);
