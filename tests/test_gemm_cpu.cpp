@@ -231,6 +231,58 @@ TEST(GemmBlas, MatchesReferenceWithinFp32AccumulationBound) {
   }
 }
 
+// GemmArgs::c_source: the beta term reads another matrix, and the result is bit for bit the
+// in-place GEMM's on a C that held those values (both CPU backends, f32 and bf16 outputs, K = 0);
+// c_source is not written. A c_source that differs from C in shape or dtype is refused.
+TEST(GemmCSource, EqualsTheInPlaceGemmBitForBit) {
+  std::vector<Backend> backends{Backend::kCpuReference};
+  if (backend_built(Backend::kCpuBlas)) backends.push_back(Backend::kCpuBlas);
+  struct Case { int64_t m, n, k; DType c_dtype; float alpha, beta; };
+  for (Backend backend : backends)
+    for (const Case& cs : {Case{37, 29, 45, DType::kF32, 1, 1}, Case{64, 96, 200, DType::kBF16, 0.5f, 1},
+                           Case{8, 16, 0, DType::kBF16, 1, 0.5f}, Case{16, 8, 32, DType::kBF16, 1, 0}}) {
+      SCOPED_TRACE(::testing::Message() << backend_name(backend) << " " << cs.m << "x" << cs.n << "x" << cs.k
+                                        << " " << dtype_name(cs.c_dtype) << " beta " << cs.beta);
+      const Tensor a = random_matrix(cs.m, std::max<int64_t>(cs.k, 1), 21, DType::kBF16);
+      const Tensor b = random_matrix(cs.n, std::max<int64_t>(cs.k, 1), 22);
+      TensorView av = a.view(), bv = b.view();
+      av.shape = Shape{cs.m, cs.k};
+      bv.shape = Shape{cs.n, cs.k};
+      const Tensor c0 = random_matrix(cs.m, cs.n, 23, cs.c_dtype);
+      Tensor in_place = Tensor::empty({cs.m, cs.n}, cs.c_dtype, Device::kCpu);
+      Tensor source = Tensor::empty({cs.m, cs.n}, cs.c_dtype, Device::kCpu);
+      Tensor out = Tensor::empty({cs.m, cs.n}, cs.c_dtype, Device::kCpu);
+      copy_tensor(in_place.view(), c0.view());
+      copy_tensor(source.view(), c0.view());
+      std::memset(out.data(), 0x7F, (size_t)out.nbytes());
+      GemmArgs args;
+      args.a = Operand::dense(av, "a");
+      args.b = Operand::dense(bv, "b");
+      args.alpha = cs.alpha;
+      args.beta = cs.beta;
+      args.backend = backend;
+      args.c = in_place.view();
+      gemm(args);
+      args.c = out.view();
+      args.c_source = source.view();
+      gemm(args);
+      EXPECT_EQ(std::memcmp(out.data(), in_place.data(), (size_t)out.nbytes()), 0);
+      EXPECT_EQ(std::memcmp(source.data(), c0.data(), (size_t)c0.nbytes()), 0) << "c_source was written";
+    }
+  const Tensor a = random_matrix(8, 16, 24), b = random_matrix(4, 16, 25);
+  Tensor c = Tensor::empty({8, 4}, DType::kF32, Device::kCpu), wrong = Tensor::empty({4, 8}, DType::kF32, Device::kCpu);
+  Tensor wrong_type = Tensor::empty({8, 4}, DType::kBF16, Device::kCpu);
+  GemmArgs args;
+  args.a = Operand::dense(a.view(), "a");
+  args.b = Operand::dense(b.view(), "b");
+  args.c = c.view();
+  args.beta = 1.0f;
+  args.c_source = wrong.view();
+  expect_error([&] { gemm(args); }, {"c_source", "shape"});
+  args.c_source = wrong_type.view();
+  expect_error([&] { gemm(args); }, {"c_source", "dtype"});
+}
+
 // Grouped GEMMs equal their per-group GEMMs, with uneven and empty groups, both splits.
 TEST(GemmGrouped, RowSplitEqualsPerGroupGemms) {
   const std::vector<int64_t> sizes = {5, 0, 17, 1, 0, 9};

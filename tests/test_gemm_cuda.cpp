@@ -147,6 +147,7 @@ struct GemmCase {
   DType c_dtype = DType::kF32;
   double tol = 0;  // 0: the FP32 accumulation bound for K
   Backend expected = Backend::kAuto;
+  bool separate_source = false;  // the beta term reads GemmArgs::c_source (C starts poisoned)
 };
 
 // Runs A . B^T on the GPU and on the CPU reference and checks the bound, the guards and the
@@ -166,14 +167,15 @@ void check_gemm(TestOperand& a, TestOperand& b, const GemmCase& gc, const std::s
   ref.backend = Backend::kCpuReference;
   gemm(ref);
 
-  GuardedOutput out(m, n, gc.c_dtype);
-  if (gc.beta != 0.0f) out.set(c0);
+  GuardedOutput out(m, n, gc.c_dtype), source(m, n, gc.c_dtype);
+  if (gc.beta != 0.0f) (gc.separate_source ? source : out).set(c0);
   GemmArgs args;
   args.a = a.device();
   args.b = b.device();
   args.c = out.view;
   args.alpha = gc.alpha;
   args.beta = gc.beta;
+  if (gc.separate_source) args.c_source = source.view;
   args.name = "gpu test gemm";
   if (gc.expected != Backend::kAuto) {
     EXPECT_EQ(select_backend(args), gc.expected) << backend_name(select_backend(args));
@@ -182,6 +184,12 @@ void check_gemm(TestOperand& a, TestOperand& b, const GemmCase& gc, const std::s
   device_synchronize();
   const auto [c, damaged] = out.read();
   EXPECT_EQ(damaged, 0) << "the GEMM wrote outside C";
+  if (gc.separate_source) {
+    const auto [src_after, src_damaged] = source.read();
+    EXPECT_EQ(src_damaged, 0) << "the GEMM wrote outside c_source";
+    EXPECT_EQ(std::memcmp(src_after.data(), c0.data(), (size_t)(m * n * dtype_bytes(gc.c_dtype, 1))), 0)
+        << "the GEMM changed c_source";
+  }
   const std::vector<double> s = magnitude_sums(ref.a, ref.b, gc.alpha, gc.beta, to_doubles(c0));
   EXPECT_TRUE(within_bound(to_doubles(c), to_doubles(c_ref), s, gc.tol > 0 ? gc.tol : fp32_accumulation_tolerance(k),
                            gc.c_dtype, n, what));
@@ -190,7 +198,8 @@ void check_gemm(TestOperand& a, TestOperand& b, const GemmCase& gc, const std::s
 
 std::vector<GemmCase> epilogue_variants(Backend expected, double tol) {
   return {{1.0f, 0.0f, DType::kF32, tol, expected}, {0.5f, 1.0f, DType::kF32, tol, expected},
-          {1.0f, 0.0f, DType::kBF16, tol, expected}, {-2.0f, 1.0f, DType::kBF16, tol, expected}};
+          {1.0f, 0.0f, DType::kBF16, tol, expected}, {-2.0f, 1.0f, DType::kBF16, tol, expected},
+          {1.0f, 1.0f, DType::kBF16, tol, expected, true}, {0.5f, 1.0f, DType::kF32, tol, expected, true}};
 }
 
 class GemmCuda : public ::testing::Test {
@@ -209,7 +218,8 @@ TEST_F(GemmCuda, Bf16AllLayoutsShapesAndEpilogues) {
         for (const GemmCase& gc : epilogue_variants(Backend::kCublasBf16, 0)) {
           check_gemm(a, b, gc, ::testing::PrintToString(std::vector<int64_t>{s.m, s.n, s.k}) +
                                    (ta ? " A^T" : "") + (tb ? " B^T" : "") + " alpha " +
-                                   std::to_string(gc.alpha) + " beta " + std::to_string(gc.beta) + " " +
+                                   std::to_string(gc.alpha) + " beta " + std::to_string(gc.beta) +
+                                   (gc.separate_source ? " (c_source)" : "") + " " +
                                    std::string(dtype_name(gc.c_dtype)));
         }
       }

@@ -323,15 +323,24 @@ void gemm(const GemmArgs& args) {
   const OperandInfo b = detail::resolve_operand(args.b, "B", args.name);
   detail::check_pair(a, b, args.name);
   detail::check_output(args.c, a.rows, b.rows, a.device, args.name, "C");
+  if (args.c_source.data != nullptr) {
+    const TensorView& s = args.c_source;
+    FOURBIT_CHECK(s.dtype == args.c.dtype && s.shape == args.c.shape && s.strides == args.c.strides &&
+                      s.device == args.c.device,
+                  "{}: c_source (the beta term's matrix) must have C's dtype, shape, strides and "
+                  "device; C is {}, c_source {}", args.name, args.c.describe(), s.describe());
+    FOURBIT_CHECK(s.data != args.a.plain.data && s.data != args.b.plain.data,
+                  "{}: c_source may not alias an operand", args.name);
+  }
   const Backend backend = detail::choose_backend(args.backend, a, b, args.c, args.name);
   if (a.device == Device::kCpu) {
     const detail::DenseOperand da = detail::materialize(a), db = detail::materialize(b);
     detail::cpu_gemm(backend, {&da, detail::whole(a), &db, detail::whole(b), args.c, args.alpha,
-                               args.beta});
+                               args.beta, args.c_source});
     return;
   }
 #if defined(FOURBIT_WITH_CUDA)
-  detail::cuda_gemm({backend, {{detail::whole(a), detail::whole(b), args.c}}, args.alpha,
+  detail::cuda_gemm({backend, {{detail::whole(a), detail::whole(b), args.c, args.c_source}}, args.alpha,
                      args.beta, args.stream, args.name, args.workspace, args.error_flag});
 #endif
 }

@@ -93,6 +93,11 @@ struct GemmArgs {
   TensorView c;   // f32 or bf16 [M, N], unit column stride, row stride >= N; read when beta != 0
   float alpha = 1.0f;
   float beta = 0.0f;  // 1: accumulate into C
+  // Optional: the beta term reads this matrix instead of C, i.e. C = alpha * A . B^T + beta *
+  // c_source (cuBLASLt's separate C and D). Same dtype, shape and strides as C; may be C itself,
+  // may not alias A or B. A residual connection y = x + f(...) is one GEMM this way (the sum is
+  // formed in FP32 and rounded once to C's dtype). Not for grouped GEMMs.
+  TensorView c_source{};
   Backend backend = Backend::kAuto;
   void* stream = nullptr;  // cudaStream_t
   std::string_view name = "gemm";  // appears in errors and in the backend log line
@@ -104,7 +109,7 @@ struct GemmArgs {
   int* error_flag = nullptr;
 };
 
-// Runs C = alpha * A . B^T + beta * C on the operands' device. Throws fourbit::Error for
+// Runs C = alpha * A . B^T + beta * C (or beta * c_source) on the operands' device. Throws fourbit::Error for
 // mismatched shapes or devices, unsupported format pairs or alignments, naming the operand.
 void gemm(const GemmArgs& args);
 

@@ -67,8 +67,12 @@ const double* slice_ptr(const DenseOperand& d, const OperandSlice& s) {
   return d.values.data() + s.row0 * d.k + s.k0;
 }
 
+// The matrix the beta term reads: c_source when given, else C.
+const TensorView& beta_source(const CpuGemm& g) { return g.c_source.data ? g.c_source : g.c; }
+
 void reference_gemm(const CpuGemm& g) {
   const int64_t m = g.sa.rows, n = g.sb.rows, k = g.sa.k;
+  const TensorView& src = beta_source(g);
   const double* a = slice_ptr(*g.a, g.sa);
   const double* b = slice_ptr(*g.b, g.sb);
   for (int64_t i = 0; i < m; ++i) {
@@ -78,7 +82,7 @@ void reference_gemm(const CpuGemm& g) {
         acc += a[i * g.a->k + l] * b[j * g.b->k + l];
       }
       double out = (double)g.alpha * acc;
-      if (g.beta != 0.0f) out += (double)g.beta * load_c(g.c, i, j);
+      if (g.beta != 0.0f) out += (double)g.beta * load_c(src, i, j);
       store_c(g.c, i, j, out);
     }
   }
@@ -88,20 +92,22 @@ void reference_gemm(const CpuGemm& g) {
 void blas_gemm(const CpuGemm& g) {
   const int64_t m = g.sa.rows, n = g.sb.rows, k = g.sa.k;
   if (m == 0 || n == 0) return;
+  const TensorView& src = beta_source(g);
   if (k == 0) {  // an empty reduction: C = beta * C (not every BLAS scales C when K = 0)
     for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) store_c(g.c, i, j, g.beta == 0.0f ? 0.0 : g.beta * load_c(g.c, i, j));
+      for (int64_t j = 0; j < n; ++j) store_c(g.c, i, j, g.beta == 0.0f ? 0.0 : g.beta * load_c(src, i, j));
     return;
   }
-  const bool direct = g.c.dtype == DType::kF32;
+  // sgemm's beta term reads its output: an f32 C with a separate source becomes a staged copy.
+  const bool direct = g.c.dtype == DType::kF32 && src.data == g.c.data;
   std::vector<float> staged;
   float* c = g.c.ptr<float>();
   int64_t ldc = g.c.strides[0];
-  if (!direct) {  // bf16 output: accumulate into an f32 copy, then round once
+  if (!direct) {  // bf16 output (or a separate source): accumulate into an f32 copy, store once
     staged.assign((size_t)(m * n), 0.0f);
     if (g.beta != 0.0f)
       for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < n; ++j) staged[(size_t)(i * n + j)] = load_c(g.c, i, j);
+        for (int64_t j = 0; j < n; ++j) staged[(size_t)(i * n + j)] = (float)load_c(src, i, j);
     c = staged.data();
     ldc = n;
   }

@@ -196,10 +196,11 @@ const Plan& get_plan(const PlanKey& key, const MatmulOperand& a, const MatmulOpe
   return plans.emplace(key, p).first->second;
 }
 
-// One cuBLASLt matmul: c[a.rows, b.rows] = alpha * a . b^T + beta * c.
+// One cuBLASLt matmul: c[a.rows, b.rows] = alpha * a . b^T + beta * c_source (C when c_source is
+// null; c_source has C's layout).
 void run_matmul(const MatmulOperand& a, const MatmulOperand& b, const TensorView& c,
                 const void* alpha, const void* beta, bool device_scalars, bool fp8,
-                cudaStream_t stream, std::string_view gemm_name) {
+                cudaStream_t stream, std::string_view gemm_name, const void* c_source = nullptr) {
   const cudaDataType_t c_type = c.dtype == DType::kF32 ? CUDA_R_32F : CUDA_R_16BF;
   PlanKey key{};
   key.m = b.rows;
@@ -219,14 +220,16 @@ void run_matmul(const MatmulOperand& a, const MatmulOperand& b, const TensorView
   key.device_scalars = device_scalars;
   key.align_a = pointer_alignment(b.ptr);
   key.align_b = pointer_alignment(a.ptr);
-  key.align_c = pointer_alignment(c.data);
+  key.align_c = c_source ? std::min(pointer_alignment(c.data), pointer_alignment(c_source))
+                         : pointer_alignment(c.data);
   const Plan& plan = get_plan(key, a, b, c_type, gemm_name);
   if (fp8) {
     FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b.scale, sizeof(b.scale)));
     FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a.scale, sizeof(a.scale)));
   }
   FOURBIT_CUBLAS_CHECK(cublasLtMatmul(lt().handle(), plan.desc, alpha, b.ptr, plan.layout_a, a.ptr,
-                                      plan.layout_b, beta, c.data, plan.layout_c, c.data,
+                                      plan.layout_b, beta, c_source ? c_source : c.data,
+                                      plan.layout_c, c.data,
                                       plan.layout_c, &plan.algo, lt().workspace(),
                                       kCublasWorkspaceBytes, stream));
 }
@@ -382,7 +385,13 @@ void cuda_gemm(const CudaGemmCall& call) {
 
   for (const CudaGroup& g : call.groups) {
     if (g.a.rows == 0 || g.b.rows == 0) continue;
+    const void* c_source = g.c_source.data != nullptr && g.c_source.data != g.c.data ? g.c_source.data : nullptr;
     if (g.a.k == 0) {  // empty reduction (an expert without tokens in Wgrad)
+      if (c_source != nullptr && call.beta != 0.0f) {  // C = beta * c_source: copy, then scale
+        const int64_t elem = g.c.dtype == DType::kBF16 ? 2 : 4;
+        FOURBIT_CUDA_CHECK(cudaMemcpy2DAsync(g.c.data, g.c.strides[0] * elem, c_source, g.c.strides[0] * elem,
+                                             g.c.shape[1] * elem, g.c.shape[0], cudaMemcpyDeviceToDevice, stream));
+      }
       kernels::launch_scale_matrix(g.c.data, g.c.dtype == DType::kBF16, g.c.shape[0], g.c.shape[1],
                                    g.c.strides[0], call.beta, stream);
       continue;
@@ -391,13 +400,13 @@ void cuda_gemm(const CudaGemmCall& call) {
     switch (call.backend) {
       case Backend::kCublasBf16:
         run_matmul(plain_operand(g.a), plain_operand(g.b), g.c, &call.alpha, &call.beta, false,
-                   false, stream, call.name);
+                   false, stream, call.name, c_source);
         break;
       case Backend::kCublasFp8: {
         float* scales_b = scales_a + round_up(fp8_scale_floats(g.a), 64);
         a = fp8_operand(g.a, scales_a, stream, call.name);
         b = fp8_operand(g.b, scales_b, stream, call.name);
-        run_matmul(a, b, g.c, &call.alpha, &call.beta, false, true, stream, call.name);
+        run_matmul(a, b, g.c, &call.alpha, &call.beta, false, true, stream, call.name, c_source);
         break;
       }
       case Backend::kEmulated: {
@@ -414,7 +423,7 @@ void cuda_gemm(const CudaGemmCall& call) {
           kernels::launch_row_scaled_epilogue(
               {row_acc, g.a.rows, g.b.rows, amax_of(*g.a.info) + g.a.row0, g.a.info->config.nvfp4_global_constant(),
                amax_of(*g.b.info), g.b.info->config.nvfp4_global_constant(), call.alpha, call.beta, g.c.data,
-               g.c.dtype == DType::kBF16, g.c.strides[0]},
+               c_source ? c_source : g.c.data, g.c.dtype == DType::kBF16, g.c.strides[0]},
               stream);
           break;
         }
@@ -422,7 +431,8 @@ void cuda_gemm(const CudaGemmCall& call) {
                                           g.a.info->config.nvfp4_global_constant(), amax_of(*g.b.info),
                                           g.b.info->config.nvfp4_global_constant(), epilogue_scalars},
                                          stream);
-        run_matmul(a, b, g.c, epilogue_scalars, epilogue_scalars + 1, true, false, stream, call.name);
+        run_matmul(a, b, g.c, epilogue_scalars, epilogue_scalars + 1, true, false, stream, call.name,
+                   c_source);
         break;
       }
       default:

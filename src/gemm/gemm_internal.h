@@ -78,6 +78,7 @@ struct CpuGemm {
   OperandSlice sb;
   TensorView c;  // [sa.rows, sb.rows]
   float alpha, beta;
+  TensorView c_source{};  // the beta term's matrix when not C (GemmArgs::c_source); else empty
 };
 void cpu_gemm(Backend backend, const CpuGemm& g);
 
@@ -85,6 +86,7 @@ void cpu_gemm(Backend backend, const CpuGemm& g);
 struct CudaGroup {
   OperandSlice a, b;
   TensorView c;  // [a.rows, b.rows]
+  TensorView c_source{};  // the beta term's matrix when not C (GemmArgs::c_source); else empty
 };
 struct CudaGemmCall {
   Backend backend;

@@ -138,14 +138,15 @@ __global__ void row_scaled_epilogue_kernel(RowScaledEpilogueParams p) {
     const float d_a = quant::nvfp4_global_decode_scale(p.amax_a[r], p.constant_a);
     const float alpha_eff = formats::mul_rn(formats::mul_rn(p.alpha, d_a), d_b);
     float y = formats::mul_rn(alpha_eff, p.acc[i]);
+    const int64_t at = r * p.ldc + col;
     if (p.c_bf16) {
-      uint16_t* c = static_cast<uint16_t*>(p.c) + r * p.ldc + col;
-      if (p.beta != 0.0f) y = formats::add_rn(y, formats::mul_rn(p.beta, formats::decode_bf16(*c)));
-      *c = formats::encode_bf16_rn(y);
+      const uint16_t* src = static_cast<const uint16_t*>(p.c_source) + at;
+      if (p.beta != 0.0f) y = formats::add_rn(y, formats::mul_rn(p.beta, formats::decode_bf16(*src)));
+      static_cast<uint16_t*>(p.c)[at] = formats::encode_bf16_rn(y);
     } else {
-      float* c = static_cast<float*>(p.c) + r * p.ldc + col;
-      if (p.beta != 0.0f) y = formats::add_rn(y, formats::mul_rn(p.beta, *c));
-      *c = y;
+      const float* src = static_cast<const float*>(p.c_source) + at;
+      if (p.beta != 0.0f) y = formats::add_rn(y, formats::mul_rn(p.beta, *src));
+      static_cast<float*>(p.c)[at] = y;
     }
   }
 }

@@ -51,7 +51,7 @@ void launch_epilogue_scalars(const EpilogueScalarParams& p, cudaStream_t stream)
 // The epilogue of an emulated GEMM whose A carries one NVFP4 global amax per row
 // (QuantConfig::nvfp4_row_amax): cuBLASLt wrote the raw FP32 sums acc [rows, cols] (alpha 1,
 // beta 0), and row m of C becomes
-//   alpha_eff_m = f32(f32(alpha * d_a[m]) * d_b),  C[m, n] = f32(alpha_eff_m * acc[m, n]) (+ beta * C)
+//   alpha_eff_m = f32(f32(alpha * d_a[m]) * d_b),  C[m, n] = f32(alpha_eff_m * acc[m, n]) (+ beta * c_source)
 // with d_a[m] = nvfp4_global_decode_scale(amax_a[m], constant_a) and d_b from B's amax (1 when
 // null): the operations of the per-tensor epilogue (launch_epilogue_scalars), row by row, and those
 // of the decode GEMV (decode_gemv.h), so the sampler's decode passes and the trainer's forward
@@ -65,6 +65,7 @@ struct RowScaledEpilogueParams {
   float constant_b;
   float alpha, beta;
   void* c;               // f32 or bf16 [rows, cols], row stride ldc
+  const void* c_source;  // the beta term's matrix (C itself, or another with C's layout)
   bool c_bf16;
   int64_t ldc;
 };
