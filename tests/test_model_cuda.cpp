@@ -379,6 +379,33 @@ TEST_F(ModelCuda, ProducerAmaxesKeepTheGradientsBitForBit) {
   }
 }
 
+// ModelOptions::fuse_residual_add: attn_out and mlp_down add the residual stream in their GEMM
+// epilogues (cuBLASLt BF16 / FP8, the emulated NVFP4 GEMM). The sum is rounded once instead of
+// twice, so the step is close to, not equal to, the separate adds'. (FOURBIT_FUSE_RESIDUAL, if
+// set, overrides the options: leave it unset for this test.)
+TEST_F(ModelCuda, FusedResidualAddsMatchTheSeparateAdds) {
+  const ModelConfig c = gpu_dense();
+  for (const std::string preset : {"bf16", "fp8", "nvfp4"}) {
+    SCOPED_TRACE(preset);
+    const testing::Batch batch = make_batch(kB, kT, c.vocab, 22);
+    ModelOptions o = options(Device::kCuda);
+    o.fuse_residual_add = false;
+    Model separate(c, all_blocks(c, preset), o);
+    o.fuse_residual_add = true;
+    Model fused(c, all_blocks(c, preset), o);
+    const StepResult a = run_step(separate, batch, nullptr, 3), b = run_step(fused, batch, nullptr, 3);
+    double worst = 0;
+    for (size_t i = 0; i < a.grads.size(); ++i) worst = std::max(worst, rel(b.grads[i], a.grads[i]));
+    std::printf("%s: loss separate %.7f fused %.7f, logits %.3e apart, worst gradient %.3e\n",
+                preset.c_str(), a.loss.loss, b.loss.loss, rel(b.logits, a.logits), worst);
+    EXPECT_NEAR(b.loss.loss, a.loss.loss, 2e-3 * a.loss.loss);
+    EXPECT_TRUE(close_normwise(b.logits, a.logits, 2e-2, "logits"));
+    for (size_t i = 0; i < a.grads.size(); ++i)
+      EXPECT_TRUE(close_normwise(b.grads[i], a.grads[i], preset == "bf16" ? 3e-2 : 0.1,
+                                 "gradient " + std::to_string(i)));
+  }
+}
+
 TEST_F(ModelCuda, SameSeedSameBits) {
   for (const std::string preset : {"bf16", "nvfp4"}) {
     const ModelConfig c = gpu_moe();

@@ -443,6 +443,49 @@ TEST(ModelForward, ProfilerSeesEverySectionAndLinear) {
   EXPECT_GT((p.brackets[{Section::kMoe, Work::kLinear}]), 0);
 }
 
+// ModelOptions::fuse_residual_add: attn_out and a dense block's mlp_down add the residual stream in
+// their epilogues (one separate add fewer each); MoE blocks keep the separate add. In f64 the sum is
+// the same either way; with the CUDA model's bf16 roundings it is rounded once instead of twice.
+TEST(ModelForward, FusedResidualAddsMatchTheSeparateAdds) {
+  const ModelConfig c = small_moe();  // block 0 dense, block 1 MoE
+  const int B = 2, T = 8;
+  const testing::Batch batch = make_batch(B, T, c.vocab, 17);
+  struct Run {
+    double loss;
+    std::vector<double> grads;
+    std::map<std::pair<Section, Work>, int> forward_brackets;
+  };
+  auto run = [&](DType dtype, bool bf16_rounding, bool fuse) {
+    ModelOptions o = cpu_options(dtype, 23, B, T);
+    o.cpu_bf16_rounding = bf16_rounding;
+    o.fuse_residual_add = fuse;
+    Model m(c, resolved(c), o);
+    CountingProfiler p;
+    m.set_profiler(&p);
+    m.zero_grads();
+    const LossInfo l = m.forward(batch.tokens, batch.targets);
+    Run r{l.loss, {}, p.brackets};
+    m.set_profiler(nullptr);
+    m.backward();
+    r.grads = values(m.grads().flat());
+    return r;
+  };
+  const Run sep64 = run(DType::kF64, false, false), fused64 = run(DType::kF64, false, true);
+  EXPECT_NEAR(fused64.loss, sep64.loss, 1e-12 * sep64.loss);
+  EXPECT_TRUE(close_normwise(fused64.grads, sep64.grads, 1e-12, "f64 gradients"));
+  // One add fewer in each block's attention, and in the dense block's MLP (not in the MoE block's).
+  using P = std::pair<Section, Work>;
+  const P attn{Section::kAttention, Work::kOther}, mlp{Section::kMlp, Work::kOther}, moe{Section::kMoe, Work::kOther};
+  EXPECT_EQ(sep64.forward_brackets.at(attn) - fused64.forward_brackets.at(attn), c.n_layers);
+  EXPECT_EQ(sep64.forward_brackets.at(mlp) - fused64.forward_brackets.at(mlp), 1);
+  EXPECT_EQ(sep64.forward_brackets.at(moe), fused64.forward_brackets.at(moe));
+  // The bf16-rounding mode: one rounding of the sum instead of two, close to the separate adds.
+  const Run sep16 = run(DType::kF32, true, false), fused16 = run(DType::kF32, true, true);
+  EXPECT_NEAR(fused16.loss, sep16.loss, 2e-3 * sep16.loss);
+  EXPECT_TRUE(close_normwise(fused16.grads, sep16.grads, 0.02, "bf16-rounding gradients"));
+  EXPECT_NEAR(fused16.loss, sep64.loss, 1e-2 * sep64.loss);
+}
+
 TEST(ModelForward, NonFiniteValuesAreReportedByName) {
   const ModelConfig c = small_dense();
   Model m(c, resolved(c), cpu_options(DType::kF32, 7, 2, 8));

@@ -126,6 +126,14 @@ void check_no_source_amax(const LinearOptions& o, std::string_view call) {
                 "only to the one-pass calls whose recipe shares the pass", o.name, call);
 }
 
+// Only the forward calls take a residual.
+void check_no_residual(const LinearOptions& o, std::string_view call) {
+  FOURBIT_CHECK(o.residual.data == nullptr,
+                "linear '{}': {} takes no residual (LinearOptions::residual is for the forward "
+                "calls only)", o.name, call);
+}
+
+// beta == 0 and a residual in `o`: C = A . B^T + residual (the forward calls).
 void run(const PreparedOperand& a, const PreparedOperand& b, const TensorView& c, float beta,
          const LinearOptions& o, std::string_view gemm_name) {
   GemmArgs args;
@@ -133,6 +141,11 @@ void run(const PreparedOperand& a, const PreparedOperand& b, const TensorView& c
   args.b = b.operand;
   args.c = c;
   args.beta = beta;
+  if (o.residual.data != nullptr) {
+    FOURBIT_CHECK(beta == 0.0f, "linear '{}': a residual with beta {} (internal)", o.name, beta);
+    args.c_source = o.residual;
+    args.beta = 1.0f;
+  }
   args.backend = o.backend;
   args.stream = o.stream;
   args.name = gemm_name;
@@ -155,6 +168,7 @@ void linear_fprop(const LinearRecipe& recipe, const TensorView& x, const TensorV
 void linear_dgrad(const LinearRecipe& recipe, const TensorView& dy, const TensorView& w,
                   const TensorView& dx, const LinearOptions& o) {
   check_no_source_amax(o, "linear_dgrad");
+  check_no_residual(o, "linear_dgrad");
   const std::string name = fmt::format("{} dgrad", o.name);
   const PreparedOperand a = prepare_operand(recipe.dgrad_dy, dy, Copy::kRowwise, operand_stream(o, 2), "dy", o);
   const PreparedOperand b = prepare_operand(recipe.dgrad_w, w, Copy::kColwise, operand_stream(o, 3), "w", o);
@@ -164,6 +178,7 @@ void linear_dgrad(const LinearRecipe& recipe, const TensorView& dy, const Tensor
 void linear_wgrad(const LinearRecipe& recipe, const TensorView& dy, const TensorView& x,
                   const TensorView& dw, float beta, const LinearOptions& o) {
   check_no_source_amax(o, "linear_wgrad");
+  check_no_residual(o, "linear_wgrad");
   const std::string name = fmt::format("{} wgrad", o.name);
   const PreparedOperand a = prepare_operand(recipe.wgrad_dy, dy, Copy::kColwise, operand_stream(o, 4), "dy", o);
   const PreparedOperand b = prepare_operand(recipe.wgrad_x, x, Copy::kColwise, operand_stream(o, 5), "x", o);
@@ -284,6 +299,7 @@ void linear_fprop_saving_x(const LinearRecipe& recipe, const TensorView& x, cons
 void linear_wgrad_from_saved_x(const LinearRecipe& recipe, const TensorView& dy,
                                const quant::QuantizedTensor& saved_x, const TensorView& dw, float beta,
                                const LinearOptions& o) {
+  check_no_residual(o, "linear_wgrad_from_saved_x");
   FOURBIT_CHECK(recipe.wgrad_x.quant.has_value() && saved_x.colwise.has_value() &&
                     saved_x.config == *recipe.wgrad_x.quant,
                 "linear '{}': the saved X ({}) is not the column-wise copy that this recipe's Wgrad "
@@ -317,6 +333,7 @@ bool dgrad_and_wgrad_dy_share_a_pass(const LinearRecipe& r) {
 void linear_dgrad_wgrad(const LinearRecipe& recipe, const TensorView& dy, const TensorView& w,
                         const TensorView& dx, const TensorView& x, const quant::QuantizedTensor* saved_x,
                         const TensorView& dw, float beta, const LinearOptions& o) {
+  check_no_residual(o, "linear_dgrad_wgrad");
   if (!dgrad_and_wgrad_dy_share_a_pass(recipe)) {
     check_no_source_amax(o, "linear_dgrad_wgrad without a shared pass");
     linear_dgrad(recipe, dy, w, dx, o);

@@ -67,6 +67,11 @@ struct LinearOptions {
     bool given() const { return amax != nullptr; }
   };
   GivenAmax source_amax;
+  // Forward calls only (linear_fprop, linear_fprop_saving_x): when set, y = x W^T + residual, the
+  // residual added in the GEMM's epilogue (GemmArgs::c_source with beta 1: the sum is formed in
+  // FP32 and rounded once to y's dtype, so it equals adding the FP32 GEMM result to the residual).
+  // Same dtype, shape and strides as y; may be y itself; may not alias x or w.
+  TensorView residual{};
 };
 
 // Whether a one-pass quantization under `cfg` can take a producer's amaxes (LinearOptions::

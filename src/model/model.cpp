@@ -328,6 +328,16 @@ bool Model::Impl::keeps_wgrad_inputs() const {
   return m.options_.keep_wgrad_inputs || from_env || static_cast<bool>(m.gemm_observer_);
 }
 
+bool Model::Impl::fuses_residual_add() const {
+  static const int env = [] {
+    const char* v = std::getenv("FOURBIT_FUSE_RESIDUAL");
+    if (v == nullptr) return -1;
+    return std::string_view(v) == "1" ? 1 : std::string_view(v) == "0" ? 0 : -1;
+  }();
+  const bool fuse = env < 0 ? m.options_.fuse_residual_add : env == 1;
+  return fuse && !m.gemm_observer_;
+}
+
 std::optional<ops::OutputAmaxes> Model::Impl::producer_amaxes(int block, LinearKind kind, bool dy,
                                                               bool saves_x, bool producer_can) const {
   // FOURBIT_FUSED_AMAX=1 / =0 overrides ModelOptions::fuse_producer_amax (A/B runs of any command).
@@ -506,7 +516,7 @@ std::string layer_name(int block, LinearKind kind) {
 void Model::Impl::fprop(Section s, int block, LinearKind kind, const TensorView& x,
                         const TensorView& wt, const TensorView& y, bool bf16_output,
                         std::optional<quant::QuantizedTensor>* saved_x,
-                        gemm::LinearOptions::GivenAmax x_amax) {
+                        gemm::LinearOptions::GivenAmax x_amax, const TensorView& residual) {
   const gemm::LinearRecipe& r = linear_recipe(block, kind);
   FOURBIT_CHECK(!x_amax.given() || saved_x != nullptr,
                 "model: {}'s X amaxes were computed by its producer, but its Fprop keeps no "
@@ -521,6 +531,7 @@ void Model::Impl::fprop(Section s, int block, LinearKind kind, const TensorView&
   Scope scope(*this, s, Work::kLinear);
   gemm::LinearOptions o = linear_options(block, kind, name);
   o.source_amax = x_amax;
+  o.residual = residual;
   if (saved_x != nullptr) {
     gemm::linear_fprop_saving_x(r, x, wt, y, saved_x->emplace(), o);
   } else {
@@ -627,11 +638,11 @@ TensorView prefix(const TensorView& buf, int64_t rows, int64_t cols) {
 }  // namespace
 
 
-void Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& out,
-                              const TensorView& forced_host) {
+bool Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& out,
+                              const TensorView& forced_host, const TensorView& residual) {
   if (cfg.is_moe_block(l)) {
     forward_moe(l, a, b, out, forced_host);
-    return;
+    return false;
   }
   const detail::BlockParams& p = bp[(size_t)l];
   const int64_t N = a.N, F = cfg.d_ff;
@@ -647,11 +658,12 @@ void Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& ou
     bf16(act);
   }
   fprop(Section::kMlp, l, LinearKind::kMlpDown, act, w(p.mlp_down), out, true,
-        save_act ? &b.saved_act : nullptr, given_amax(act_amax));
+        save_act ? &b.saved_act : nullptr, given_amax(act_amax), residual);
   if (a.training) {
     record(fmt::format("blocks.{}.mlp.gate_up", l), gu, true);
     if (!b.save_act) record(fmt::format("blocks.{}.mlp.act", l), act);  // scratch otherwise
   }
+  return residual.data != nullptr;
 }
 
 void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& out,
@@ -1160,8 +1172,13 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
       im.bf16(b.attn);
     }
     const TensorView mid = a.mid[(size_t)l];
-    im.fprop(Section::kAttention, l, LinearKind::kAttnOut, b.attn, im.w(p.attn_out), mid);
-    {
+    // mid = resid[l] + attn_out(attn), the add in the GEMM's epilogue or after it.
+    const bool fuse_residual = im.fuses_residual_add();
+    if (fuse_residual) {
+      im.fprop(Section::kAttention, l, LinearKind::kAttnOut, b.attn, im.w(p.attn_out), mid, true,
+               nullptr, {}, a.resid[(size_t)l]);
+    } else {
+      im.fprop(Section::kAttention, l, LinearKind::kAttnOut, b.attn, im.w(p.attn_out), mid);
       Scope s(im, Section::kAttention, Work::kOther);
       ops::add_inplace(mid, a.resid[(size_t)l], st);
       im.bf16(mid);
@@ -1179,8 +1196,8 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
     im.record(pfx + "attn.residual", mid);
     if (!b.save_ln2) im.record(pfx + "mlp_norm", b.ln2);
     const TensorView out = a.resid[(size_t)l + 1];
-    im.forward_ffn(l, a, b, out, o.forced_expert_ids);
-    {
+    // out = mid + ffn(ln2): a dense block adds mid in mlp_down's epilogue when fusing.
+    if (!im.forward_ffn(l, a, b, out, o.forced_expert_ids, fuse_residual ? mid : TensorView{})) {
       Scope s(im, ffn, Work::kOther);
       ops::add_inplace(out, mid, st);
       im.bf16(out);

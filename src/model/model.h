@@ -103,6 +103,13 @@ struct ModelOptions {
   // session 15 measured it (bench/notes-train.md: gpt2-124m nvfp4 B 32 93.74 -> 93.20 ms, H100);
   // FOURBIT_FUSED_AMAX=0 turns it off for every model of the process, =1 on (A/B runs).
   bool fuse_producer_amax = true;
+  // The training forward adds the residual stream inside two GEMMs' epilogues (mid = resid +
+  // attn_out(...), a dense block's out = mid + mlp_down(...); GemmArgs::c_source) instead of a
+  // separate add after each. The sum is formed in FP32 and rounded once to BF16 (the separate add
+  // rounds the GEMM's output first), so the bits differ slightly from the unfused forward. Not
+  // under a GemmObserver. FOURBIT_FUSE_RESIDUAL=0 turns it off for every model of the process,
+  // =1 on (A/B runs).
+  bool fuse_residual_add = true;
 };
 
 struct ForwardOptions {

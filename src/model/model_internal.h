@@ -194,7 +194,11 @@ struct Model::Impl {
   void fprop(Section s, int block, recipe::LinearKind kind, const TensorView& x, const TensorView& w,
              const TensorView& y, bool bf16_output = true,
              std::optional<quant::QuantizedTensor>* saved_x = nullptr,
-             gemm::LinearOptions::GivenAmax x_amax = {});
+             gemm::LinearOptions::GivenAmax x_amax = {}, const TensorView& residual = TensorView{});
+  // Whether the training forward adds the residual stream in the epilogues of attn_out and of a
+  // dense block's mlp_down (ModelOptions::fuse_residual_add; never under a GemmObserver, which must
+  // see the GEMMs' own outputs).
+  bool fuses_residual_add() const;
   void dgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy, const TensorView& w,
              const TensorView& dx);
   // saved_x holding a copy: the Wgrad reads it instead of x (ignored) and releases it.
@@ -226,8 +230,10 @@ struct Model::Impl {
   // ---- pieces of the forward shared by both paths ----
   // The MLP or MoE half of block l: out = mlp(ln2) (overwritten). forced: host i32
   // [N, n_moe, k] or absent.
-  void forward_ffn(int l, detail::Acts& a, detail::BlockActs& b, const TensorView& out,
-                   const TensorView& forced_host);
+  // out = the FFN's output, or out = mid + that output when `residual` (mid) is given: a dense
+  // block then adds it in mlp_down's epilogue; returns whether it did (a MoE block does not).
+  bool forward_ffn(int l, detail::Acts& a, detail::BlockActs& b, const TensorView& out,
+                   const TensorView& forced_host, const TensorView& residual = TensorView{});
   void forward_moe(int l, detail::Acts& a, detail::BlockActs& b, const TensorView& out,
                    const TensorView& forced_host);
   // d_resid_amax: d_resid's amaxes, when the add that ended block l + 1's backward computed them
