@@ -2,6 +2,7 @@
 // dx and dweight, accumulate/overwrite semantics, edge cases (zeros, large and tiny magnitudes,
 // one token, one column) and argument errors.
 #include "dense_ops_test_util.h"
+#include "ops/elementwise.h"
 #include "ops/rmsnorm.h"
 
 #include <gtest/gtest.h>
@@ -115,6 +116,28 @@ TEST(OpsRmsnorm, BackwardFloat32MatchesFloat64) {
   }
   for (size_t i = 0; i < dxs[0].size(); ++i) EXPECT_NEAR(dxs[0][i], dxs[1][i], 1e-5 * (1 + std::fabs(dxs[1][i])));
   for (size_t i = 0; i < dws[0].size(); ++i) EXPECT_NEAR(dws[0][i], dws[1][i], 1e-5 * (1 + std::fabs(dws[1][i])));
+}
+
+// rmsnorm_backward_accumulate adds the input gradient to dx_accum: equal to the backward into a
+// temporary plus add_inplace, bit for bit, in f32 and f64; dweight as the backward's.
+TEST(OpsRmsnorm, AccumulateEqualsBackwardPlusAdd) {
+  const int64_t N = 6, C = 40;
+  const std::vector<double> x = random_normal(N * C, 11), w = random_normal(C, 12), dy = random_normal(N * C, 13),
+                            prior = random_normal(N * C, 14);
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    const Tensor tx = host_tensor({N, C}, dt, x), tw = host_tensor({C}, dt, w), tdy = host_tensor({N, C}, dt, dy);
+    Tensor y = Tensor::empty({N, C}, dt, Device::kCpu), r = Tensor::empty({N}, dt, Device::kCpu);
+    rmsnorm_forward(y, r, tx, tw, 1e-5f);
+    Tensor tmp = Tensor::empty({N, C}, dt, Device::kCpu), dw_sep = Tensor::zeros({C}, dt, Device::kCpu);
+    Tensor sum = host_tensor({N, C}, dt, prior);
+    rmsnorm_backward(tmp, dw_sep, tdy, tx, tw, r, TensorView{});
+    add_inplace(sum, tmp);
+    Tensor acc = host_tensor({N, C}, dt, prior), dw_acc = Tensor::zeros({C}, dt, Device::kCpu);
+    rmsnorm_backward_accumulate(acc, dw_acc, tdy, tx, tw, r, TensorView{});
+    EXPECT_EQ(values_of(acc), values_of(sum)) << dtype_name(dt);
+    EXPECT_EQ(values_of(dw_acc), values_of(dw_sep)) << dtype_name(dt);
+    EXPECT_NE(values_of(acc), prior);  // it did add something
+  }
 }
 
 TEST(OpsRmsnorm, Errors) {

@@ -2,7 +2,8 @@
 // inputs (rounded to the kernel's input dtypes), for bf16 and f32 activations and weights, odd and
 // large shapes (both register-group counts J = 1, 2 of the kernel, the C limit, multi-row backward chunks,
 // a grid-stride forward), misaligned rows (the scalar path), with guard regions around every
-// output and the workspace; and determinism of the backward (same bits twice).
+// output and the workspace; determinism of the backward (same bits twice); and
+// rmsnorm_backward_accumulate equal bit for bit to the backward followed by add_inplace.
 //
 // Tolerances (u = 2^-24; a sum of n FP32 terms, in any order, is within n u sum|terms| of the
 // exact sum, and both sides make such an error):
@@ -11,6 +12,7 @@
 //   dx:      (2C + 16) u M        + 2^-8 |dx| if bf16, M = r |g| + r^3 |x| sum_c |g x| / C
 //   dweight: (2N + 16) u (|dweight_0| + sum_n |dy xhat|)          (f32 accumulation over tokens)
 #include "dense_ops_test_util.h"
+#include "ops/elementwise.h"
 #include "ops/rmsnorm.h"
 
 #include <gtest/gtest.h>
@@ -111,6 +113,20 @@ void run_case(const Case& cs) {
       EXPECT_TRUE(got_dw == first_dw) << "dweight differs between two identical runs (not deterministic)";
     }
   }
+  // rmsnorm_backward_accumulate onto a prior gradient: the bits of rmsnorm_backward into a
+  // temporary followed by add_inplace, and the same dweight.
+  const Tensor prior = host_tensor({N, C}, cs.act, rounded(random_normal(N * C, 500 + C), cs.act));
+  const Guarded sum = Guarded::copy_of(prior, kPoison, shift), acc = Guarded::copy_of(prior, kPoison, shift);
+  const Guarded tmp = Guarded::make({N, C}, cs.act, kPoison, shift);
+  const Guarded dw_sep = Guarded::copy_of(host_tensor({C}, DType::kF32, dw0), kPoison);
+  const Guarded dw_acc = Guarded::copy_of(host_tensor({C}, DType::kF32, dw0), kPoison);
+  rmsnorm_backward(tmp.view, dw_sep.view, gdy.view, gx.view, gw.view, grr.view, ws.view);
+  add_inplace(sum.view, tmp.view);
+  rmsnorm_backward_accumulate(acc.view, dw_acc.view, gdy.view, gx.view, gw.view, grr.view, ws.view);
+  EXPECT_EQ(acc.damaged_guard_bytes(), 0) << "accumulate wrote outside dx";
+  EXPECT_EQ(dw_acc.damaged_guard_bytes(), 0) << "accumulate wrote outside dweight";
+  EXPECT_TRUE(acc.values() == sum.values()) << "accumulated dx differs from backward + add_inplace";
+  EXPECT_TRUE(dw_acc.values() == first_dw) << "accumulate's dweight differs from the backward's";
 }
 
 TEST_F(OpsRmsnormCuda, MatchesReference) {

@@ -1300,6 +1300,10 @@ void Model::backward(const BackwardOptions& o) {
   }
 
   gemm::LinearOptions::GivenAmax d_resid_amax;  // of d resid[l + 1], from block l + 1's last add
+  // The residual gradient takes each block norm's input gradient inside the RMSNorm backward
+  // (rmsnorm_backward_accumulate: bit for bit the backward plus add_inplace) unless that add must
+  // also compute the next dY's amaxes, or the CPU's bf16 rounding mode rounds between the two.
+  const bool accumulate_norm_grads = im.fuses_residual_add() && !im.m.options_.cpu_bf16_rounding;
   for (int l = L - 1; l >= 0; --l) {
     const detail::BlockParams& p = im.bp[(size_t)l];
     BlockActs& b = a.blocks[(size_t)l];
@@ -1311,11 +1315,16 @@ void Model::backward(const BackwardOptions& o) {
         im.producer_amaxes(l, LinearKind::kAttnOut, true, false, ops::output_amaxes_supported(N, C));
     {
       Scope sc(im, ffn, Work::kOther);
-      ops::rmsnorm_backward(s.d_tmp, im.g(p.mlp_norm), s.d_ln, a.mid[(size_t)l], im.master(p.mlp_norm),
-                            b.ln2_rstd, s.norm_ws, st);
-      im.bf16(s.d_tmp);
-      ops::add_inplace(s.d_resid, s.d_tmp, st, d_mid_amax ? &*d_mid_amax : nullptr);  // now d mid[l]
-      im.bf16(s.d_resid);
+      if (accumulate_norm_grads && !d_mid_amax) {  // now d mid[l]
+        ops::rmsnorm_backward_accumulate(s.d_resid, im.g(p.mlp_norm), s.d_ln, a.mid[(size_t)l],
+                                         im.master(p.mlp_norm), b.ln2_rstd, s.norm_ws, st);
+      } else {
+        ops::rmsnorm_backward(s.d_tmp, im.g(p.mlp_norm), s.d_ln, a.mid[(size_t)l], im.master(p.mlp_norm),
+                              b.ln2_rstd, s.norm_ws, st);
+        im.bf16(s.d_tmp);
+        ops::add_inplace(s.d_resid, s.d_tmp, st, d_mid_amax ? &*d_mid_amax : nullptr);  // now d mid[l]
+        im.bf16(s.d_resid);
+      }
     }
     // Attention half.
     im.dgrad_wgrad(Section::kAttention, l, LinearKind::kAttnOut, s.d_resid, im.w(p.attn_out), s.d_attn,
@@ -1350,11 +1359,16 @@ void Model::backward(const BackwardOptions& o) {
                            next_is_dense_down && ops::output_amaxes_supported(N, C));
     {
       Scope sc(im, Section::kAttention, Work::kOther);
-      ops::rmsnorm_backward(s.d_tmp, im.g(p.attn_norm), s.d_ln, a.resid[(size_t)l],
-                            im.master(p.attn_norm), b.ln1_rstd, s.norm_ws, st);
-      im.bf16(s.d_tmp);
-      ops::add_inplace(s.d_resid, s.d_tmp, st, d_resid_out ? &*d_resid_out : nullptr);  // now d resid[l]
-      im.bf16(s.d_resid);
+      if (accumulate_norm_grads && !d_resid_out) {  // now d resid[l]
+        ops::rmsnorm_backward_accumulate(s.d_resid, im.g(p.attn_norm), s.d_ln, a.resid[(size_t)l],
+                                         im.master(p.attn_norm), b.ln1_rstd, s.norm_ws, st);
+      } else {
+        ops::rmsnorm_backward(s.d_tmp, im.g(p.attn_norm), s.d_ln, a.resid[(size_t)l],
+                              im.master(p.attn_norm), b.ln1_rstd, s.norm_ws, st);
+        im.bf16(s.d_tmp);
+        ops::add_inplace(s.d_resid, s.d_tmp, st, d_resid_out ? &*d_resid_out : nullptr);  // now d resid[l]
+        im.bf16(s.d_resid);
+      }
     }
     d_resid_amax = Model::Impl::given_amax(d_resid_out);
   }

@@ -106,9 +106,11 @@ struct ModelOptions {
   // The training forward adds the residual stream inside two GEMMs' epilogues (mid = resid +
   // attn_out(...), a dense block's out = mid + mlp_down(...); GemmArgs::c_source) instead of a
   // separate add after each. The sum is formed in FP32 and rounded once to BF16 (the separate add
-  // rounds the GEMM's output first), so the bits differ slightly from the unfused forward. Not
-  // under a GemmObserver. FOURBIT_FUSE_RESIDUAL=0 turns it off for every model of the process,
-  // =1 on (A/B runs).
+  // rounds the GEMM's output first), so the bits differ slightly from the unfused forward. The
+  // backward likewise adds each block norm's input gradient to the residual gradient inside the
+  // RMSNorm backward (ops::rmsnorm_backward_accumulate, bit for bit the separate add) where that
+  // add need not compute the next dY's amaxes. Not under a GemmObserver.
+  // FOURBIT_FUSE_RESIDUAL=0 turns both off for every model of the process, =1 on (A/B runs).
   bool fuse_residual_add = true;
 };
 

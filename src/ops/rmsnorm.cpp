@@ -58,7 +58,7 @@ void forward_reference(T* y, T* rstd, const T* x, const T* w, int64_t n_rows, in
 
 template <typename T>
 void backward_reference(T* dx, T* dw, const T* dy, const T* x, const T* w, const T* rstd,
-                        int64_t n_rows, int64_t cols) {
+                        int64_t n_rows, int64_t cols, bool accumulate) {
   for (int64_t n = 0; n < n_rows; ++n) {
     const T* xr = x + n * cols;
     const T* dyr = dy + n * cols;
@@ -68,7 +68,8 @@ void backward_reference(T* dx, T* dw, const T* dy, const T* x, const T* w, const
     const T mean = dot / T(cols);
     for (int64_t c = 0; c < cols; ++c) {
       const T xhat = xr[c] * r;
-      dx[n * cols + c] = r * (dyr[c] * w[c] - xhat * mean);
+      const T v = r * (dyr[c] * w[c] - xhat * mean);
+      dx[n * cols + c] = accumulate ? dx[n * cols + c] + v : v;
       dw[c] += dyr[c] * xhat;
     }
   }
@@ -142,10 +143,11 @@ int64_t rmsnorm_backward_workspace_bytes(int64_t n_rows, int64_t C) {
   return n_chunks(n_rows, C) * C * (int64_t)sizeof(float);
 }
 
-void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const TensorView& dy,
-                      const TensorView& x, const TensorView& weight, const TensorView& rstd,
-                      const TensorView& workspace, void* stream) {
-  constexpr std::string_view op = "rmsnorm_backward";
+namespace {
+void rmsnorm_backward_impl(std::string_view op, bool accumulate, const TensorView& dx,
+                           const TensorView& dweight, const TensorView& dy, const TensorView& x,
+                           const TensorView& weight, const TensorView& rstd,
+                           const TensorView& workspace, void* stream) {
   const Device dev = detail::common_device(op, {{"dx", &dx},
                                                 {"dweight", &dweight},
                                                 {"dy", &dy},
@@ -171,11 +173,11 @@ void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const Ten
     if (dt == DType::kF64) {
       backward_reference(dx.ptr<double>(), dweight.ptr<double>(), dy.ptr<const double>(),
                          x.ptr<const double>(), weight.ptr<const double>(),
-                         rstd.ptr<const double>(), N, C);
+                         rstd.ptr<const double>(), N, C, accumulate);
     } else {
       backward_reference(dx.ptr<float>(), dweight.ptr<float>(), dy.ptr<const float>(),
                          x.ptr<const float>(), weight.ptr<const float>(), rstd.ptr<const float>(),
-                         N, C);
+                         N, C, accumulate);
     }
     return;
   }
@@ -210,12 +212,28 @@ void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const Ten
   a.cols = (int)C;
   a.n_chunks = n_chunks(N, C);
   a.rows_per_chunk = rows_per_chunk(N, C);
+  a.accumulate = accumulate;
   kernels::launch_rmsnorm_backward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;
   (void)workspace;
+  (void)accumulate;
   detail::no_cuda_build(op);
 #endif
+}
+}  // namespace
+
+void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const TensorView& dy,
+                      const TensorView& x, const TensorView& weight, const TensorView& rstd,
+                      const TensorView& workspace, void* stream) {
+  rmsnorm_backward_impl("rmsnorm_backward", false, dx, dweight, dy, x, weight, rstd, workspace, stream);
+}
+
+void rmsnorm_backward_accumulate(const TensorView& dx_accum, const TensorView& dweight,
+                                 const TensorView& dy, const TensorView& x, const TensorView& weight,
+                                 const TensorView& rstd, const TensorView& workspace, void* stream) {
+  rmsnorm_backward_impl("rmsnorm_backward_accumulate", true, dx_accum, dweight, dy, x, weight, rstd,
+                        workspace, stream);
 }
 
 }  // namespace fourbit::ops

@@ -46,4 +46,15 @@ void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const Ten
                       const TensorView& x, const TensorView& weight, const TensorView& rstd,
                       const TensorView& workspace, void* stream = nullptr);
 
+// rmsnorm_backward adding dx to a gradient instead of overwriting it (a residual stream's
+// gradient, which receives the norm's input gradient):
+//   dx_accum[n, c] = dx_accum[n, c] + round(dx[n, c])                                  ACCUMULATED
+// where round() rounds to dx_accum's dtype and the sum is rounded to it again: the bits equal
+// rmsnorm_backward into a temporary followed by add_inplace(dx_accum, temporary), without the
+// temporary's write and read. dweight, shapes and aliasing rules as rmsnorm_backward.
+void rmsnorm_backward_accumulate(const TensorView& dx_accum, const TensorView& dweight,
+                                 const TensorView& dy, const TensorView& x, const TensorView& weight,
+                                 const TensorView& rstd, const TensorView& workspace,
+                                 void* stream = nullptr);
+
 }  // namespace fourbit::ops

@@ -71,7 +71,10 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-template <typename TX, typename TW, int J>
+// kAccumulate: dx holds a gradient that the result is added to, dx = dx + round(result) with
+// add_kernel's arithmetic (the result rounded to TX first), so the bits equal this kernel into a
+// temporary followed by add_inplace.
+template <typename TX, typename TW, int J, bool kAccumulate>
 __global__ void __launch_bounds__(1024)
     rmsnorm_backward_kernel(TX* __restrict__ dx, float* __restrict__ partial,
                             const TX* __restrict__ dy, const TX* __restrict__ x,
@@ -125,6 +128,12 @@ __global__ void __launch_bounds__(1024)
       }
 #pragma unroll
       for (int k = 0; k < 8; ++k) g[k] = r * (g[k] - xv[k] * coef);
+      if constexpr (kAccumulate) {
+        float prev[8];
+        load8(dxr, c, cols, vec, prev);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) g[k] = __fadd_rn(prev[k], to_float<TX>(from_float<TX>(g[k])));
+      }
       store8(dxr, c, cols, vec, g);
     }
   }
@@ -205,11 +214,12 @@ void launch_rmsnorm_backward(const RmsnormBackwardArgs& a, cudaStream_t stream) 
       with_groups(rs.groups, [&](auto j) {
         using TX = decltype(tx);
         using TW = decltype(tw);
-        rmsnorm_backward_kernel<TX, TW, decltype(j)::value>
-            <<<(unsigned)a.n_chunks, rs.threads, 0, stream>>>(
-                static_cast<TX*>(a.dx), a.partial, static_cast<const TX*>(a.dy),
-                static_cast<const TX*>(a.x), static_cast<const TW*>(a.weight), a.rstd, a.n_rows,
-                a.cols, a.rows_per_chunk);
+        auto kernel = a.accumulate ? rmsnorm_backward_kernel<TX, TW, decltype(j)::value, true>
+                                   : rmsnorm_backward_kernel<TX, TW, decltype(j)::value, false>;
+        kernel<<<(unsigned)a.n_chunks, rs.threads, 0, stream>>>(
+            static_cast<TX*>(a.dx), a.partial, static_cast<const TX*>(a.dy),
+            static_cast<const TX*>(a.x), static_cast<const TW*>(a.weight), a.rstd, a.n_rows,
+            a.cols, a.rows_per_chunk);
       });
     });
   });

@@ -39,6 +39,7 @@ struct RmsnormBackwardArgs {
   int64_t n_rows;
   int cols;
   int64_t n_chunks, rows_per_chunk;
+  bool accumulate = false;  // dx += (dx rounded to act_type) instead of dx =
 };
 void launch_rmsnorm_backward(const RmsnormBackwardArgs& a, cudaStream_t stream);
 
