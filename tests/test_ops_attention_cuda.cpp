@@ -22,6 +22,7 @@
 // far above these bounds.
 #include "core/device.h"
 #include "ops/attention.h"
+#include "ops/rope.h"
 
 #include "dense_ops_test_util.h"
 
@@ -39,6 +40,7 @@ using testing::all_close;
 using testing::Guarded;
 using testing::host_ints;
 using testing::host_tensor;
+using testing::random_ints;
 using testing::random_normal;
 using testing::rounded;
 using testing::values_of;
@@ -413,6 +415,92 @@ TEST_F(OpsAttentionCuda, LargeScoresSaturatingTheSoftmax) {
   check_case(Case{1, 150, 2, 1, 64, 4.0}, 4000);
   if (HasFatalFailure()) return;
   check_case(Case{1, 90, 2, 2, 128, 4.0}, 4010);
+}
+
+// [B, T, heads, D] with sb = T * st viewed as the [B * T, heads, D] that the RoPE ops take.
+TensorView tokens_view(const TensorView& x) {
+  TensorView v = x;
+  v.shape = Shape{x.shape[0] * x.shape[1], x.shape[2], x.shape[3]};
+  v.strides = Shape{x.strides[1], x.strides[2], x.strides[3]};
+  return v;
+}
+
+// AttentionOptions::rope_backward: the kernels' epilogue rotation must give the bits of
+// attention_backward followed by rope_backward_inplace on dq and dk (dv untouched), for every tile
+// shape, GQA, ragged T, fused views and positions that include negative ones and ones past
+// sincosf's fast range (|angle| > 105615: its slow path).
+TEST_F(OpsAttentionCuda, RopeBackwardInTheEpiloguesEqualsTheSeparatePass) {
+  const Case cases[] = {
+      {2, 100, 4, 2, 64, 1.0, false, Case::Tiles::kDefault}, {1, 200, 4, 1, 64, 1.0, false, Case::Tiles::kWide},
+      {2, 130, 2, 2, 64, 1.0, true, Case::Tiles::kNarrow},   {2, 90, 4, 2, 128, 1.0, false, Case::Tiles::kDefault},
+      {1, 77, 2, 1, 128, 1.0, true, Case::Tiles::kDefault},
+  };
+  uint64_t seed = 7000;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(describe(c));
+    seed += 10;
+    const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.T * c.Hkv * c.D, N = c.B * c.T;
+    std::vector<int32_t> pos = random_ints(N, -50, 4000, seed + 4);
+    pos[0] = 200000;  // angle up to 2e5 rad: sincosf's slow path
+    if (N > 3) pos[3] = -123456;
+    const Tensor positions = host_ints({N}, pos).to(Device::kCuda);
+    DeviceQkv in = make_qkv(c, 0);
+    write_heads(in, in.q, rounded(random_normal(nq, seed), DType::kBF16));
+    write_heads(in, in.k, rounded(random_normal(nk, seed + 1), DType::kBF16));
+    write_heads(in, in.v, rounded(random_normal(nk, seed + 2), DType::kBF16));
+    const Tensor dout = host_tensor({c.B, c.T, c.H, c.D}, DType::kBF16, random_normal(nq, seed + 3)).to(Device::kCuda);
+    Tensor out = Tensor::empty({c.B, c.T, c.H, c.D}, DType::kBF16, Device::kCuda);
+    Tensor lse = Tensor::empty({c.B, c.H, c.T}, DType::kF32, Device::kCuda);
+    AttentionOptions options;
+    options.tiles = tiles_of(c);
+    attention_forward(in.q, in.k, in.v, out, lse, options);
+    const float theta = c.D == 64 ? 10000.0f : 500000.0f;
+
+    DeviceQkv separate = make_qkv(c, 0xFF);
+    attention_backward(dout, in.q, in.k, in.v, out, lse, separate.q, separate.k, separate.v, options);
+    rope_backward_inplace(tokens_view(separate.q), tokens_view(separate.k), positions, theta);
+    DeviceQkv fused = make_qkv(c, 0x7F);
+    AttentionOptions rope_options = options;
+    rope_options.rope_backward = AttentionOptions::RopeBackward{positions, theta};
+    attention_backward(dout, in.q, in.k, in.v, out, lse, fused.q, fused.k, fused.v, rope_options);
+    device_synchronize();
+    if (c.fused) {
+      ASSERT_EQ(fused.fused.damaged_guard_bytes(), 0) << "dqkv: write outside the fused buffer";
+    } else {
+      for (int i = 0; i < 3; ++i) ASSERT_EQ(fused.plain[(size_t)i].damaged_guard_bytes(), 0) << "gradient " << i;
+    }
+    const char* names[3] = {"dq", "dk", "dv"};
+    const TensorView* want[3] = {&separate.q, &separate.k, &separate.v};
+    const TensorView* got[3] = {&fused.q, &fused.k, &fused.v};
+    for (int i = 0; i < 3; ++i) {
+      const std::vector<double> w = read_heads(separate, *want[i]), g = read_heads(fused, *got[i]);
+      int64_t differ = 0, first = -1;
+      for (size_t j = 0; j < w.size(); ++j) {
+        const bool same = w[j] == g[j] || (std::isnan(w[j]) && std::isnan(g[j]));
+        if (!same && differ++ == 0) first = (int64_t)j;
+      }
+      EXPECT_EQ(differ, 0) << names[i] << ": " << differ << " of " << w.size()
+                           << " elements differ from the separate pass; first at " << first << ": "
+                           << (first >= 0 ? g[(size_t)first] : 0.0) << " vs " << (first >= 0 ? w[(size_t)first] : 0.0);
+    }
+  }
+}
+
+// A bad positions tensor is named in the error.
+TEST_F(OpsAttentionCuda, RopeBackwardRejectsBadPositions) {
+  const Tensor x = host_tensor({1, 4, 2, 64}, DType::kBF16, random_normal(512, 1)).to(Device::kCuda);
+  Tensor lse = Tensor::empty({1, 2, 4}, DType::kF32, Device::kCuda);
+  Tensor g = Tensor::empty({1, 4, 2, 64}, DType::kBF16, Device::kCuda);
+  AttentionOptions options;
+  options.rope_backward = AttentionOptions::RopeBackward{host_ints({3}, {0, 1, 2}).to(Device::kCuda), 10000.0f};
+  try {
+    attention_backward(x, x, x, x, x, lse, g, g, g, options);
+    ADD_FAILURE() << "positions of 3 tokens for 4 were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rope_backward.positions must be a contiguous i32 [B * T] = (4)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST_F(OpsAttentionCuda, UnsupportedHeadDimIsRejected) {

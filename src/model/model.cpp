@@ -338,6 +338,16 @@ bool Model::Impl::fuses_residual_add() const {
   return fuse && !m.gemm_observer_;
 }
 
+bool Model::Impl::fuses_rope_backward() const {
+  static const int env = [] {
+    const char* v = std::getenv("FOURBIT_FUSE_ROPE");
+    if (v == nullptr) return -1;
+    return std::string_view(v) == "1" ? 1 : std::string_view(v) == "0" ? 0 : -1;
+  }();
+  const bool fuse = env < 0 ? m.options_.fuse_rope_backward : env == 1;
+  return fuse && !m.options_.cpu_bf16_rounding;
+}
+
 std::optional<ops::OutputAmaxes> Model::Impl::producer_amaxes(int block, LinearKind kind, bool dy,
                                                               bool saves_x, bool producer_can) const {
   // FOURBIT_FUSED_AMAX=1 / =0 overrides ModelOptions::fuse_producer_amax (A/B runs of any command).
@@ -1304,6 +1314,10 @@ void Model::backward(const BackwardOptions& o) {
   // (rmsnorm_backward_accumulate: bit for bit the backward plus add_inplace) unless that add must
   // also compute the next dY's amaxes, or the CPU's bf16 rounding mode rounds between the two.
   const bool accumulate_norm_grads = im.fuses_residual_add() && !im.m.options_.cpu_bf16_rounding;
+  // RoPE's backward inside the attention backward (ModelOptions::fuse_rope_backward).
+  const bool fuse_rope = im.fuses_rope_backward();
+  ops::AttentionOptions attn_options;
+  if (fuse_rope) attn_options.rope_backward = ops::AttentionOptions::RopeBackward{a.positions, theta};
   for (int l = L - 1; l >= 0; --l) {
     const detail::BlockParams& p = im.bp[(size_t)l];
     BlockActs& b = a.blocks[(size_t)l];
@@ -1340,10 +1354,10 @@ void Model::backward(const BackwardOptions& o) {
                               detail::qkv_part4(b.qkv, (H + Hkv) * D, Hkv, D, B, T), out4, b.lse,
                               detail::qkv_part4(s.d_qkv, 0, H, D, B, T),
                               detail::qkv_part4(s.d_qkv, H * D, Hkv, D, B, T),
-                              detail::qkv_part4(s.d_qkv, (H + Hkv) * D, Hkv, D, B, T), {}, st);
+                              detail::qkv_part4(s.d_qkv, (H + Hkv) * D, Hkv, D, B, T), attn_options, st);
       im.bf16(s.d_qkv);
     }
-    {
+    if (!fuse_rope) {
       Scope sc(im, Section::kAttention, Work::kOther);
       ops::rope_backward_inplace(detail::qkv_part3(s.d_qkv, 0, H, D),
                                  detail::qkv_part3(s.d_qkv, H * D, Hkv, D), a.positions, theta, st);

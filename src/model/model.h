@@ -112,6 +112,11 @@ struct ModelOptions {
   // add need not compute the next dY's amaxes. Not under a GemmObserver.
   // FOURBIT_FUSE_RESIDUAL=0 turns both off for every model of the process, =1 on (A/B runs).
   bool fuse_residual_add = true;
+  // The attention backward rotates dq and dk back through RoPE in its own epilogues
+  // (ops::AttentionOptions::rope_backward: the same bits as the separate rope_backward pass, one
+  // pass over dq and dk fewer). FOURBIT_FUSE_ROPE=0 turns it off for every model of the process,
+  // =1 on (A/B runs). Not with cpu_bf16_rounding (which rounds between the two).
+  bool fuse_rope_backward = true;
 };
 
 struct ForwardOptions {

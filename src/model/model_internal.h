@@ -199,6 +199,8 @@ struct Model::Impl {
   // dense block's mlp_down (ModelOptions::fuse_residual_add; never under a GemmObserver, which must
   // see the GEMMs' own outputs).
   bool fuses_residual_add() const;
+  // Whether the attention backward also does RoPE's backward (ModelOptions::fuse_rope_backward).
+  bool fuses_rope_backward() const;
   void dgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy, const TensorView& w,
              const TensorView& dx);
   // saved_x holding a copy: the Wgrad reads it instead of x (ignored) and releases it.

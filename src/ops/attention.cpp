@@ -9,6 +9,7 @@
 #include "core/check.h"
 #include "core/device.h"
 #include "ops/arg_checks.h"
+#include "ops/rope.h"
 
 #if defined(FOURBIT_WITH_CUDA)
 #include "ops/attention_kernels.h"
@@ -88,6 +89,30 @@ void check_cpu_dtype(std::string_view op, DType dt) {
                 "{}: the CPU reference takes f32 or f64 tensors, got {}; bf16 attention runs on "
                 "CUDA",
                 op, dtype_name(dt));
+}
+
+// AttentionOptions::rope_backward: positions i32 [B * T], contiguous, on the tensors' device; theta
+// finite and > 0; D even.
+void check_rope_backward(std::string_view op, const AttentionOptions::RopeBackward& r, const Dims& d,
+                         Device dev) {
+  const TensorView& pos = r.positions;
+  FOURBIT_CHECK(pos.dtype == DType::kI32 && pos.shape.ndim == 1 && pos.shape[0] == d.batch * d.seq &&
+                    pos.is_contiguous() && pos.device == dev && (pos.data != nullptr || d.batch * d.seq == 0),
+                "{}: rope_backward.positions must be a contiguous i32 [B * T] = ({}) tensor on {}, got {}",
+                op, d.batch * d.seq, device_name(dev), pos.describe());
+  FOURBIT_CHECK(std::isfinite(r.theta) && r.theta > 0.0f,
+                "{}: rope_backward.theta must be finite and > 0, got {}", op, r.theta);
+  FOURBIT_CHECK(d.head_dim % 2 == 0, "{}: rope_backward needs an even head dim (pairs i, i + D/2), got D = {}",
+                op, d.head_dim);
+}
+
+// Sequence b of a [B, T, heads, D] view as the [T, heads, D] view that the RoPE ops take.
+TensorView sequence_view(const TensorView& x, int64_t b) {
+  TensorView s = x;
+  s.data = static_cast<char*>(x.data) + dtype_bytes(x.dtype, b * x.strides[0]);
+  s.shape = Shape{x.shape[1], x.shape[2], x.shape[3]};
+  s.strides = Shape{x.strides[1], x.strides[2], x.strides[3]};
+  return s;
 }
 
 // --- CPU reference -------------------------------------------------------------------------------
@@ -369,12 +394,22 @@ void attention_backward(const TensorView& dout, const TensorView& q, const Tenso
                                         {"lse", &lse}, {"dout", &dout}, {"dq", &dq}, {"dk", &dk},
                                         {"dv", &dv}});
   const float scale = resolve_scale(op, options, d.head_dim);
+  if (options.rope_backward) check_rope_backward(op, *options.rope_backward, d, dev);
   if (dev == Device::kCpu) {
     check_cpu_dtype(op, dt);
     check_lse(op, lse, d, dt);
     if (d.batch * d.seq == 0) return;
     if (dt == DType::kF32) backward_reference<float>(dout, q, k, v, out, lse, dq, dk, dv, d, scale);
     else backward_reference<double>(dout, q, k, v, out, lse, dq, dk, dv, d, scale);
+    if (const auto& r = options.rope_backward) {  // the separate pass, per sequence
+      for (int64_t b = 0; b < d.batch; ++b) {
+        TensorView pos = r->positions;
+        pos.data = r->positions.ptr<int32_t>() + b * d.seq;
+        pos.shape = Shape{d.seq};
+        pos.strides = Shape{1};
+        rope_backward_inplace(sequence_view(dq, b), sequence_view(dk, b), pos, r->theta);
+      }
+    }
     return;
   }
   check_lse(op, lse, d, DType::kF32);
@@ -405,6 +440,11 @@ void attention_backward(const TensorView& dout, const TensorView& q, const Tenso
   const AttentionTiles tiles = resolve_tiles(options);
   a.wide_dkdv = tiles.wide_dkdv;
   a.wide_dq = tiles.wide_dq;
+  if (const auto& r = options.rope_backward) {
+    static_assert(kernels::kAttentionRopeMaxPairs * 2 >= 128, "D <= 128 on CUDA");
+    a.rope.positions = r->positions.ptr<const int32_t>();
+    for (int64_t i = 0; i < d.head_dim / 2; ++i) a.rope.inv_freq[i] = (float)detail::inv_freq_f64(r->theta, i, d.head_dim);
+  }
   kernels::launch_attention_backward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;

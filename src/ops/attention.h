@@ -61,6 +61,15 @@ struct AttentionOptions {
   // shared-memory traffic per tensor-core op, more registers; attention_kernels.cu). Same
   // tolerances and determinism either way; the wide backward kernels sum in another FP32 order.
   AttentionTiles tiles;
+  // attention_backward only: q and k came out of rope_forward with these positions and theta, and
+  // dq, dk are wanted w.r.t. its inputs. Then dq and dk are rotated back as rope_backward does, with
+  // the same bits as attention_backward followed by rope_backward_inplace on dq and dk (CUDA: in
+  // the kernels' epilogues, which saves the separate pass over dq and dk).
+  struct RopeBackward {
+    TensorView positions;  // i32 [B * T] (token (b, t) at b * T + t), contiguous, on q's device
+    float theta = 10000.0f;
+  };
+  std::optional<RopeBackward> rope_backward;
 };
 
 // Scratch of the split-cache decode kernel, made once by the owner of a KV cache (never inside a
@@ -91,7 +100,8 @@ void attention_forward(const TensorView& q,    // [B, T, H, D]
                        const TensorView& lse,  // [B, H, T]: f32 on CUDA, q's dtype on the CPU
                        const AttentionOptions& options = {}, void* stream = nullptr);
 
-// Backward of attention_forward given its saved out and lse. Overwrites dq, dk, dv.
+// Backward of attention_forward given its saved out and lse. Overwrites dq, dk, dv (with
+// options.rope_backward: dq, dk w.r.t. the queries and keys before RoPE).
 // On CUDA it needs a scratch f32 [B, H, T] for D_i, taken with cudaMallocAsync on `stream` and
 // released on it (no host synchronization).
 void attention_backward(const TensorView& dout,  // [B, T, H, D]

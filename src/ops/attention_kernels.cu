@@ -27,6 +27,8 @@
 //                  recomputes S and dP, dQ += dS K.
 //               The separate dq pass costs two extra small GEMMs per tile (Q K^T, dO V^T) against
 //               FlashAttention-2's atomic dq, and buys bitwise reproducible gradients.
+//               With AttentionRopeBackward, the dK and dQ stores rotate their rows back through
+//               RoPE first (rope_backward_rows; the bits of a separate rope_backward pass).
 // Heaviest CTAs first: for the causal mask, the last query tiles (forward, dq) and the first key
 // tiles (dk/dv) do the most work, so they are given the lowest block indices.
 //
@@ -40,6 +42,7 @@
 
 #include "core/pdl.cuh"
 #include "core/error.h"
+#include "ops/rope_device.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -252,6 +255,37 @@ __device__ __forceinline__ void store_rows(const float (&acc)[D / 8][4], float m
           *reinterpret_cast<const uint4*>(w + r * S + col);
     }
   }
+}
+
+// RoPE's backward rotation of a warp's 16 x D gradient block before store_rows (attention.h
+// AttentionOptions::rope_backward): each value, times `mul`, is rounded to BF16 as store_rows would
+// store it, then pair (i, i + D/2) of each row is rotated by -angle (ops/rope_device.cuh) in FP32,
+// exactly as rope_kernel does on the stored tensor; the caller then stores with mul = 1 (which
+// rounds the rotated values to BF16, as rope_kernel's store). A thread holds columns c and c + D/2
+// of its rows in n-blocks nd and nd + D/16, so the pairs never leave its registers. pos: the
+// positions of this sequence's tokens, [n_rows].
+template <int D>
+__device__ __forceinline__ void rope_backward_rows(float (&acc)[D / 8][4], float mul,
+                                                   const AttentionRopeBackward& rope,
+                                                   const int32_t* pos, int row0, int n_rows,
+                                                   int lane) {
+  static_assert(D / 2 <= kAttentionRopeMaxPairs, "inv_freq holds D / 2 frequencies");
+  const int g = lane >> 2, t = lane & 3;
+  int32_t p[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) p[r] = row0 + g + 8 * r < n_rows ? pos[row0 + g + 8 * r] : 0;
+#pragma unroll
+  for (int nd = 0; nd < D / 16; ++nd)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float c, s;
+      rope_cos_sin(p[e >> 1], rope.inv_freq[nd * 8 + 2 * t + (e & 1)], true, c, s);
+      float lo = __bfloat162float(__float2bfloat16_rn(acc[nd][e] * mul));
+      float hi = __bfloat162float(__float2bfloat16_rn(acc[nd + D / 16][e] * mul));
+      rope_rotate(lo, hi, c, s);
+      acc[nd][e] = lo;
+      acc[nd + D / 16][e] = hi;
+    }
 }
 
 // --- pieces shared by the forward and backward kernels ------------------------------------------
@@ -626,7 +660,12 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
 #pragma unroll
   for (int mi = 0; mi < kM; ++mi) {
     const int row_l = warp_row0 + mi * 16;
-    store_rows<D>(dk[mi], d.scale, k_s + row_l * S, lane, a.dk + b * a.dk_stride.b + hk * a.dk_stride.h,
+    float dk_mul = d.scale;
+    if (a.rope.positions != nullptr) {
+      rope_backward_rows<D>(dk[mi], dk_mul, a.rope, a.rope.positions + (int64_t)b * T, n0 + row_l, T, lane);
+      dk_mul = 1.0f;
+    }
+    store_rows<D>(dk[mi], dk_mul, k_s + row_l * S, lane, a.dk + b * a.dk_stride.b + hk * a.dk_stride.h,
                   a.dk_stride.t, n0 + row_l, T);
     store_rows<D>(dv[mi], 1.0f, v_s + row_l * S, lane, a.dv + b * a.dv_stride.b + hk * a.dv_stride.h,
                   a.dv_stride.t, n0 + row_l, T);
@@ -732,7 +771,12 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionB
 #pragma unroll
   for (int mi = 0; mi < kM; ++mi) {
     const int row_l = warp_row0 + mi * 16;
-    store_rows<D>(dq[mi], d.scale, q_s + row_l * S, lane, a.dq + b * a.dq_stride.b + h * a.dq_stride.h,
+    float dq_mul = d.scale;
+    if (a.rope.positions != nullptr) {
+      rope_backward_rows<D>(dq[mi], dq_mul, a.rope, a.rope.positions + (int64_t)b * T, m0 + row_l, T, lane);
+      dq_mul = 1.0f;
+    }
+    store_rows<D>(dq[mi], dq_mul, q_s + row_l * S, lane, a.dq + b * a.dq_stride.b + h * a.dq_stride.h,
                   a.dq_stride.t, m0 + row_l, T);
   }
 }

@@ -34,6 +34,14 @@ struct AttentionForwardArgs {
   bool wide = false;
 };
 
+// RoPE's backward rotation folded into the dq and dk stores (attention.h
+// AttentionOptions::rope_backward; the arithmetic of ops/rope_device.cuh).
+inline constexpr int kAttentionRopeMaxPairs = 64;  // D / 2 for D <= 128
+struct AttentionRopeBackward {
+  const int32_t* positions = nullptr;  // i32 [B * T], token (b, t) at b * T + t; null: no rotation
+  float inv_freq[kAttentionRopeMaxPairs] = {};  // f32(theta^(-2i / D)), i < D / 2 (rope.cpp)
+};
+
 struct AttentionBackwardArgs {
   AttentionDims dims;
   const uint16_t* dout; HeadStrides dout_stride;  // bf16 [B, T, H, D]
@@ -49,6 +57,7 @@ struct AttentionBackwardArgs {
   // (attention_kernels.cu); ignored for D = 128.
   bool wide_dkdv = false;
   bool wide_dq = false;
+  AttentionRopeBackward rope;
 };
 
 struct AttentionDecodeArgs {

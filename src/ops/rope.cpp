@@ -12,6 +12,15 @@
 #endif
 
 namespace fourbit::ops {
+
+namespace detail {
+// theta^(-2i / D) in double: the one definition of the frequencies, used by the CPU reference and
+// passed to the CUDA kernels as a table (so both sides start from the same bits).
+double inv_freq_f64(float theta, int64_t i, int64_t D) {
+  return std::pow((double)theta, -2.0 * (double)i / (double)D);
+}
+}  // namespace detail
+
 namespace {
 
 using detail::check_dtype;
@@ -23,11 +32,7 @@ T& at(const TensorView& t, int64_t n, int64_t h, int64_t d) {
   return t.ptr<T>()[n * t.strides[0] + h * t.strides[1] + d];
 }
 
-// theta^(-2i / D) in double: the one definition of the frequencies, used by the CPU reference and
-// passed to the CUDA kernel as a table (so both sides start from the same bits).
-double inv_freq_f64(float theta, int64_t i, int64_t D) {
-  return std::pow((double)theta, -2.0 * (double)i / (double)D);
-}
+using detail::inv_freq_f64;
 
 template <typename T>
 void rotate_reference(const TensorView& out, const TensorView& in, const int32_t* positions,

@@ -77,4 +77,9 @@ void rope_backward(const TensorView& dq, const TensorView& dk, const TensorView&
 void rope_backward_inplace(const TensorView& dq_rot_to_dq, const TensorView& dk_rot_to_dk,
                            const TensorView& positions, float theta, void* stream = nullptr);
 
+namespace detail {
+// theta^(-2i / D) in double, the frequency of pair i; kernels take f32(inv_freq_f64(...)) tables.
+double inv_freq_f64(float theta, int64_t i, int64_t D);
+}  // namespace detail
+
 }  // namespace fourbit::ops

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "ops/kernel_support.cuh"
+#include "ops/rope_device.cuh"
 
 namespace fourbit::ops::kernels {
 namespace {
@@ -21,17 +22,13 @@ __global__ void rope_kernel(RopeArgs a) {
   const int groups = (half + 7) / 8;
   const int heads = a.q_in.heads + a.k_in.heads;
   for (int64_t n = blockIdx.x; n < a.n_rows; n += gridDim.x) {
-    const float pos = (float)a.positions[n];
     // The cache row of token n (append only): batch n / rows_per_seq at position write_pos[n].
     const int32_t wp = a.k_cache != nullptr ? a.write_pos[n] : -1;
     const bool append = wp >= 0 && wp < a.t_max;
     const int64_t cache_row = append ? ((n / a.rows_per_seq) * a.t_max + wp) * (int64_t)a.k_in.heads * a.head_dim : 0;
     __syncthreads();  // the previous token's items are done with cos_s / sin_s
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-      float s, c;
-      sincosf(__fmul_rn(pos, a.inv_freq[i]), &s, &c);
-      cos_s[i] = c;
-      sin_s[i] = a.inverse ? -s : s;
+      rope_cos_sin(a.positions[n], a.inv_freq[i], a.inverse, cos_s[i], sin_s[i]);
     }
     __syncthreads();
     for (int it = threadIdx.x; it < heads * groups; it += blockDim.x) {
@@ -52,10 +49,7 @@ __global__ void rope_kernel(RopeArgs a) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const int i = min(c + k, half - 1);  // past the ragged end: any valid pair, not stored
-        const float cs = cos_s[i], sn = sin_s[i];
-        const float l = lo[k] * cs - hi[k] * sn;
-        hi[k] = hi[k] * cs + lo[k] * sn;
-        lo[k] = l;
+        rope_rotate(lo[k], hi[k], cos_s[i], sin_s[i]);
       }
       store8(out_lo, c, half, vec, lo);
       store8(out_hi, c, half, vec, hi);
