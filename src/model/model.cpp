@@ -318,6 +318,16 @@ int64_t Model::Impl::max_perm_rows(int64_t n_tokens) const {
          rows_tile_max - 1;
 }
 
+namespace {
+// An A/B switch read once from the environment: 1 for "1", 0 for "0", -1 when unset or anything else
+// (the ModelOptions field decides).
+int env_switch(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return -1;
+  return std::string_view(v) == "1" ? 1 : std::string_view(v) == "0" ? 0 : -1;
+}
+}  // namespace
+
 bool Model::Impl::keeps_wgrad_inputs() const {
   // FOURBIT_KEEP_WGRAD_INPUTS=1: the same for every model of the process (A/B runs of any command;
   // the results are bit for bit the same either way, only memory and time differ).
@@ -329,21 +339,13 @@ bool Model::Impl::keeps_wgrad_inputs() const {
 }
 
 bool Model::Impl::fuses_residual_add() const {
-  static const int env = [] {
-    const char* v = std::getenv("FOURBIT_FUSE_RESIDUAL");
-    if (v == nullptr) return -1;
-    return std::string_view(v) == "1" ? 1 : std::string_view(v) == "0" ? 0 : -1;
-  }();
+  static const int env = env_switch("FOURBIT_FUSE_RESIDUAL");
   const bool fuse = env < 0 ? m.options_.fuse_residual_add : env == 1;
   return fuse && !m.gemm_observer_;
 }
 
 bool Model::Impl::fuses_rope_backward() const {
-  static const int env = [] {
-    const char* v = std::getenv("FOURBIT_FUSE_ROPE");
-    if (v == nullptr) return -1;
-    return std::string_view(v) == "1" ? 1 : std::string_view(v) == "0" ? 0 : -1;
-  }();
+  static const int env = env_switch("FOURBIT_FUSE_ROPE");
   const bool fuse = env < 0 ? m.options_.fuse_rope_backward : env == 1;
   return fuse && !m.options_.cpu_bf16_rounding;
 }
@@ -351,11 +353,7 @@ bool Model::Impl::fuses_rope_backward() const {
 std::optional<ops::OutputAmaxes> Model::Impl::producer_amaxes(int block, LinearKind kind, bool dy,
                                                               bool saves_x, bool producer_can) const {
   // FOURBIT_FUSED_AMAX=1 / =0 overrides ModelOptions::fuse_producer_amax (A/B runs of any command).
-  static const int env = [] {
-    const char* v = std::getenv("FOURBIT_FUSED_AMAX");
-    if (v == nullptr) return -1;
-    return std::string_view(v) == "1" ? 1 : std::string_view(v) == "0" ? 0 : -1;
-  }();
+  static const int env = env_switch("FOURBIT_FUSED_AMAX");
   const bool fuse = env < 0 ? m.options_.fuse_producer_amax : env == 1;
   if (m.options_.device != Device::kCuda || !fuse || !producer_can) return std::nullopt;
   if (keeps_wgrad_inputs()) return std::nullopt;  // the reference path: one pass per GEMM operand
