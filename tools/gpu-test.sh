@@ -27,6 +27,8 @@
 #                          runs none. A run that must fit a time limit splits them over calls.
 #   FOURBIT_SKIP           space-separated steps to skip: test-cpu, torch-check (the gpu tests and
 #                          the build are never skipped)
+#   FOURBIT_GPU_TEST_JOBS  gpu tests run at once on the one GPU (default 1; more saves time when
+#                          device time is short: no test is timed, and they fit the GPU's memory)
 set -u -o pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -142,7 +144,7 @@ step gpu-info "$test_log" 20 \
   nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm,power.limit \
   --format=csv
 step test-gpu "$test_log" 3 \
-  ctest --test-dir "$build" -L gpu --output-on-failure --no-tests=error
+  ctest --test-dir "$build" -L gpu --output-on-failure --no-tests=error -j "${FOURBIT_GPU_TEST_JOBS:-1}"
 skip=" ${FOURBIT_SKIP:-} "
 if [[ "$skip" != *" test-cpu "* ]]; then
   step test-cpu "$test_log" 3 \
