@@ -486,6 +486,39 @@ TEST(ModelForward, FusedResidualAddsMatchTheSeparateAdds) {
   EXPECT_NEAR(fused16.loss, sep64.loss, 1e-2 * sep64.loss);
 }
 
+// ModelOptions::fuse_rope_backward: the attention backward rotates dq and dk back through RoPE
+// itself (the same arithmetic as the separate pass): the same gradients bit for bit, and one
+// separate step fewer per block in the backward.
+TEST(ModelForward, FusedRopeBackwardGivesTheSameGradients) {
+  const ModelConfig c = small_moe();
+  const int B = 2, T = 8;
+  const testing::Batch batch = make_batch(B, T, c.vocab, 19);
+  using P = std::pair<Section, Work>;
+  for (const DType dtype : {DType::kF64, DType::kF32}) {
+    auto run = [&](bool fuse, int& backward_attention_other) {
+      ModelOptions o = cpu_options(dtype, 29, B, T);
+      o.fuse_rope_backward = fuse;
+      Model m(c, resolved(c), o);
+      m.zero_grads();
+      m.forward(batch.tokens, batch.targets);
+      CountingProfiler p;
+      m.set_profiler(&p);
+      m.backward();
+      m.set_profiler(nullptr);
+      const auto it = p.brackets.find(P{Section::kAttention, Work::kOther});
+      backward_attention_other = it == p.brackets.end() ? 0 : it->second;
+      return values(m.grads().flat());
+    };
+    int sep_brackets = 0, fused_brackets = 0;
+    const std::vector<double> sep = run(false, sep_brackets), fused = run(true, fused_brackets);
+    ASSERT_EQ(sep.size(), fused.size());
+    int64_t differ = 0;
+    for (size_t i = 0; i < sep.size(); ++i) differ += sep[i] != fused[i];
+    EXPECT_EQ(differ, 0) << dtype_name(dtype) << ": gradients that differ with the fused RoPE backward";
+    EXPECT_EQ(sep_brackets - fused_brackets, c.n_layers) << dtype_name(dtype);
+  }
+}
+
 TEST(ModelForward, NonFiniteValuesAreReportedByName) {
   const ModelConfig c = small_dense();
   Model m(c, resolved(c), cpu_options(DType::kF32, 7, 2, 8));

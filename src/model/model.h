@@ -111,12 +111,17 @@ struct ModelOptions {
   // RMSNorm backward (ops::rmsnorm_backward_accumulate, bit for bit the separate add) where that
   // add need not compute the next dY's amaxes. Not under a GemmObserver.
   // FOURBIT_FUSE_RESIDUAL=0 turns both off for every model of the process, =1 on (A/B runs).
-  bool fuse_residual_add = true;
+  // Off by default until its GPU tests (ModelCuda.FusedResidualAddsMatchTheSeparateAdds,
+  // OpsRmsnormCuda's accumulate cases) have run: written and CPU-tested in sessions 17-19, when no
+  // device machine could be had for them (bench/notes-train.md).
+  bool fuse_residual_add = false;
   // The attention backward rotates dq and dk back through RoPE in its own epilogues
   // (ops::AttentionOptions::rope_backward: the same bits as the separate rope_backward pass, one
   // pass over dq and dk fewer). FOURBIT_FUSE_ROPE=0 turns it off for every model of the process,
-  // =1 on (A/B runs). Not with cpu_bf16_rounding (which rounds between the two).
-  bool fuse_rope_backward = true;
+  // =1 on (A/B runs). Not with cpu_bf16_rounding (which rounds between the two). Off by default
+  // until OpsAttentionCuda.RopeBackwardInTheEpiloguesEqualsTheSeparatePass has run on a GPU
+  // (written in session 19, which got no device machine).
+  bool fuse_rope_backward = false;
 };
 
 struct ForwardOptions {

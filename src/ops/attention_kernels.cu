@@ -556,7 +556,7 @@ constexpr int dkdv_smem_bytes() {
          4 * kQ * 4;  // K, V, 2 x (Q, dO) tiles; 2 x (lse, D_i)
 }
 
-template <int D, int kM>
+template <int D, int kM, bool kRope>
 __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const AttentionBackwardArgs a,
                                                                   const float* delta) {
   constexpr int kKeys = rows_per_cta<kM>();
@@ -661,7 +661,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
   for (int mi = 0; mi < kM; ++mi) {
     const int row_l = warp_row0 + mi * 16;
     float dk_mul = d.scale;
-    if (a.rope.positions != nullptr) {
+    if constexpr (kRope) {  // a separate instantiation: the plain kernel's code stays as it was
       rope_backward_rows<D>(dk[mi], dk_mul, a.rope, a.rope.positions + (int64_t)b * T, n0 + row_l, T, lane);
       dk_mul = 1.0f;
     }
@@ -680,7 +680,7 @@ constexpr int dq_smem_bytes() {  // Q, dO, 2 x K, 2 x V
   return (2 * TileLayout<D>::template elems<kRows>() + 4 * TileLayout<D>::template elems<kTile>()) * 2;
 }
 
-template <int D, int kM>
+template <int D, int kM, bool kRope>
 __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionBackwardArgs a,
                                                                 const float* delta) {
   constexpr int kRows = rows_per_cta<kM>();
@@ -772,7 +772,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionB
   for (int mi = 0; mi < kM; ++mi) {
     const int row_l = warp_row0 + mi * 16;
     float dq_mul = d.scale;
-    if (a.rope.positions != nullptr) {
+    if constexpr (kRope) {
       rope_backward_rows<D>(dq[mi], dq_mul, a.rope, a.rope.positions + (int64_t)b * T, m0 + row_l, T, lane);
       dq_mul = 1.0f;
     }
@@ -1075,25 +1075,38 @@ void forward_d(const AttentionForwardArgs& a, cudaStream_t stream) {
 }
 
 // dK/dV with kM m-blocks a warp; D_i is in `delta`.
-template <int D, int kM>
+// kRope: the instantiation with RoPE's backward in the dK store (a.rope.positions set).
+template <int D, int kM, bool kRope>
 void dkdv_m(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
   const AttentionDims& d = a.dims;
   const int n_blocks = (d.seq + rows_per_cta<kM>() - 1) / rows_per_cta<kM>();
   constexpr int smem = dkdv_smem_bytes<D, kM>();
-  set_smem(attention_dkdv_kernel<D, kM>, smem);
-  attention_dkdv_kernel<D, kM><<<dim3(n_blocks, d.kv_heads, d.batch), kThreads, smem, stream>>>(a, delta);
+  set_smem(attention_dkdv_kernel<D, kM, kRope>, smem);
+  attention_dkdv_kernel<D, kM, kRope><<<dim3(n_blocks, d.kv_heads, d.batch), kThreads, smem, stream>>>(a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
 // dQ with kM m-blocks a warp; D_i is in `delta`.
-template <int D, int kM>
+template <int D, int kM, bool kRope>
 void dq_m(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
   const AttentionDims& d = a.dims;
   const int n_blocks = (d.seq + rows_per_cta<kM>() - 1) / rows_per_cta<kM>();
   constexpr int smem = dq_smem_bytes<D, kM>();
-  set_smem(attention_dq_kernel<D, kM>, smem);
-  attention_dq_kernel<D, kM><<<dim3(n_blocks, d.heads, d.batch), kThreads, smem, stream>>>(a, delta);
+  set_smem(attention_dq_kernel<D, kM, kRope>, smem);
+  attention_dq_kernel<D, kM, kRope><<<dim3(n_blocks, d.heads, d.batch), kThreads, smem, stream>>>(a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+// dK/dV then dQ with kM m-blocks a warp for each (kDkdvM, kDqM), with or without RoPE's backward.
+template <int D, int kDkdvM, int kDqM>
+void dkdv_dq(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
+  if (a.rope.positions != nullptr) {
+    dkdv_m<D, kDkdvM, true>(a, delta, stream);
+    dq_m<D, kDqM, true>(a, delta, stream);
+  } else {
+    dkdv_m<D, kDkdvM, false>(a, delta, stream);
+    dq_m<D, kDqM, false>(a, delta, stream);
+  }
 }
 
 template <int D>
@@ -1105,14 +1118,11 @@ void backward_d(const AttentionBackwardArgs& a, float* delta, cudaStream_t strea
       a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
   if constexpr (D == 64) {
-    if (a.wide_dkdv) dkdv_m<D, kWideM>(a, delta, stream);
-    else dkdv_m<D, 1>(a, delta, stream);
-    if (a.wide_dq) dq_m<D, kWideM>(a, delta, stream);
-    else dq_m<D, 1>(a, delta, stream);
-  } else {
-    dkdv_m<D, 1>(a, delta, stream);
-    dq_m<D, 1>(a, delta, stream);
+    if (a.wide_dkdv && a.wide_dq) return dkdv_dq<D, kWideM, kWideM>(a, delta, stream);
+    if (a.wide_dkdv) return dkdv_dq<D, kWideM, 1>(a, delta, stream);
+    if (a.wide_dq) return dkdv_dq<D, 1, kWideM>(a, delta, stream);
   }
+  dkdv_dq<D, 1, 1>(a, delta, stream);
 }
 
 template <int D>
