@@ -319,12 +319,15 @@ int64_t Model::Impl::max_perm_rows(int64_t n_tokens) const {
 }
 
 namespace {
-// An A/B switch read once from the environment: 1 for "1", 0 for "0", -1 when unset or anything else
-// (the ModelOptions field decides).
+// An A/B switch read from the environment: 1 for "1", 0 for "0", -1 when unset or empty (the
+// ModelOptions field decides); anything else is an error that names the variable.
 int env_switch(const char* name) {
   const char* v = std::getenv(name);
-  if (v == nullptr) return -1;
-  return std::string_view(v) == "1" ? 1 : std::string_view(v) == "0" ? 0 : -1;
+  if (v == nullptr || *v == '\0') return -1;
+  const std::string_view s(v);
+  FOURBIT_CHECK(s == "0" || s == "1", "{}='{}': expected 0 (off) or 1 (on); unset it to use the ModelOptions default",
+                name, s);
+  return s == "1" ? 1 : 0;
 }
 }  // namespace
 
