@@ -1319,6 +1319,19 @@ void Model::backward(const BackwardOptions& o) {
   const bool fuse_rope = im.fuses_rope_backward();
   ops::AttentionOptions attn_options;
   if (fuse_rope) attn_options.rope_backward = ops::AttentionOptions::RopeBackward{a.positions, theta};
+  // d_resid += the input gradient of the block norm with weight `norm` over x (its rstd); with
+  // `amax`, the add also computes the amaxes of the new d_resid for the next dY's quantizer.
+  auto add_norm_backward = [&](int norm, const TensorView& x, const TensorView& rstd,
+                               const std::optional<ops::OutputAmaxes>& amax) {
+    if (accumulate_norm_grads && !amax) {
+      ops::rmsnorm_backward_accumulate(s.d_resid, im.g(norm), s.d_ln, x, im.master(norm), rstd, s.norm_ws, st);
+      return;
+    }
+    ops::rmsnorm_backward(s.d_tmp, im.g(norm), s.d_ln, x, im.master(norm), rstd, s.norm_ws, st);
+    im.bf16(s.d_tmp);
+    ops::add_inplace(s.d_resid, s.d_tmp, st, amax ? &*amax : nullptr);
+    im.bf16(s.d_resid);
+  };
   for (int l = L - 1; l >= 0; --l) {
     const detail::BlockParams& p = im.bp[(size_t)l];
     BlockActs& b = a.blocks[(size_t)l];
@@ -1330,16 +1343,7 @@ void Model::backward(const BackwardOptions& o) {
         im.producer_amaxes(l, LinearKind::kAttnOut, true, false, ops::output_amaxes_supported(N, C));
     {
       Scope sc(im, ffn, Work::kOther);
-      if (accumulate_norm_grads && !d_mid_amax) {  // now d mid[l]
-        ops::rmsnorm_backward_accumulate(s.d_resid, im.g(p.mlp_norm), s.d_ln, a.mid[(size_t)l],
-                                         im.master(p.mlp_norm), b.ln2_rstd, s.norm_ws, st);
-      } else {
-        ops::rmsnorm_backward(s.d_tmp, im.g(p.mlp_norm), s.d_ln, a.mid[(size_t)l], im.master(p.mlp_norm),
-                              b.ln2_rstd, s.norm_ws, st);
-        im.bf16(s.d_tmp);
-        ops::add_inplace(s.d_resid, s.d_tmp, st, d_mid_amax ? &*d_mid_amax : nullptr);  // now d mid[l]
-        im.bf16(s.d_resid);
-      }
+      add_norm_backward(p.mlp_norm, a.mid[(size_t)l], b.ln2_rstd, d_mid_amax);  // now d mid[l]
     }
     // Attention half.
     im.dgrad_wgrad(Section::kAttention, l, LinearKind::kAttnOut, s.d_resid, im.w(p.attn_out), s.d_attn,
@@ -1374,16 +1378,7 @@ void Model::backward(const BackwardOptions& o) {
                            next_is_dense_down && ops::output_amaxes_supported(N, C));
     {
       Scope sc(im, Section::kAttention, Work::kOther);
-      if (accumulate_norm_grads && !d_resid_out) {  // now d resid[l]
-        ops::rmsnorm_backward_accumulate(s.d_resid, im.g(p.attn_norm), s.d_ln, a.resid[(size_t)l],
-                                         im.master(p.attn_norm), b.ln1_rstd, s.norm_ws, st);
-      } else {
-        ops::rmsnorm_backward(s.d_tmp, im.g(p.attn_norm), s.d_ln, a.resid[(size_t)l],
-                              im.master(p.attn_norm), b.ln1_rstd, s.norm_ws, st);
-        im.bf16(s.d_tmp);
-        ops::add_inplace(s.d_resid, s.d_tmp, st, d_resid_out ? &*d_resid_out : nullptr);  // now d resid[l]
-        im.bf16(s.d_resid);
-      }
+      add_norm_backward(p.attn_norm, a.resid[(size_t)l], b.ln1_rstd, d_resid_out);  // now d resid[l]
     }
     d_resid_amax = Model::Impl::given_amax(d_resid_out);
   }

@@ -443,7 +443,7 @@ void attention_backward(const TensorView& dout, const TensorView& q, const Tenso
   if (const auto& r = options.rope_backward) {
     static_assert(kernels::kAttentionRopeMaxPairs * 2 >= 128, "D <= 128 on CUDA");
     a.rope.positions = r->positions.ptr<const int32_t>();
-    for (int64_t i = 0; i < d.head_dim / 2; ++i) a.rope.inv_freq[i] = (float)detail::inv_freq_f64(r->theta, i, d.head_dim);
+    detail::inv_freq_table_f32(r->theta, d.head_dim, a.rope.inv_freq);
   }
   kernels::launch_attention_backward(a, static_cast<cudaStream_t>(stream));
 #else

@@ -288,6 +288,21 @@ __device__ __forceinline__ void rope_backward_rows(float (&acc)[D / 8][4], float
     }
 }
 
+// store_rows of a dK or dQ block (times `scale`), rotated back through RoPE first when kRope (a
+// separate instantiation, so the plain kernels' code is as without RoPE). pos: the positions of
+// the block's sequence, [n_rows].
+template <int D, bool kRope>
+__device__ __forceinline__ void store_grad_rows(float (&acc)[D / 8][4], float scale,
+                                                const AttentionRopeBackward& rope, const int32_t* pos,
+                                                uint16_t* w, int lane, uint16_t* base, int64_t stride,
+                                                int row0, int n_rows) {
+  if constexpr (kRope) {
+    rope_backward_rows<D>(acc, scale, rope, pos, row0, n_rows, lane);
+    scale = 1.0f;
+  }
+  store_rows<D>(acc, scale, w, lane, base, stride, row0, n_rows);
+}
+
 // --- pieces shared by the forward and backward kernels ------------------------------------------
 
 // Online-softmax step for one warp's 16-row block and a 64-key tile: rows g (r = 0) and g + 8
@@ -660,13 +675,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
 #pragma unroll
   for (int mi = 0; mi < kM; ++mi) {
     const int row_l = warp_row0 + mi * 16;
-    float dk_mul = d.scale;
-    if constexpr (kRope) {  // a separate instantiation: the plain kernel's code stays as it was
-      rope_backward_rows<D>(dk[mi], dk_mul, a.rope, a.rope.positions + (int64_t)b * T, n0 + row_l, T, lane);
-      dk_mul = 1.0f;
-    }
-    store_rows<D>(dk[mi], dk_mul, k_s + row_l * S, lane, a.dk + b * a.dk_stride.b + hk * a.dk_stride.h,
-                  a.dk_stride.t, n0 + row_l, T);
+    store_grad_rows<D, kRope>(dk[mi], d.scale, a.rope, a.rope.positions + (int64_t)b * T, k_s + row_l * S,
+                              lane, a.dk + b * a.dk_stride.b + hk * a.dk_stride.h, a.dk_stride.t, n0 + row_l, T);
     store_rows<D>(dv[mi], 1.0f, v_s + row_l * S, lane, a.dv + b * a.dv_stride.b + hk * a.dv_stride.h,
                   a.dv_stride.t, n0 + row_l, T);
   }
@@ -771,13 +781,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionB
 #pragma unroll
   for (int mi = 0; mi < kM; ++mi) {
     const int row_l = warp_row0 + mi * 16;
-    float dq_mul = d.scale;
-    if constexpr (kRope) {
-      rope_backward_rows<D>(dq[mi], dq_mul, a.rope, a.rope.positions + (int64_t)b * T, m0 + row_l, T, lane);
-      dq_mul = 1.0f;
-    }
-    store_rows<D>(dq[mi], dq_mul, q_s + row_l * S, lane, a.dq + b * a.dq_stride.b + h * a.dq_stride.h,
-                  a.dq_stride.t, m0 + row_l, T);
+    store_grad_rows<D, kRope>(dq[mi], d.scale, a.rope, a.rope.positions + (int64_t)b * T, q_s + row_l * S,
+                              lane, a.dq + b * a.dq_stride.b + h * a.dq_stride.h, a.dq_stride.t, m0 + row_l, T);
   }
 }
 

@@ -19,6 +19,9 @@ namespace detail {
 double inv_freq_f64(float theta, int64_t i, int64_t D) {
   return std::pow((double)theta, -2.0 * (double)i / (double)D);
 }
+void inv_freq_table_f32(float theta, int64_t D, float* out) {
+  for (int64_t i = 0; i < D / 2; ++i) out[i] = (float)inv_freq_f64(theta, i, D);
+}
 }  // namespace detail
 
 namespace {
@@ -169,7 +172,7 @@ void run(std::string_view op, const TensorView& q_out, const TensorView& k_out, 
   a.type = q.dtype == DType::kBF16 ? kernels::FloatType::kBF16 : kernels::FloatType::kF32;
   a.n_rows = N;
   a.head_dim = (int)D;
-  for (int64_t i = 0; i < D / 2; ++i) a.inv_freq[i] = (float)inv_freq_f64(theta, i, D);
+  detail::inv_freq_table_f32(theta, D, a.inv_freq);
   a.inverse = inverse;
   if (append != nullptr) {
     a.k_cache = append->k_cache.data;

@@ -78,8 +78,10 @@ void rope_backward_inplace(const TensorView& dq_rot_to_dq, const TensorView& dk_
                            const TensorView& positions, float theta, void* stream = nullptr);
 
 namespace detail {
-// theta^(-2i / D) in double, the frequency of pair i; kernels take f32(inv_freq_f64(...)) tables.
+// theta^(-2i / D) in double, the frequency of pair i.
 double inv_freq_f64(float theta, int64_t i, int64_t D);
+// The CUDA kernels' table: out[i] = f32(inv_freq_f64(theta, i, D)) for i < D / 2.
+void inv_freq_table_f32(float theta, int64_t D, float* out);
 }  // namespace detail
 
 }  // namespace fourbit::ops
