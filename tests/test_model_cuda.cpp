@@ -406,6 +406,37 @@ TEST_F(ModelCuda, FusedResidualAddsMatchTheSeparateAdds) {
   }
 }
 
+// ForwardOptions::loss_gradient_scale on the GPU: the forward's staged cross-entropy pass
+// (ops::cross_entropy_forward_backward_inplace, the row kept in shared memory) gives the losses and
+// every gradient of the saved-lse forward + backward, bit for bit. (V = 512 here; the ops test
+// covers staged rows up to 50304 and unstaged ones of 128256 against the saved-lse path.)
+TEST_F(ModelCuda, LossGradientInTheForwardKeepsTheGradientsBitForBit) {
+  for (const std::string preset : {"bf16", "nvfp4"}) {
+    const ModelConfig c = gpu_dense();
+    SCOPED_TRACE(preset);
+    const testing::Batch batch = make_batch(kB, kT, c.vocab, 12);
+    Model m(c, all_blocks(c, preset), options(Device::kCuda));
+    auto step = [&](std::optional<double> promise, double& loss) {
+      ForwardOptions fo;
+      fo.step = 4;
+      fo.loss_gradient_scale = promise;
+      m.zero_grads();
+      loss = m.forward(batch.tokens, batch.targets, fo).loss;
+      BackwardOptions bo;
+      bo.loss_scale = 0.5;
+      m.backward(bo);
+      std::vector<std::vector<double>> g;
+      for (int i = 0; i < m.table().size(); ++i)
+        if (m.table().row(i).trainable) g.push_back(values(m.grads().view(i)));
+      return g;
+    };
+    double loss_sep = 0, loss_fused = 0;
+    const auto sep = step(std::nullopt, loss_sep), fused = step(0.5, loss_fused);
+    EXPECT_EQ(loss_sep, loss_fused);
+    EXPECT_TRUE(sep == fused) << "gradients differ with the loss gradient in the forward";
+  }
+}
+
 TEST_F(ModelCuda, SameSeedSameBits) {
   for (const std::string preset : {"bf16", "nvfp4"}) {
     const ModelConfig c = gpu_moe();

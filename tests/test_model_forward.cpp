@@ -12,6 +12,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -517,6 +518,53 @@ TEST(ModelForward, FusedRopeBackwardGivesTheSameGradients) {
     EXPECT_EQ(differ, 0) << dtype_name(dtype) << ": gradients that differ with the fused RoPE backward";
     EXPECT_EQ(sep_brackets - fused_brackets, c.n_layers) << dtype_name(dtype);
   }
+}
+
+// ForwardOptions::loss_gradient_scale: the forward writes the loss gradient over the logits; the
+// losses and every parameter gradient equal those of the plain forward + backward bit for bit,
+// the backward refuses other options, and the promise needs for_backward.
+TEST(ModelForward, LossGradientInTheForwardGivesTheSameGradients) {
+  const ModelConfig c = small_moe();
+  const int B = 2, T = 8;
+  testing::Batch batch = make_batch(B, T, c.vocab, 23);
+  batch.targets.ptr<int32_t>()[3] = -1;  // an ignored token
+  for (const DType dtype : {DType::kF64, DType::kF32}) {
+    auto run = [&](std::optional<double> promise, double loss_scale, double& loss) {
+      Model m(c, resolved(c), cpu_options(dtype, 31, B, T));
+      m.zero_grads();
+      ForwardOptions fo;
+      fo.loss_gradient_scale = promise;
+      loss = m.forward(batch.tokens, batch.targets, fo).loss;
+      BackwardOptions bo;
+      bo.loss_scale = loss_scale;
+      m.backward(bo);
+      return values(m.grads().flat());
+    };
+    double loss_sep = 0, loss_fused = 0;
+    const std::vector<double> sep = run(std::nullopt, 0.25, loss_sep), fused = run(0.25, 0.25, loss_fused);
+    EXPECT_EQ(loss_sep, loss_fused) << dtype_name(dtype);
+    ASSERT_EQ(sep.size(), fused.size());
+    int64_t differ = 0, nonzero = 0;
+    for (size_t i = 0; i < sep.size(); ++i) differ += sep[i] != fused[i], nonzero += sep[i] != 0;
+    EXPECT_EQ(differ, 0) << dtype_name(dtype) << ": gradients that differ with the loss gradient in the forward";
+    EXPECT_GT(nonzero, (int64_t)sep.size() / 2) << dtype_name(dtype);
+  }
+  Model m(c, resolved(c), cpu_options(DType::kF32, 31, B, T));
+  ForwardOptions fo;
+  fo.loss_gradient_scale = 0.5;
+  m.forward(batch.tokens, batch.targets, fo);
+  BackwardOptions other;
+  other.loss_scale = 1.0;
+  try {
+    m.backward(other);
+    ADD_FAILURE() << "a backward with another loss_scale went through";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("loss_gradient_scale"), std::string::npos) << e.what();
+  }
+  other.loss_scale = 0.5;
+  m.backward(other);  // the refused call left the model able to run the right one
+  fo.for_backward = false;
+  EXPECT_THROW(m.forward(batch.tokens, batch.targets, fo), Error);
 }
 
 TEST(ModelForward, NonFiniteValuesAreReportedByName) {

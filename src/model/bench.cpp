@@ -257,6 +257,7 @@ std::vector<ModelBenchRow> run_model_bench(const ModelBenchOptions& o) {
       auto step = [&](uint64_t i) {
         ForwardOptions fo;
         fo.step = i;
+        fo.loss_gradient_scale = 1.0;  // as the trainer: the loss gradient in the forward
         m.zero_grads();
         m.forward(tokens, targets, fo);
         m.backward();

@@ -353,6 +353,11 @@ bool Model::Impl::fuses_rope_backward() const {
   return fuse && !m.options_.cpu_bf16_rounding;
 }
 
+bool Model::Impl::fuses_loss_gradient() const {
+  static const int env = env_switch("FOURBIT_FUSE_LOSS_GRAD");
+  return env != 0;
+}
+
 std::optional<ops::OutputAmaxes> Model::Impl::producer_amaxes(int block, LinearKind kind, bool dy,
                                                               bool saves_x, bool producer_can) const {
   // FOURBIT_FUSED_AMAX=1 / =0 overrides ModelOptions::fuse_producer_amax (A/B runs of any command).
@@ -1125,10 +1130,18 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
   }
   im.mode = o.stage == TrainingStage::kPretrain ? Mode::kPretrain : Mode::kRlTrainer;
   im.step = o.step;
+  if (o.loss_gradient_scale) {
+    FOURBIT_CHECK(o.for_backward, "Model::forward: ForwardOptions::loss_gradient_scale promises a backward; "
+                  "it cannot go with for_backward = false");
+    FOURBIT_CHECK(std::isfinite(*o.loss_gradient_scale), "Model::forward: ForwardOptions::loss_gradient_scale "
+                  "must be finite, got {}", *o.loss_gradient_scale);
+  }
   im.n_valid = n_valid;
   im.check_token_tile(N, "Model::forward");
   im.have_forward = false;
   im.backward_done = false;
+  im.promised_loss_scale = o.loss_gradient_scale;
+  im.logits_hold_gradient = o.loss_gradient_scale.has_value() && im.fuses_loss_gradient();
   im.named.clear();
 
   arena_->reset();
@@ -1223,11 +1236,21 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
   im.fprop(Section::kLmHead, c.n_layers, LinearKind::kLmHead, a.lnf, im.w(im.lm_head), a.logits);
   {
     Scope s(im, Section::kLmHead, Work::kOther);
-    // The lse of every row is kept for the backward's one-pass gradient (no second softmax).
-    ops::cross_entropy_forward_saving_lse(a.losses, a.mean_loss, a.lse, a.logits, a.targets, im.flag(), st);
+    if (im.logits_hold_gradient) {
+      // The backward's loss gradient now, over the logits (ForwardOptions::loss_gradient_scale):
+      // the same bits as the saved-lse path below followed by the backward's pass.
+      const double scale = n_valid > 0 ? *o.loss_gradient_scale / (double)n_valid : 0.0;
+      ops::cross_entropy_forward_backward_inplace(a.logits, a.losses, a.mean_loss, a.targets, (float)scale,
+                                                  im.flag(), st);
+      im.bf16(a.logits);
+    } else {
+      // The lse of every row is kept for the backward's one-pass gradient (no second softmax).
+      ops::cross_entropy_forward_saving_lse(a.losses, a.mean_loss, a.lse, a.logits, a.targets, im.flag(), st);
+    }
   }
   im.record("final_norm", a.lnf);
-  im.record("logits", a.logits, true);
+  im.record(im.logits_hold_gradient ? "logits (now their gradient: ForwardOptions::loss_gradient_scale)" : "logits",
+            a.logits, true);
 
   LossInfo info;
   info.n_valid = n_valid;
@@ -1270,10 +1293,17 @@ void Model::backward(const BackwardOptions& o) {
   const float theta = (float)c.rope_theta;
   const int L = c.n_layers;
   const int64_t N = a.N, C = c.d_model;
+  if (im.promised_loss_scale) {
+    FOURBIT_CHECK(o.token_weights.data == nullptr && o.loss_scale == *im.promised_loss_scale,
+                  "Model::backward: the forward was given ForwardOptions::loss_gradient_scale = {} (it may "
+                  "have written the loss gradient already), so the backward must get loss_scale = {} and no "
+                  "token_weights; got loss_scale = {}{}", *im.promised_loss_scale, *im.promised_loss_scale,
+                  o.loss_scale, o.token_weights.data ? " and token_weights" : "");
+  }
   im.backward_done = true;
 
-  // LM head and loss: dlogits over the logits, then the final norm.
-  {
+  // LM head and loss: dlogits over the logits (unless the forward wrote them), then the final norm.
+  if (!im.logits_hold_gradient) {
     Scope sc(im, Section::kLmHead, Work::kOther);
     if (o.token_weights.data != nullptr) {
       // Per-token weights (RL): copied next to the losses, in the stat dtype.

@@ -27,7 +27,8 @@
 // Conventions. forward() overwrites the activations of the previous call; backward() differentiates
 // the last forward() and ACCUMULATES into the parameter gradients (zero_grads() first; gradient
 // accumulation over micro-batches is repeated forward/backward). backward() overwrites the logits
-// with their gradient (the fused in-place cross-entropy): read logits() before it.
+// with their gradient (the fused in-place cross-entropy): read logits() before it (or, under
+// ForwardOptions::loss_gradient_scale, the forward does, and logits() is the gradient already).
 // The objective is  ce + moe.aux_loss_coef * aux + moe.z_loss_coef * z, with ce the mean over
 // valid targets (target -1 = ignored) and aux, z averaged over the MoE blocks (aux only with
 // load_balancing = aux_loss), all times BackwardOptions::loss_scale.
@@ -135,6 +136,14 @@ struct ForwardOptions {
   // false: no backward follows (evaluation, log-probabilities only): the forward skips what only
   // the backward reads (the Wgrads' quantized X copies), and backward() refuses to run.
   bool for_backward = true;
+  // Set (pretraining): the backward that follows gets BackwardOptions{loss_scale = this value, no
+  // token_weights}, so the forward's cross-entropy pass may write the loss gradient over the
+  // logits right away (ops::cross_entropy_forward_backward_inplace: the logits are read once,
+  // not once by the forward and again by the backward). The logits are then gone when forward()
+  // returns (logits() holds their gradient). backward() refuses other options. Unset: RL (its
+  // token weights come from this forward's outputs), evaluation, anything that reads logits().
+  // FOURBIT_FUSE_LOSS_GRAD=0 keeps the gradient in the backward for A/B runs (same bits).
+  std::optional<double> loss_gradient_scale;
 };
 
 struct BackwardOptions {
@@ -250,7 +259,8 @@ class Model {
   // [B*T] -log p(target) of every token of the last forward (0 where the target is -1): the
   // per-token log-probabilities the RL trainer needs. Stat dtype, on the model's device.
   TensorView token_losses() const;
-  // [B*T, V] logits of the last forward (activation dtype); overwritten by backward().
+  // [B*T, V] logits of the last forward (activation dtype); overwritten by backward(), or by the
+  // forward itself under ForwardOptions::loss_gradient_scale.
   TensorView logits() const;
   // The last forward's routing, host i32 [B*T, n_moe_layers, top_k] (copied into `out`).
   void expert_ids(const TensorView& out) const;

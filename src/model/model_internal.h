@@ -165,6 +165,10 @@ struct Model::Impl {
   bool have_forward = false;
   bool backward_done = false;
   int64_t n_valid = 0;
+  // The last forward's ForwardOptions::loss_gradient_scale (backward() must get the same), and
+  // whether that forward wrote the logits' gradient already (fuses_loss_gradient()).
+  std::optional<double> promised_loss_scale;
+  bool logits_hold_gradient = false;
   std::vector<std::array<double, 2>> router_losses;  // per MoE block {aux, z}
   struct Named {
     std::string name;
@@ -201,6 +205,9 @@ struct Model::Impl {
   bool fuses_residual_add() const;
   // Whether the attention backward also does RoPE's backward (ModelOptions::fuse_rope_backward).
   bool fuses_rope_backward() const;
+  // Whether a forward given ForwardOptions::loss_gradient_scale writes the loss gradient
+  // (FOURBIT_FUSE_LOSS_GRAD=0: no, for A/B runs).
+  bool fuses_loss_gradient() const;
   void dgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy, const TensorView& w,
              const TensorView& dx);
   // saved_x holding a copy: the Wgrad reads it instead of x (ignored) and releases it.

@@ -31,8 +31,9 @@
 // the softmax: the same bits as the fused forward-backward, one pass over [N, V] fewer.
 //
 // CUDA kernels: one CTA per row (up to 512 threads). Pass 1 is an online softmax (running max and
-// rescaled sum per thread, then a fixed-order CTA reduction); pass 2 (backward) re-reads the row
-// (mostly from L2) and writes dlogits. Rows are read with 16-byte loads after a scalar head that
+// rescaled sum per thread, then a fixed-order CTA reduction); pass 2 (backward) writes dlogits
+// from the row, which the forward-and-backward entry points keep in shared memory when it fits
+// (V <= 57856 BF16 logits: one DRAM read of the logits) and otherwise read again. Rows are read with 16-byte loads after a scalar head that
 // reaches 16-byte alignment, so odd V (50257) is full speed. The mean is a separate single-CTA
 // fixed-order reduction. Deterministic.
 #pragma once

@@ -8,6 +8,12 @@
 // (exp(x - lse) - onehot) * scale; in place, each element is read before it is written by the
 // same thread. A second, single-CTA kernel sums the valid losses in a fixed order for the mean.
 // The forward may keep lse per row (lse_out); a backward given those (lse_in) skips pass 1.
+// Forward and backward in one launch, staged (kStage): pass 1 also copies the row's aligned body
+// into shared memory (each thread its own 16-byte vectors, read back by the same thread: no
+// barrier needed), and pass 2 reads it from there. The logits then cross DRAM once instead of
+// twice; without staging the second read depends on the row surviving in L2, and at 4 CTAs of
+// 512 threads an SM and V = 50257 (100 KB a BF16 row) the rows in flight exceed the L2. Used when
+// two CTAs of staged rows fit an SM (kMaxStageBytes).
 #include "ops/cross_entropy_kernels.h"
 
 #include "core/error.h"
@@ -16,10 +22,15 @@
 
 #include <math_constants.h>
 
+#include <type_traits>
+
 namespace fourbit::ops::kernels {
 namespace {
 
 constexpr int kMaxThreads = 512;
+// The largest staged row: two CTAs an SM must fit (2 x 113 KB + scratch of the 228 KB of sm_90),
+// i.e. V <= 57856 BF16 or 28928 FP32 logits (50257 BF16: 100.5 KB). Larger rows are read twice.
+constexpr int64_t kMaxStageBytes = 113 * 1024;
 constexpr int kMeanThreads = 1024;
 
 struct Softmax {
@@ -92,8 +103,30 @@ __device__ __forceinline__ void fill_row(T* row, int64_t n, float value) {
     store8_aligned(row + i, v);
 }
 
+// The raw 16 bytes (8 BF16 or 4 FP32 logits) of one staged vector, and their floats.
+using Raw8Bf16 = uint4;
+struct Raw8F32 {
+  uint4 a, b;
+};
+template <typename T>
+using Raw8 = std::conditional_t<sizeof(T) == 2, Raw8Bf16, Raw8F32>;
+__device__ __forceinline__ void unpack8(const Raw8Bf16& r, float v[8]) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+__device__ __forceinline__ void unpack8(const Raw8F32& r, float v[8]) {
+  const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = __uint_as_float(w[i]);
+}
+
 // No __restrict__ on logits / dlogits: they are the same buffer in the in-place variant.
-template <typename TL, typename TD>
+// kStage: dynamic shared memory holds the row's aligned body (body_end - head elements).
+template <typename TL, typename TD, bool kStage>
 __global__ void __launch_bounds__(kMaxThreads)
     cross_entropy_kernel(const TL* logits, TD* dlogits, float* __restrict__ losses,
                          const int32_t* __restrict__ targets, int64_t n_rows, int64_t vocab,
@@ -101,6 +134,8 @@ __global__ void __launch_bounds__(kMaxThreads)
                          int* error_flag, float* __restrict__ lse_out,
                          const float* __restrict__ lse_in) {
   __shared__ Softmax scratch[32];
+  extern __shared__ __align__(16) unsigned char staged_raw[];
+  Raw8<TL>* staged = reinterpret_cast<Raw8<TL>*>(staged_raw);  // [(body_end - head) / 8]
   const int tid = threadIdx.x;
   for (int64_t n = blockIdx.x; n < n_rows; n += gridDim.x) {
     const int32_t target = targets[n];
@@ -137,8 +172,15 @@ __global__ void __launch_bounds__(kMaxThreads)
         if (tid < tail) v[1] = to_float(row[body_end + tid]);
         add8(st, v);
       }
+#pragma unroll 2  // two 16-byte loads in flight a thread
       for (int64_t i = head + (int64_t)tid * 8; i < body_end; i += (int64_t)blockDim.x * 8) {
-        load8_aligned(row + i, v);
+        if constexpr (kStage) {
+          const Raw8<TL> r = *reinterpret_cast<const Raw8<TL>*>(row + i);
+          staged[(i - head) / 8] = r;
+          unpack8(r, v);
+        } else {
+          load8_aligned(row + i, v);
+        }
         add8(st, v);
       }
       // Read before the barrier in block_softmax: in place, pass 2 overwrites the row.
@@ -162,7 +204,11 @@ __global__ void __launch_bounds__(kMaxThreads)
       drow[idx] = from_float<TD>(grad(to_float(row[idx]), idx));
     }
     for (int64_t i = head + (int64_t)tid * 8; i < body_end; i += (int64_t)blockDim.x * 8) {
-      load8_aligned(row + i, v);
+      if constexpr (kStage) {
+        unpack8(staged[(i - head) / 8], v);  // this thread's own vector from pass 1
+      } else {
+        load8_aligned(row + i, v);
+      }
 #pragma unroll
       for (int k = 0; k < 8; ++k) v[k] = grad(v[k], i + k);
       if (dvec) {
@@ -209,9 +255,20 @@ void launch_cross_entropy(const CrossEntropyArgs& a, cudaStream_t stream) {
     with_float_type(a.dlogits_type, [&](auto td) {
       using TL = decltype(tl);
       using TD = decltype(td);
-      cross_entropy_kernel<TL, TD><<<grid, threads, 0, stream>>>(
-          static_cast<const TL*>(a.logits), static_cast<TD*>(a.dlogits), a.losses, a.targets,
-          a.n_rows, a.vocab, a.dloss_scale, a.row_weights, a.error_flag, a.lse_out, a.lse_in);
+      // Both passes in this launch: stage the row when its body fits (at most V elements).
+      const int64_t stage_bytes = a.vocab * (int64_t)sizeof(TL);
+      if (a.dlogits != nullptr && a.lse_in == nullptr && stage_bytes <= kMaxStageBytes) {
+        auto kernel = cross_entropy_kernel<TL, TD, true>;
+        FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                (int)stage_bytes));
+        kernel<<<grid, threads, (size_t)stage_bytes, stream>>>(
+            static_cast<const TL*>(a.logits), static_cast<TD*>(a.dlogits), a.losses, a.targets,
+            a.n_rows, a.vocab, a.dloss_scale, a.row_weights, a.error_flag, a.lse_out, a.lse_in);
+      } else {
+        cross_entropy_kernel<TL, TD, false><<<grid, threads, 0, stream>>>(
+            static_cast<const TL*>(a.logits), static_cast<TD*>(a.dlogits), a.losses, a.targets,
+            a.n_rows, a.vocab, a.dloss_scale, a.row_weights, a.error_flag, a.lse_out, a.lse_in);
+      }
     });
   });
   FOURBIT_CUDA_CHECK_LAUNCH();

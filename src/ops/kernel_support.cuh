@@ -10,9 +10,11 @@
 #include "formats/element.h"
 #include "ops/kernel_types.h"
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <utility>
 
 namespace fourbit::ops::kernels {
@@ -57,12 +59,14 @@ __device__ __forceinline__ void store8_aligned(float* p, const float v[8]) {
   *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
   *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
 }
+// The hardware's cvt.rn.bf16x2.f32 (one instruction a pair) rounds as formats::encode_bf16_rn
+// (round to nearest even, overflow to Inf, NaN -> 0x7FFF): the same bits as the scalar stores.
 __device__ __forceinline__ void store8_aligned(bf16_t* p, const float v[8]) {
   uint32_t w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    w[i] = (uint32_t)formats::encode_bf16_rn(v[2 * i]) |
-           ((uint32_t)formats::encode_bf16_rn(v[2 * i + 1]) << 16);
+    const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    memcpy(&w[i], &h, 4);
   }
   *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }

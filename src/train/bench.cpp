@@ -69,6 +69,7 @@ std::vector<TrainBenchRow> run_train_bench(const TrainBenchOptions& o) {
         model::ForwardOptions fo;
         fo.step = (uint64_t)s;
         fo.check_finite = false;
+        fo.loss_gradient_scale = 1.0;  // as the trainer: the loss gradient in the forward
         loss = m->forward(tokens, targets, fo).loss;
         saved_bytes = m->saved_wgrad_input_bytes();
         m->backward();

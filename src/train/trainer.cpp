@@ -272,6 +272,7 @@ StepMetrics Trainer::step() {
     fo.stage = model::TrainingStage::kPretrain;
     fo.step = (uint64_t)(step_ * accum + micro);
     fo.check_finite = false;
+    fo.loss_gradient_scale = 1.0 / accum;  // the backward's loss_scale below: one read of the logits
     const model::LossInfo li = model_->forward(inputs_, targets_, fo);
     if (!std::isfinite(li.loss)) {
       bad = true;
