@@ -140,6 +140,42 @@ TEST(OpsRmsnorm, AccumulateEqualsBackwardPlusAdd) {
   }
 }
 
+// With OutputAmaxes, the accumulated dx is unchanged and the amaxes are those add_inplace
+// computes for the same sum (the NVFP4 consumer's global amax and RHT amax).
+TEST(OpsRmsnorm, AccumulateWithAmaxesEqualsTheAddsAmaxes) {
+  const int64_t N = 32, C = 24;
+  const std::vector<double> x = random_normal(N * C, 21), w = random_normal(C, 22), dy = random_normal(N * C, 23),
+                            prior = random_normal(N * C, 24);
+  const DType dt = DType::kF32;
+  const Tensor tx = host_tensor({N, C}, dt, x), tw = host_tensor({C}, dt, w), tdy = host_tensor({N, C}, dt, dy);
+  Tensor y = Tensor::empty({N, C}, dt, Device::kCpu), r = Tensor::empty({N}, dt, Device::kCpu);
+  rmsnorm_forward(y, r, tx, tw, 1e-5f);
+  Tensor tmp = Tensor::empty({N, C}, dt, Device::kCpu), dw_sep = Tensor::zeros({C}, dt, Device::kCpu);
+  Tensor sum = host_tensor({N, C}, dt, prior);
+  rmsnorm_backward(tmp, dw_sep, tdy, tx, tw, r, TensorView{});
+  float want[2] = {0.0f, 0.0f}, got[2] = {0.0f, 0.0f};
+  OutputAmaxes o_want, o_got;
+  o_want.amax = &want[0];
+  o_want.rht_amax = &want[1];
+  o_got.amax = &got[0];
+  o_got.rht_amax = &got[1];
+  o_want.rht_sign_mask = o_got.rht_sign_mask = 0x2D5B;
+  add_inplace(sum, tmp, nullptr, &o_want);
+  Tensor acc = host_tensor({N, C}, dt, prior), dw_acc = Tensor::zeros({C}, dt, Device::kCpu);
+  rmsnorm_backward_accumulate(acc, dw_acc, tdy, tx, tw, r, TensorView{}, nullptr, &o_got);
+  EXPECT_EQ(values_of(acc), values_of(sum));
+  EXPECT_EQ(got[0], want[0]);
+  EXPECT_EQ(got[1], want[1]);
+  EXPECT_GT(got[0], 0.0f);
+  EXPECT_GT(got[1], 0.0f);
+  // The RHT amax needs whole 16-row segments.
+  const Tensor x20 = host_tensor({20, C}, dt, random_normal(20 * C, 25)), dy20 = host_tensor({20, C}, dt, random_normal(20 * C, 26));
+  Tensor r20 = Tensor::empty({20}, dt, Device::kCpu), y20 = Tensor::empty({20, C}, dt, Device::kCpu);
+  rmsnorm_forward(y20, r20, x20, tw, 1e-5f);
+  Tensor acc20 = Tensor::zeros({20, C}, dt, Device::kCpu);
+  EXPECT_THROW(rmsnorm_backward_accumulate(acc20, dw_acc, dy20, x20, tw, r20, TensorView{}, nullptr, &o_got), Error);
+}
+
 TEST(OpsRmsnorm, Errors) {
   const Tensor x = host_tensor({2, 3}, DType::kF32, std::vector<double>(6, 1.0));
   const Tensor w = host_tensor({3}, DType::kF32, {1, 1, 1});

@@ -13,9 +13,13 @@
 //   dweight: (2N + 16) u (|dweight_0| + sum_n |dy xhat|)          (f32 accumulation over tokens)
 #include "dense_ops_test_util.h"
 #include "ops/elementwise.h"
+#include "ops/error_flags.h"
 #include "ops/rmsnorm.h"
 
 #include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
 
 namespace fourbit::ops {
 namespace {
@@ -160,6 +164,95 @@ TEST_F(OpsRmsnormCuda, ColumnLimit) {
     ADD_FAILURE() << "C = 16385 was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("exceeds the CUDA kernel's limit of 16384"), std::string::npos) << e.what();
+  }
+}
+
+// rmsnorm_backward_accumulate with OutputAmaxes: dx and dweight bit for bit those of the backward
+// into a temporary plus add_inplace with the same amaxes, and the amaxes (plain and after the RHT)
+// bit for bit add_inplace's; a NaN / Inf in the sum sets the flag; shapes the kernel cannot
+// segment are refused with a message.
+TEST_F(OpsRmsnormCuda, AccumulateWithAmaxesEqualsTheSeparateAdd) {
+  auto read2 = [](const Tensor& t) {
+    std::array<float, 2> h{};
+    device_memcpy(h.data(), Device::kCpu, t.data(), Device::kCuda, sizeof(h));
+    return h;
+  };
+  struct Case {
+    int64_t N, C;
+    DType weight;
+    bool rht;
+    double poke;  // written into the prior gradient at one element (0: none)
+  };
+  for (const Case& k : {Case{16384, 768, DType::kF32, true, 0}, Case{32768, 768, DType::kBF16, true, 0},
+                        Case{16384, 2048, DType::kF32, true, 0}, Case{32768, 64, DType::kF32, true, 0},
+                        Case{16384, 1000, DType::kF32, false, 0}, Case{16384, 768, DType::kF32, true, INFINITY},
+                        Case{16384, 768, DType::kF32, true, NAN}}) {
+    const int64_t N = k.N, C = k.C;
+    SCOPED_TRACE(::testing::Message() << N << " x " << C << " rht " << k.rht << " poke " << k.poke);
+    ASSERT_TRUE(rmsnorm_backward_accumulate_amaxes_supported(N, C));
+    const std::vector<double> x = rounded(random_normal(N * C, 600 + C, 2.0), DType::kBF16);
+    const std::vector<double> w = rounded(random_normal(C, 700 + C), k.weight);
+    const std::vector<double> dy = rounded(random_normal(N * C, 800 + C), DType::kBF16);
+    std::vector<double> prior = rounded(random_normal(N * C, 900 + C, 3.0), DType::kBF16);
+    if (k.poke != 0) prior[(size_t)(N * C / 3 + 7)] = k.poke;
+    const Tensor gx = host_tensor({N, C}, DType::kBF16, x).to(Device::kCuda);
+    const Tensor gw = host_tensor({C}, k.weight, w).to(Device::kCuda);
+    const Tensor gdy = host_tensor({N, C}, DType::kBF16, dy).to(Device::kCuda);
+    Tensor y = Tensor::empty({N, C}, DType::kBF16, Device::kCuda), r = Tensor::empty({N}, DType::kF32, Device::kCuda);
+    rmsnorm_forward(y.view(), r.view(), gx.view(), gw.view(), 1e-5f);
+    const Tensor ws = Tensor::zeros({rmsnorm_backward_workspace_bytes(N, C)}, DType::kU8, Device::kCuda);
+    const Tensor hp = host_tensor({N, C}, DType::kBF16, prior);
+    const Guarded sum = Guarded::copy_of(hp, kPoison), acc = Guarded::copy_of(hp, kPoison);
+    Tensor tmp = Tensor::empty({N, C}, DType::kBF16, Device::kCuda);
+    Tensor dw_sep = Tensor::zeros({C}, DType::kF32, Device::kCuda), dw_acc = Tensor::zeros({C}, DType::kF32, Device::kCuda);
+    Tensor amax_sep = Tensor::zeros({2}, DType::kF32, Device::kCuda), amax_acc = Tensor::zeros({2}, DType::kF32, Device::kCuda);
+    Tensor flag_sep = Tensor::zeros({1}, DType::kI32, Device::kCuda), flag_acc = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+    auto amaxes = [&](Tensor& a, Tensor& f) {
+      OutputAmaxes o;
+      o.amax = a.ptr<float>();
+      o.rht_amax = k.rht ? a.ptr<float>() + 1 : nullptr;
+      o.rht_sign_mask = 0xA5C3;
+      o.nonfinite_flag = f.ptr<int>();
+      return o;
+    };
+    const OutputAmaxes o_sep = amaxes(amax_sep, flag_sep), o_acc = amaxes(amax_acc, flag_acc);
+    rmsnorm_backward(tmp.view(), dw_sep.view(), gdy.view(), gx.view(), gw.view(), r.view(), ws.view());
+    add_inplace(sum.view, tmp.view(), nullptr, &o_sep);
+    rmsnorm_backward_accumulate(acc.view, dw_acc.view(), gdy.view(), gx.view(), gw.view(), r.view(), ws.view(),
+                                nullptr, &o_acc);
+    EXPECT_EQ(acc.damaged_guard_bytes(), 0) << "accumulate wrote outside dx";
+    const std::vector<double> a = acc.values(), b = sum.values();
+    int64_t differ = 0;
+    for (size_t i = 0; i < a.size(); ++i) differ += !(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])));
+    EXPECT_EQ(differ, 0) << "accumulated dx differs from backward + add_inplace";
+    EXPECT_TRUE(values_of(dw_acc) == values_of(dw_sep)) << "dweight differs";
+    const std::array<float, 2> got = read2(amax_acc), want = read2(amax_sep);
+    EXPECT_EQ(got[0], want[0]) << "amax";
+    if (k.rht) {
+      EXPECT_EQ(got[1], want[1]) << "RHT amax";
+      EXPECT_GT(got[1], 0.0f);
+    }
+    EXPECT_GT(got[0], 0.0f);
+    const int want_flag = read_and_clear_error_flag(flag_sep.ptr<int>());
+    EXPECT_EQ(read_and_clear_error_flag(flag_acc.ptr<int>()), want_flag);
+    EXPECT_EQ(want_flag, std::isfinite(k.poke) ? 0 : kErrNonFinite);
+  }
+  // Too few rows for 16-row chunks (8192 x 768 keeps 4-row chunks), and too wide for the slots.
+  EXPECT_FALSE(rmsnorm_backward_accumulate_amaxes_supported(8192, 768));
+  EXPECT_FALSE(rmsnorm_backward_accumulate_amaxes_supported(16384, 4096));
+  const int64_t N = 8192, C = 768;
+  Tensor z = Tensor::zeros({N, C}, DType::kBF16, Device::kCuda), z2 = Tensor::zeros({N, C}, DType::kBF16, Device::kCuda);
+  Tensor z3 = Tensor::zeros({N, C}, DType::kBF16, Device::kCuda);
+  Tensor wt = Tensor::zeros({C}, DType::kF32, Device::kCuda), dw = Tensor::zeros({C}, DType::kF32, Device::kCuda);
+  Tensor rr = Tensor::zeros({N}, DType::kF32, Device::kCuda), am = Tensor::zeros({2}, DType::kF32, Device::kCuda);
+  const Tensor ws = Tensor::zeros({rmsnorm_backward_workspace_bytes(N, C)}, DType::kU8, Device::kCuda);
+  OutputAmaxes o;
+  o.amax = am.ptr<float>();
+  try {
+    rmsnorm_backward_accumulate(z.view(), dw.view(), z2.view(), z3.view(), wt.view(), rr.view(), ws.view(), nullptr, &o);
+    ADD_FAILURE() << "8192 x 768 with amaxes was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rmsnorm_backward_accumulate_amaxes_supported"), std::string::npos) << e.what();
   }
 }
 

@@ -1342,9 +1342,11 @@ void Model::backward(const BackwardOptions& o) {
 
   gemm::LinearOptions::GivenAmax d_resid_amax;  // of d resid[l + 1], from block l + 1's last add
   // The residual gradient takes each block norm's input gradient inside the RMSNorm backward
-  // (rmsnorm_backward_accumulate: bit for bit the backward plus add_inplace) unless that add must
-  // also compute the next dY's amaxes, or the CPU's bf16 rounding mode rounds between the two.
+  // (rmsnorm_backward_accumulate: bit for bit the backward plus add_inplace, the next dY's amaxes
+  // included where its kernel can compute them) unless the CPU's bf16 rounding mode rounds
+  // between the two.
   const bool accumulate_norm_grads = im.fuses_residual_add() && !im.m.options_.cpu_bf16_rounding;
+  const bool accumulate_with_amaxes = ops::rmsnorm_backward_accumulate_amaxes_supported(N, C);
   // RoPE's backward inside the attention backward (ModelOptions::fuse_rope_backward).
   const bool fuse_rope = im.fuses_rope_backward();
   ops::AttentionOptions attn_options;
@@ -1353,8 +1355,9 @@ void Model::backward(const BackwardOptions& o) {
   // `amax`, the add also computes the amaxes of the new d_resid for the next dY's quantizer.
   auto add_norm_backward = [&](int norm, const TensorView& x, const TensorView& rstd,
                                const std::optional<ops::OutputAmaxes>& amax) {
-    if (accumulate_norm_grads && !amax) {
-      ops::rmsnorm_backward_accumulate(s.d_resid, im.g(norm), s.d_ln, x, im.master(norm), rstd, s.norm_ws, st);
+    if (accumulate_norm_grads && (!amax || accumulate_with_amaxes)) {
+      ops::rmsnorm_backward_accumulate(s.d_resid, im.g(norm), s.d_ln, x, im.master(norm), rstd, s.norm_ws, st,
+                                       amax ? &*amax : nullptr);
       return;
     }
     ops::rmsnorm_backward(s.d_tmp, im.g(norm), s.d_ln, x, im.master(norm), rstd, s.norm_ws, st);

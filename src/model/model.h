@@ -109,12 +109,14 @@ struct ModelOptions {
   // separate add after each. The sum is formed in FP32 and rounded once to BF16 (the separate add
   // rounds the GEMM's output first), so the bits differ slightly from the unfused forward. The
   // backward likewise adds each block norm's input gradient to the residual gradient inside the
-  // RMSNorm backward (ops::rmsnorm_backward_accumulate, bit for bit the separate add) where that
-  // add need not compute the next dY's amaxes. Not under a GemmObserver.
+  // RMSNorm backward (ops::rmsnorm_backward_accumulate, bit for bit the separate add, and with the
+  // next dY's amaxes for the NVFP4 recipes where its kernel can compute them:
+  // rmsnorm_backward_accumulate_amaxes_supported). Not under a GemmObserver.
   // FOURBIT_FUSE_RESIDUAL=0 turns both off for every model of the process, =1 on (A/B runs).
   // Off by default until its GPU tests (ModelCuda.FusedResidualAddsMatchTheSeparateAdds,
-  // OpsRmsnormCuda's accumulate cases) have run: written and CPU-tested in sessions 17-19, when no
-  // device machine could be had for them (bench/notes-train.md).
+  // OpsRmsnormCuda's accumulate cases, OpsRmsnormCuda.AccumulateWithAmaxesEqualsTheSeparateAdd)
+  // have run: written and CPU-tested in sessions 17-20, when no device machine could be had for
+  // them (bench/notes-train.md).
   bool fuse_residual_add = false;
   // The attention backward rotates dq and dk back through RoPE in its own epilogues
   // (ops::AttentionOptions::rope_backward: the same bits as the separate rope_backward pass, one

@@ -36,9 +36,15 @@ int64_t max_row_chunks(int64_t C) {
   const int64_t by_workspace = (int64_t{4} << 20) / std::max<int64_t>(C, 1);
   return std::clamp<int64_t>(by_workspace, 256, 2048);
 }
+// Chunks of whole 16-row segments where that leaves at least 1024 chunks (rmsnorm_backward_
+// accumulate's output amaxes need them; a rule of N and C alone, so that dweight has the same bits
+// with and without amaxes).
 int64_t rows_per_chunk(int64_t n_rows, int64_t C) {
   const int64_t chunks = max_row_chunks(C);
-  return (n_rows + chunks - 1) / chunks;
+  const int64_t rows = (n_rows + chunks - 1) / chunks;
+  if (n_rows % 16 != 0 || rows % 16 == 0) return rows;
+  const int64_t rows16 = (rows + 15) / 16 * 16;
+  return (n_rows + rows16 - 1) / rows16 >= 1024 ? rows16 : rows;
 }
 int64_t n_chunks(int64_t n_rows, int64_t C) {
   return n_rows == 0 ? 0 : (n_rows + rows_per_chunk(n_rows, C) - 1) / rows_per_chunk(n_rows, C);
@@ -147,7 +153,8 @@ namespace {
 void rmsnorm_backward_impl(std::string_view op, bool accumulate, const TensorView& dx,
                            const TensorView& dweight, const TensorView& dy, const TensorView& x,
                            const TensorView& weight, const TensorView& rstd,
-                           const TensorView& workspace, void* stream) {
+                           const TensorView& workspace, void* stream,
+                           const OutputAmaxes* amaxes = nullptr) {
   const Device dev = detail::common_device(op, {{"dx", &dx},
                                                 {"dweight", &dweight},
                                                 {"dy", &dy},
@@ -163,6 +170,13 @@ void rmsnorm_backward_impl(std::string_view op, bool accumulate, const TensorVie
   check_shape(op, "dweight", dweight, {C});
   FOURBIT_CHECK(detail::distinct(dx, dy) && detail::distinct(dx, x),
                 "{}: dx must not alias dy or x", op);
+  if (amaxes != nullptr) {
+    detail::check_output_amaxes(op, *amaxes, dev, dx.dtype, N, C, {{"dx", &dx}});
+    FOURBIT_CHECK(dev == Device::kCpu || rmsnorm_backward_accumulate_amaxes_supported(N, C),
+                  "{}: the CUDA kernel computes the output amaxes for N % 16 == 0, C <= {} and 16-row "
+                  "chunks only (rmsnorm_backward_accumulate_amaxes_supported), got [{}, {}]; add with "
+                  "add_inplace's amaxes instead", op, kernels::kRmsnormAmaxMaxCols, N, C);
+  }
   if (dev == Device::kCpu) {
     const DType dt = detail::cpu_float_dtype(op, {{"dx", &dx},
                                                   {"dweight", &dweight},
@@ -179,6 +193,7 @@ void rmsnorm_backward_impl(std::string_view op, bool accumulate, const TensorVie
                          x.ptr<const float>(), weight.ptr<const float>(), rstd.ptr<const float>(),
                          N, C, accumulate);
     }
+    if (amaxes != nullptr) detail::reference_output_amaxes(dx, *amaxes);
     return;
   }
 #if defined(FOURBIT_WITH_CUDA)
@@ -213,6 +228,7 @@ void rmsnorm_backward_impl(std::string_view op, bool accumulate, const TensorVie
   a.n_chunks = n_chunks(N, C);
   a.rows_per_chunk = rows_per_chunk(N, C);
   a.accumulate = accumulate;
+  if (amaxes != nullptr) a.amaxes = *amaxes;
   kernels::launch_rmsnorm_backward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;
@@ -231,9 +247,19 @@ void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const Ten
 
 void rmsnorm_backward_accumulate(const TensorView& dx_accum, const TensorView& dweight,
                                  const TensorView& dy, const TensorView& x, const TensorView& weight,
-                                 const TensorView& rstd, const TensorView& workspace, void* stream) {
+                                 const TensorView& rstd, const TensorView& workspace, void* stream,
+                                 const OutputAmaxes* amaxes) {
   rmsnorm_backward_impl("rmsnorm_backward_accumulate", true, dx_accum, dweight, dy, x, weight, rstd,
-                        workspace, stream);
+                        workspace, stream, amaxes);
+}
+
+bool rmsnorm_backward_accumulate_amaxes_supported(int64_t n_rows, int64_t C) {
+#if defined(FOURBIT_WITH_CUDA)
+  const int64_t chunk_rows = rows_per_chunk(n_rows, C);
+  return n_rows % 16 == 0 && C >= 1 && C <= kernels::kRmsnormAmaxMaxCols && chunk_rows % 16 == 0;
+#else
+  return n_rows % 16 == 0 && C >= 1;
+#endif
 }
 
 }  // namespace fourbit::ops

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "core/tensor.h"
+#include "ops/output_amax.h"
 
 #include <cstdint>
 
@@ -52,9 +53,17 @@ void rmsnorm_backward(const TensorView& dx, const TensorView& dweight, const Ten
 // where round() rounds to dx_accum's dtype and the sum is rounded to it again: the bits equal
 // rmsnorm_backward into a temporary followed by add_inplace(dx_accum, temporary), without the
 // temporary's write and read. dweight, shapes and aliasing rules as rmsnorm_backward.
+// amaxes (optional): also accumulate the global amaxes of the new dx_accum (output_amax.h), the
+// bits add_inplace(dx_accum, temporary, stream, amaxes) gives; CUDA: bf16, contiguous,
+// rmsnorm_backward_accumulate_amaxes_supported(N, C).
 void rmsnorm_backward_accumulate(const TensorView& dx_accum, const TensorView& dweight,
                                  const TensorView& dy, const TensorView& x, const TensorView& weight,
                                  const TensorView& rstd, const TensorView& workspace,
-                                 void* stream = nullptr);
+                                 void* stream = nullptr, const OutputAmaxes* amaxes = nullptr);
+
+// Whether rmsnorm_backward_accumulate computes OutputAmaxes for [N, C] on CUDA: N % 16 == 0,
+// C <= 2048 (its 16-row segment slots in shared memory) and row chunks of whole 16-row segments
+// (at least 1024 of them: N >= 16384 for C <= 2048). The CPU takes N % 16 == 0.
+bool rmsnorm_backward_accumulate_amaxes_supported(int64_t n_rows, int64_t C);
 
 }  // namespace fourbit::ops

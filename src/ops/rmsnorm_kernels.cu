@@ -9,8 +9,13 @@
 #include "ops/rmsnorm_kernels.h"
 
 #include "core/error.h"
+#include "ops/error_flags.h"
 #include "ops/kernel_support.cuh"
+#include "quant/amax_device.cuh"
 
+#include <cuda_bf16.h>
+
+#include <cstring>
 #include <type_traits>
 
 namespace fourbit::ops::kernels {
@@ -74,14 +79,24 @@ __global__ void __launch_bounds__(1024)
 // kAccumulate: dx holds a gradient that the result is added to, dx = dx + round(result) with
 // add_kernel's arithmetic (the result rounded to TX first), so the bits equal this kernel into a
 // temporary followed by add_inplace.
-template <typename TX, typename TW, int J, bool kAccumulate>
-__global__ void __launch_bounds__(1024)
+// kAmax (BF16, J = 1, with kAccumulate; rows_per_chunk and n_rows multiples of 16): also the
+// OutputAmaxes of the accumulated dx, as add_inplace_amax computes them (output_amax.cuh): each
+// thread parks the BF16 bits it stored for its 8 columns of the last 16 rows in its own slots of
+// dynamic shared memory ([16][blockDim.x] x 16 bytes; only the thread itself reads them back, so
+// no barrier), and after every 16th row of its chunk (a 16-row segment: chunks start on multiples
+// of 16) folds each column's Hadamard transform into the RHT amax.
+template <typename TX, typename TW, int J, bool kAccumulate, bool kAmax = false>
+__global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : 1024)  // kAmax: C <= 2048, 256 threads
     rmsnorm_backward_kernel(TX* __restrict__ dx, float* __restrict__ partial,
                             const TX* __restrict__ dy, const TX* __restrict__ x,
                             const TW* __restrict__ w, const float* __restrict__ rstd,
-                            int64_t n_rows, int cols, int64_t rows_per_chunk) {
+                            int64_t n_rows, int cols, int64_t rows_per_chunk, OutputAmaxes amaxes) {
+  static_assert(!kAmax || (kAccumulate && J == 1 && sizeof(TX) == 2), "amaxes: bf16, one group, accumulating");
   constexpr bool kCache = J == 1;
   __shared__ float scratch[32];
+  extern __shared__ uint4 segment_slots[];  // kAmax: [16][blockDim.x]
+  float out_amax = 0.0f, rht_amax = 0.0f;
+  bool bad = false;
   const bool w_vec = is_aligned16(w);
   float wv[8], acc[J][8];
   if (kCache) load8(w, (int64_t)threadIdx.x * 8, cols, w_vec, wv);
@@ -135,7 +150,40 @@ __global__ void __launch_bounds__(1024)
         for (int k = 0; k < 8; ++k) g[k] = __fadd_rn(prev[k], to_float<TX>(from_float<TX>(g[k])));
       }
       store8(dxr, c, cols, vec, g);
+      if constexpr (kAmax) {
+        // The stored bits (store8 rounds as the hardware pair conversion does; columns past
+        // `cols` hold 0 and are not stored), their amax, and the segment slot of this row.
+        uint32_t wd[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const __nv_bfloat162 h = __floats2bfloat162_rn(g[2 * k], g[2 * k + 1]);
+          memcpy(&wd[k], &h, 4);
+          const float lo = __uint_as_float(wd[k] << 16), hi = __uint_as_float(wd[k] & 0xFFFF0000u);
+          const float alo = formats::abs_f32(lo), ahi = formats::abs_f32(hi);
+          bad |= !(alo <= formats::kFloatMax) || !(ahi <= formats::kFloatMax);
+          out_amax = fmaxf(out_amax, fmaxf(alo, ahi));
+        }
+        const int seg_row = (int)((row - first) & 15);
+        segment_slots[seg_row * blockDim.x + threadIdx.x] = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+        if (seg_row == 15 && amaxes.rht_amax != nullptr) {
+#pragma unroll 1
+          for (int k = 0; k < 8; ++k) {
+            float v[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+              const uint4 q = segment_slots[i * blockDim.x + threadIdx.x];
+              const uint32_t word = (k >> 1) == 0 ? q.x : (k >> 1) == 1 ? q.y : (k >> 1) == 2 ? q.z : q.w;
+              v[i] = __uint_as_float((k & 1) ? (word & 0xFFFF0000u) : (word << 16));
+            }
+            rht_amax = fmaxf(rht_amax, quant::device::rht_segment_amax(v, amaxes.rht_sign_mask));
+          }
+        }
+      }
     }
+  }
+  if constexpr (kAmax) {
+    quant::device::publish_amaxes(out_amax, rht_amax, amaxes.amax, amaxes.rht_amax, bad, amaxes.nonfinite_flag,
+                                  kErrNonFinite);
   }
   float* pr = partial + (int64_t)blockIdx.x * cols;
   const bool p_vec = is_aligned16(pr);
@@ -214,12 +262,21 @@ void launch_rmsnorm_backward(const RmsnormBackwardArgs& a, cudaStream_t stream) 
       with_groups(rs.groups, [&](auto j) {
         using TX = decltype(tx);
         using TW = decltype(tw);
-        auto kernel = a.accumulate ? rmsnorm_backward_kernel<TX, TW, decltype(j)::value, true>
-                                   : rmsnorm_backward_kernel<TX, TW, decltype(j)::value, false>;
-        kernel<<<(unsigned)a.n_chunks, rs.threads, 0, stream>>>(
+        constexpr int kJ = decltype(j)::value;
+        auto kernel = a.accumulate ? rmsnorm_backward_kernel<TX, TW, kJ, true>
+                                   : rmsnorm_backward_kernel<TX, TW, kJ, false>;
+        size_t smem = 0;
+        if constexpr (kJ == 1 && std::is_same_v<TX, bf16_t>) {
+          if (a.amaxes.amax != nullptr) {
+            kernel = rmsnorm_backward_kernel<TX, TW, 1, true, true>;
+            smem = (size_t)16 * rs.threads * sizeof(uint4);
+            FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+          }
+        }
+        kernel<<<(unsigned)a.n_chunks, rs.threads, smem, stream>>>(
             static_cast<TX*>(a.dx), a.partial, static_cast<const TX*>(a.dy),
             static_cast<const TX*>(a.x), static_cast<const TW*>(a.weight), a.rstd, a.n_rows,
-            a.cols, a.rows_per_chunk);
+            a.cols, a.rows_per_chunk, a.amaxes);
       });
     });
   });

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "ops/kernel_types.h"
+#include "ops/output_amax.h"
 
 #include <cuda_runtime_api.h>
 
@@ -40,7 +41,11 @@ struct RmsnormBackwardArgs {
   int cols;
   int64_t n_chunks, rows_per_chunk;
   bool accumulate = false;  // dx += (dx rounded to act_type) instead of dx =
+  // With accumulate, bf16, C <= kRmsnormAmaxMaxCols, n_rows and rows_per_chunk multiples of 16:
+  // also the amaxes of the accumulated dx (amaxes.amax null: none).
+  OutputAmaxes amaxes{};
 };
+inline constexpr int kRmsnormAmaxMaxCols = 2048;  // 16 x 256 threads x 16 B = 64 KB of segment slots
 void launch_rmsnorm_backward(const RmsnormBackwardArgs& a, cudaStream_t stream);
 
 }  // namespace fourbit::ops::kernels
