@@ -381,8 +381,14 @@ TEST_F(ModelCuda, ProducerAmaxesKeepTheGradientsBitForBit) {
 
 // ModelOptions::fuse_residual_add: attn_out and mlp_down add the residual stream in their GEMM
 // epilogues (cuBLASLt BF16 / FP8, the emulated NVFP4 GEMM). The sum is rounded once instead of
-// twice, so the step is close to, not equal to, the separate adds'. (FOURBIT_FUSE_RESIDUAL, if
-// set, overrides the options: leave it unset for this test.)
+// twice, so the step is close to, not equal to, the separate adds'. The tight check is block 0's
+// attention residual, whose inputs are the same on both paths: every element within one BF16
+// rounding (2^-8 relative) of the separate add's. Downstream, a quantized recipe turns such
+// last-bit differences into whole code steps (an input near an FP4 rounding boundary moves by a
+// step of up to a quarter of the block scale: measured on the H100, nvfp4 logits 5.7e-2 apart and
+// a gradient 0.21 apart, fp8 1.4e-2 and 0.06), so the end-to-end bounds are per recipe and catch
+// a wrong or missing add, not rounding. (FOURBIT_FUSE_RESIDUAL, if set, overrides the options:
+// leave it unset for this test.)
 TEST_F(ModelCuda, FusedResidualAddsMatchTheSeparateAdds) {
   const ModelConfig c = gpu_dense();
   for (const std::string preset : {"bf16", "fp8", "nvfp4"}) {
@@ -394,15 +400,26 @@ TEST_F(ModelCuda, FusedResidualAddsMatchTheSeparateAdds) {
     o.fuse_residual_add = true;
     Model fused(c, all_blocks(c, preset), o);
     const StepResult a = run_step(separate, batch, nullptr, 3), b = run_step(fused, batch, nullptr, 3);
+    const auto it = std::find(a.names.begin(), a.names.end(), "blocks.0.attn.residual");
+    ASSERT_NE(it, a.names.end());
+    const size_t k = (size_t)(it - a.names.begin());
+    ASSERT_EQ(b.names[k], *it);
+    int64_t off = 0;
+    for (size_t i = 0; i < a.activations[k].size(); ++i) {
+      const double want = a.activations[k][i], got = b.activations[k][i];
+      off += std::fabs(got - want) > std::ldexp(std::fabs(want), -8) + 1e-30;
+    }
+    EXPECT_EQ(off, 0) << "block 0's attention residual: elements more than one BF16 rounding from the separate add's";
     double worst = 0;
     for (size_t i = 0; i < a.grads.size(); ++i) worst = std::max(worst, rel(b.grads[i], a.grads[i]));
     std::printf("%s: loss separate %.7f fused %.7f, logits %.3e apart, worst gradient %.3e\n",
                 preset.c_str(), a.loss.loss, b.loss.loss, rel(b.logits, a.logits), worst);
+    const double logits_tol = preset == "bf16" ? 2e-2 : preset == "fp8" ? 5e-2 : 0.15;
+    const double grad_tol = preset == "bf16" ? 3e-2 : preset == "fp8" ? 0.15 : 0.4;
     EXPECT_NEAR(b.loss.loss, a.loss.loss, 2e-3 * a.loss.loss);
-    EXPECT_TRUE(close_normwise(b.logits, a.logits, 2e-2, "logits"));
+    EXPECT_TRUE(close_normwise(b.logits, a.logits, logits_tol, "logits"));
     for (size_t i = 0; i < a.grads.size(); ++i)
-      EXPECT_TRUE(close_normwise(b.grads[i], a.grads[i], preset == "bf16" ? 3e-2 : 0.1,
-                                 "gradient " + std::to_string(i)));
+      EXPECT_TRUE(close_normwise(b.grads[i], a.grads[i], grad_tol, "gradient " + std::to_string(i)));
   }
 }
 
