@@ -120,20 +120,33 @@ TEST(OpsRmsnorm, BackwardFloat32MatchesFloat64) {
 
 // rmsnorm_backward_accumulate adds the input gradient to dx_accum: equal to the backward into a
 // temporary plus add_inplace, bit for bit, in f32 and f64; dweight as the backward's.
+// Random x, weight and dy of [N, C] in dtype dt, the forward's rstd, and the plain backward of dy
+// into a temporary (tmp, dw_sep from zero): the separate side of the accumulate tests.
+struct SeparateBackward {
+  Tensor tx, tw, tdy, r, tmp, dw_sep;
+  SeparateBackward(int64_t N, int64_t C, DType dt, uint64_t seed)
+      : tx(host_tensor({N, C}, dt, random_normal(N * C, seed))),
+        tw(host_tensor({C}, dt, random_normal(C, seed + 1))),
+        tdy(host_tensor({N, C}, dt, random_normal(N * C, seed + 2))),
+        r(Tensor::empty({N}, dt, Device::kCpu)),
+        tmp(Tensor::empty({N, C}, dt, Device::kCpu)),
+        dw_sep(Tensor::zeros({C}, dt, Device::kCpu)) {
+    Tensor y = Tensor::empty({N, C}, dt, Device::kCpu);
+    rmsnorm_forward(y, r, tx, tw, 1e-5f);
+    rmsnorm_backward(tmp, dw_sep, tdy, tx, tw, r, TensorView{});
+  }
+};
+
 TEST(OpsRmsnorm, AccumulateEqualsBackwardPlusAdd) {
   const int64_t N = 6, C = 40;
-  const std::vector<double> x = random_normal(N * C, 11), w = random_normal(C, 12), dy = random_normal(N * C, 13),
-                            prior = random_normal(N * C, 14);
+  const std::vector<double> prior = random_normal(N * C, 14);
   for (DType dt : {DType::kF32, DType::kF64}) {
-    const Tensor tx = host_tensor({N, C}, dt, x), tw = host_tensor({C}, dt, w), tdy = host_tensor({N, C}, dt, dy);
-    Tensor y = Tensor::empty({N, C}, dt, Device::kCpu), r = Tensor::empty({N}, dt, Device::kCpu);
-    rmsnorm_forward(y, r, tx, tw, 1e-5f);
-    Tensor tmp = Tensor::empty({N, C}, dt, Device::kCpu), dw_sep = Tensor::zeros({C}, dt, Device::kCpu);
+    const SeparateBackward s(N, C, dt, 11);
     Tensor sum = host_tensor({N, C}, dt, prior);
-    rmsnorm_backward(tmp, dw_sep, tdy, tx, tw, r, TensorView{});
-    add_inplace(sum, tmp);
+    add_inplace(sum, s.tmp);
     Tensor acc = host_tensor({N, C}, dt, prior), dw_acc = Tensor::zeros({C}, dt, Device::kCpu);
-    rmsnorm_backward_accumulate(acc, dw_acc, tdy, tx, tw, r, TensorView{});
+    rmsnorm_backward_accumulate(acc, dw_acc, s.tdy, s.tx, s.tw, s.r, TensorView{});
+    const Tensor& dw_sep = s.dw_sep;
     EXPECT_EQ(values_of(acc), values_of(sum)) << dtype_name(dt);
     EXPECT_EQ(values_of(dw_acc), values_of(dw_sep)) << dtype_name(dt);
     EXPECT_NE(values_of(acc), prior);  // it did add something
@@ -144,15 +157,11 @@ TEST(OpsRmsnorm, AccumulateEqualsBackwardPlusAdd) {
 // computes for the same sum (the NVFP4 consumer's global amax and RHT amax).
 TEST(OpsRmsnorm, AccumulateWithAmaxesEqualsTheAddsAmaxes) {
   const int64_t N = 32, C = 24;
-  const std::vector<double> x = random_normal(N * C, 21), w = random_normal(C, 22), dy = random_normal(N * C, 23),
-                            prior = random_normal(N * C, 24);
+  const std::vector<double> prior = random_normal(N * C, 24);
   const DType dt = DType::kF32;
-  const Tensor tx = host_tensor({N, C}, dt, x), tw = host_tensor({C}, dt, w), tdy = host_tensor({N, C}, dt, dy);
-  Tensor y = Tensor::empty({N, C}, dt, Device::kCpu), r = Tensor::empty({N}, dt, Device::kCpu);
-  rmsnorm_forward(y, r, tx, tw, 1e-5f);
-  Tensor tmp = Tensor::empty({N, C}, dt, Device::kCpu), dw_sep = Tensor::zeros({C}, dt, Device::kCpu);
+  const SeparateBackward s(N, C, dt, 21);
+  const Tensor &tx = s.tx, &tw = s.tw, &tdy = s.tdy, &r = s.r, &tmp = s.tmp;
   Tensor sum = host_tensor({N, C}, dt, prior);
-  rmsnorm_backward(tmp, dw_sep, tdy, tx, tw, r, TensorView{});
   float want[2] = {0.0f, 0.0f}, got[2] = {0.0f, 0.0f};
   OutputAmaxes o_want, o_got;
   o_want.amax = &want[0];
