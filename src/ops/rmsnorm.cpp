@@ -26,6 +26,9 @@ using detail::check_shape;
 // partial sums (chunks x C) stay within 4 Mi floats (16 MiB), but never fewer than 256.
 // FOURBIT_RMSNORM_MAX_CHUNKS=<n> (read once per process) replaces the bound, for A/B runs (256:
 // the kernels' launch before session 15).
+// The widest rows whose output amaxes the CUDA backward computes (kernels::kRmsnormAmaxMaxCols).
+constexpr int64_t kAmaxMaxCols = 2048;
+
 int64_t max_row_chunks(int64_t C) {
   static const int64_t forced = [] {
     const char* v = std::getenv("FOURBIT_RMSNORM_MAX_CHUNKS");
@@ -175,7 +178,7 @@ void rmsnorm_backward_impl(std::string_view op, bool accumulate, const TensorVie
     FOURBIT_CHECK(dev == Device::kCpu || rmsnorm_backward_accumulate_amaxes_supported(N, C),
                   "{}: the CUDA kernel computes the output amaxes for N % 16 == 0, C <= {} and 16-row "
                   "chunks only (rmsnorm_backward_accumulate_amaxes_supported), got [{}, {}]; add with "
-                  "add_inplace's amaxes instead", op, kernels::kRmsnormAmaxMaxCols, N, C);
+                  "add_inplace's amaxes instead", op, kAmaxMaxCols, N, C);
   }
   if (dev == Device::kCpu) {
     const DType dt = detail::cpu_float_dtype(op, {{"dx", &dx},
@@ -256,7 +259,8 @@ void rmsnorm_backward_accumulate(const TensorView& dx_accum, const TensorView& d
 bool rmsnorm_backward_accumulate_amaxes_supported(int64_t n_rows, int64_t C) {
 #if defined(FOURBIT_WITH_CUDA)
   const int64_t chunk_rows = rows_per_chunk(n_rows, C);
-  return n_rows % 16 == 0 && C >= 1 && C <= kernels::kRmsnormAmaxMaxCols && chunk_rows % 16 == 0;
+  static_assert(kAmaxMaxCols == kernels::kRmsnormAmaxMaxCols, "one limit");
+  return n_rows % 16 == 0 && C >= 1 && C <= kAmaxMaxCols && chunk_rows % 16 == 0;
 #else
   return n_rows % 16 == 0 && C >= 1;
 #endif
