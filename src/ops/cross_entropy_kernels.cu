@@ -44,15 +44,6 @@ __device__ __forceinline__ Softmax combine(Softmax a, Softmax b) {
   return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
 }
 
-// exp(d) as 2^(d log2(e)) on the special-function unit: one FMUL and ex2.approx.ftz (relative
-// error ~2^-22, like expf's 2 ulp, plus the product's rounding, u |d|; results below 2^-126 flush
-// to 0). expf is ~10 instructions, and these kernels are issue-bound: two of them per logit.
-__device__ __forceinline__ float exp_sfu(float d) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d * 1.4426950408889634f));
-  return y;
-}
-
 // Adds up to 8 values (padding must be -inf).
 __device__ __forceinline__ void add8(Softmax& st, const float v[8]) {
   float mx = v[0];
@@ -65,7 +56,7 @@ __device__ __forceinline__ void add8(Softmax& st, const float v[8]) {
   if (st.m == -CUDART_INF_F) return;
   float s = 0.0f;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) s += exp_sfu(v[k] - st.m);
+  for (int k = 0; k < 8; ++k) s += expf(v[k] - st.m);
   st.s += s;
   // A NaN logit: fmaxf skips it, expf(NaN) poisons s, and the loss becomes NaN, as it should.
 }
@@ -205,7 +196,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     const bool dvec = is_aligned16(drow + head);
     const float scale = row_weights ? row_weights[n] * dloss_scale : dloss_scale;
     auto grad = [&](float x, int64_t idx) {
-      return (exp_sfu(x - lse) - (idx == target ? 1.0f : 0.0f)) * scale;
+      return (expf(x - lse) - (idx == target ? 1.0f : 0.0f)) * scale;
     };
     if (tid < head) drow[tid] = from_float<TD>(grad(to_float(row[tid]), tid));
     if (tid < tail) {
