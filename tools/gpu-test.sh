@@ -217,6 +217,15 @@ cxx_version=$([ -n "$cxx" ] && "$cxx" -dumpfullversion 2>/dev/null)
   echo "## Steps"
   echo
   step_table
+  # ctest's verdict lines and the failed tests' names, so that this file alone tells the story
+  # (the device tool may bring back only some of the files of $out).
+  if grep -q "tests passed" "$test_log" 2>/dev/null; then
+    echo
+    echo "## Tests"
+    echo
+    grep -E "^[0-9]+% tests passed" "$test_log" | sed 's/^/- /'
+    awk '/^The following tests FAILED:/ { on = 1; next } on && /^[[:space:]]+[0-9]+ - / { sub(/^[[:space:]]+/, ""); print "- failed: " $0; next } { on = 0 }' "$test_log"
+  fi
   for name in "${bench_names[@]}"; do
     for line in "${benches[@]}"; do
       read -r n args <<<"$line"
