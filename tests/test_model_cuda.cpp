@@ -389,10 +389,13 @@ TEST_F(ModelCuda, ProducerAmaxesKeepTheGradientsBitForBit) {
 // a gradient 0.21 apart, fp8 1.4e-2 and 0.06), so the end-to-end bounds are per recipe and catch
 // a wrong or missing add, not rounding. (FOURBIT_FUSE_RESIDUAL, if set, overrides the options:
 // leave it unset for this test.)
+// The MoE model adds the shared expert's output in its mlp_down epilogue (in place over the routed
+// experts' output).
 TEST_F(ModelCuda, FusedResidualAddsMatchTheSeparateAdds) {
-  const ModelConfig c = gpu_dense();
-  for (const std::string preset : {"bf16", "fp8", "nvfp4"}) {
-    SCOPED_TRACE(preset);
+  for (const auto& [c, preset] : {std::pair{gpu_dense(), std::string("bf16")}, std::pair{gpu_dense(), std::string("fp8")},
+                                  std::pair{gpu_dense(), std::string("nvfp4")}, std::pair{gpu_moe(), std::string("bf16")},
+                                  std::pair{gpu_moe(), std::string("nvfp4")}}) {
+    SCOPED_TRACE(c.name + " " + preset);
     const testing::Batch batch = make_batch(kB, kT, c.vocab, 22);
     ModelOptions o = options(Device::kCuda);
     o.fuse_residual_add = false;

@@ -657,7 +657,9 @@ TensorView prefix(const TensorView& buf, int64_t rows, int64_t cols) {
 bool Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& out,
                               const TensorView& forced_host, const TensorView& residual) {
   if (cfg.is_moe_block(l)) {
-    forward_moe(l, a, b, out, forced_host);
+    // Fusing (a residual given): the shared expert's output is added to the routed experts' in its
+    // mlp_down epilogue; the residual itself is added by the caller (the unpermute writes out).
+    forward_moe(l, a, b, out, forced_host, residual.data != nullptr);
     return false;
   }
   const detail::BlockParams& p = bp[(size_t)l];
@@ -683,7 +685,7 @@ bool Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& ou
 }
 
 void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& out,
-                              const TensorView& forced_host) {
+                              const TensorView& forced_host, bool fuse_shared_add) {
   const detail::BlockParams& p = bp[(size_t)l];
   const int mi = cfg.moe_index(l);
   const int64_t N = a.N, C = cfg.d_model, E = cfg.moe.n_experts, k = cfg.moe.top_k;
@@ -782,8 +784,11 @@ void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& ou
     ops::swiglu_forward(act, gu, stream());
     bf16(act);
   }
-  fprop(Section::kMoe, l, LinearKind::kMlpDown, act, w(p.mlp_down), b.shared_out);
-  {
+  if (fuse_shared_add) {
+    // out = out + act W_down^T, rounded once (LinearOptions::residual may be the output itself).
+    fprop(Section::kMoe, l, LinearKind::kMlpDown, act, w(p.mlp_down), out, true, nullptr, {}, out);
+  } else {
+    fprop(Section::kMoe, l, LinearKind::kMlpDown, act, w(p.mlp_down), b.shared_out);
     Scope s(*this, Section::kMoe, Work::kOther);
     ops::add_inplace(out, b.shared_out, stream());
     bf16(out);
@@ -791,7 +796,7 @@ void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& ou
   if (a.training) {
     record(fmt::format("blocks.{}.moe.shared.gate_up", l), gu, true);
     record(fmt::format("blocks.{}.moe.shared.act", l), act);
-    record(fmt::format("blocks.{}.moe.shared.out", l), b.shared_out);
+    if (!fuse_shared_add) record(fmt::format("blocks.{}.moe.shared.out", l), b.shared_out);
   }
 }
 

@@ -106,7 +106,8 @@ struct ModelOptions {
   bool fuse_producer_amax = true;
   // The training forward adds the residual stream inside two GEMMs' epilogues (mid = resid +
   // attn_out(...), a dense block's out = mid + mlp_down(...); GemmArgs::c_source) instead of a
-  // separate add after each. The sum is formed in FP32 and rounded once to BF16 (the separate add
+  // separate add after each, and a MoE block's shared expert adds its output to the routed
+  // experts' in its mlp_down epilogue. The sum is formed in FP32 and rounded once to BF16 (the separate add
   // rounds the GEMM's output first), so the bits differ slightly from the unfused forward. The
   // backward likewise adds each block norm's input gradient to the residual gradient inside the
   // RMSNorm backward (ops::rmsnorm_backward_accumulate, bit for bit the separate add, and with the

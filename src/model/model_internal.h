@@ -243,8 +243,9 @@ struct Model::Impl {
   // block then adds it in mlp_down's epilogue; returns whether it did (a MoE block does not).
   bool forward_ffn(int l, detail::Acts& a, detail::BlockActs& b, const TensorView& out,
                    const TensorView& forced_host, const TensorView& residual = TensorView{});
+  // fuse_shared_add: the shared expert's mlp_down adds into out in its epilogue (no shared_out).
   void forward_moe(int l, detail::Acts& a, detail::BlockActs& b, const TensorView& out,
-                   const TensorView& forced_host);
+                   const TensorView& forced_host, bool fuse_shared_add = false);
   // d_resid_amax: d_resid's amaxes, when the add that ended block l + 1's backward computed them
   // (producer_amaxes for block l's mlp_down).
   void backward_ffn(int l, detail::Acts& a, detail::BlockActs& b, double loss_scale,
