@@ -457,6 +457,32 @@ TEST_F(ModelCuda, LossGradientInTheForwardKeepsTheGradientsBitForBit) {
   }
 }
 
+// ModelOptions::recompute_activations on the GPU: the recomputed qkv (RMSNorm, the quantized
+// GEMM, RoPE), gate_up and act give the plain step's loss and gradients bit for bit, in a smaller
+// activation arena.
+TEST_F(ModelCuda, RecomputedActivationsKeepTheGradientsBitForBit) {
+  for (const std::string preset : {"bf16", "fp8", "nvfp4"}) {
+    const ModelConfig c = gpu_dense();
+    SCOPED_TRACE(preset);
+    const testing::Batch batch = make_batch(kB, kT, c.vocab, 14);
+    auto step = [&](bool recompute, double& loss, int64_t& arena) {
+      ModelOptions o = options(Device::kCuda);
+      o.recompute_activations = recompute;
+      Model m(c, all_blocks(c, preset), o);
+      const StepResult r = run_step(m, batch, nullptr, 6);
+      loss = r.loss.loss;
+      arena = m.activation_bytes();
+      return r.grads;
+    };
+    double loss_plain = 0, loss_re = 0;
+    int64_t arena_plain = 0, arena_re = 0;
+    const auto plain = step(false, loss_plain, arena_plain), re = step(true, loss_re, arena_re);
+    EXPECT_EQ(loss_plain, loss_re);
+    EXPECT_TRUE(plain == re) << "gradients differ with recomputed activations";
+    EXPECT_LT(arena_re, arena_plain);
+  }
+}
+
 TEST_F(ModelCuda, SameSeedSameBits) {
   for (const std::string preset : {"bf16", "nvfp4"}) {
     const ModelConfig c = gpu_moe();

@@ -33,6 +33,9 @@ Command add_bench_train_command(CLI::App& app) {
   sub->add_flag("--keep-wgrad-inputs", a->o.keep_wgrad_inputs,
                 "keep every Wgrad input X at full precision and quantize each GEMM operand in its "
                 "own pass (the path before the fused training passes: for A/B comparisons)");
+  sub->add_flag("--recompute", a->o.recompute,
+                "recompute qkv and the MLP's gate_up in the backward (ModelOptions::"
+                "recompute_activations: less memory, one more GEMM pair a block)");
   return {sub, [a] {
             a->o.presets = split_list(a->presets);
             a->o.recipes = split_list(a->recipes);

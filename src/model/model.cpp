@@ -353,6 +353,11 @@ bool Model::Impl::fuses_rope_backward() const {
   return fuse && !m.options_.cpu_bf16_rounding;
 }
 
+bool Model::Impl::recomputes() const {
+  static const int env = env_switch("FOURBIT_RECOMPUTE");
+  return env < 0 ? m.options_.recompute_activations : env == 1;
+}
+
 bool Model::Impl::fuses_loss_gradient() const {
   static const int env = env_switch("FOURBIT_FUSE_LOSS_GRAD");
   return env != 0;
@@ -421,6 +426,9 @@ Acts Model::Impl::plan(detail::Carver& c, int B, int T, bool training, int64_t l
   int64_t f_max = 0;
   // Per-pass scratch for the Wgrad inputs kept quantized (carved on first need).
   std::optional<TensorView> scratch_ln1, scratch_ln2, scratch_act;
+  // Per-pass scratch for what the backward recomputes (recomputes()).
+  const bool recompute = training && recomputes();
+  std::optional<TensorView> scratch_qkv, scratch_gate_up;
   auto scratch = [&](std::optional<TensorView>& buf, Shape shape, std::string_view name) {
     if (!buf) buf = c.take(shape, adt, name);
     return *buf;
@@ -440,7 +448,8 @@ Acts Model::Impl::plan(detail::Carver& c, int B, int T, bool training, int64_t l
     b.ln1 = b.save_ln1 ? scratch(scratch_ln1, {N, C}, "attn_norm out (per-pass scratch)")
                        : c.take({N, C}, adt, "attn_norm out");
     b.ln1_rstd = c.take({N}, sdt, "attn_norm rstd");
-    b.qkv = c.take({N, QKV}, adt, "qkv");
+    b.qkv = recompute ? scratch(scratch_qkv, {N, QKV}, "qkv (per-pass scratch, recomputed)")
+                      : c.take({N, QKV}, adt, "qkv");
     b.attn = c.take({N, HD}, adt, "attention out");
     if (training) b.lse = c.take({B, cfg.n_heads, T}, sdt, "attention lse");
     b.ln2 = b.save_ln2 ? scratch(scratch_ln2, {N, C}, "mlp_norm out (per-pass scratch)")
@@ -450,9 +459,12 @@ Acts Model::Impl::plan(detail::Carver& c, int B, int T, bool training, int64_t l
     if (dense_mlp) F = cfg.d_ff;
     if (shared) F = std::max<int64_t>(F, Fe);
     if (F > 0) {
-      b.gate_up = c.take({N, 2 * F}, adt, "mlp gate_up");
-      b.act = b.save_act ? scratch(scratch_act, {N, cfg.d_ff}, "mlp act (per-pass scratch)")
-                         : c.take({N, F}, adt, "mlp act");
+      // A MoE block's shared expert keeps its own (not recomputed).
+      const bool recompute_mlp = recompute && dense_mlp;
+      b.gate_up = recompute_mlp ? scratch(scratch_gate_up, {N, 2 * cfg.d_ff}, "mlp gate_up (per-pass scratch, recomputed)")
+                                : c.take({N, 2 * F}, adt, "mlp gate_up");
+      b.act = b.save_act || recompute_mlp ? scratch(scratch_act, {N, cfg.d_ff}, "mlp act (per-pass scratch)")
+                                          : c.take({N, F}, adt, "mlp act");
     }
     f_max = std::max(f_max, F);
     if (moe) {
@@ -653,6 +665,42 @@ TensorView prefix(const TensorView& buf, int64_t rows, int64_t cols) {
 }
 }  // namespace
 
+// qkv of block l again, as the forward made it: ln1 from the residual when only its quantized
+// copy was kept (the same kernel on the same input: the same bits), the qkv GEMM, RoPE.
+void Model::Impl::recompute_qkv(int l, Acts& a, BlockActs& b) {
+  const detail::BlockParams& p = bp[(size_t)l];
+  const int64_t D = cfg.head_dim(), H = cfg.n_heads, Hkv = cfg.n_kv_heads;
+  if (b.save_ln1) {
+    Scope s(*this, Section::kAttention, Work::kOther);
+    ops::rmsnorm_forward(b.ln1, b.ln1_rstd, a.resid[(size_t)l], master(p.attn_norm), (float)cfg.norm_eps, stream());
+    bf16(b.ln1);
+  }
+  fprop(Section::kAttention, l, LinearKind::kQkv, b.ln1, w(p.qkv), b.qkv);
+  Scope s(*this, Section::kAttention, Work::kOther);
+  ops::rope_forward_inplace(detail::qkv_part3(b.qkv, 0, H, D), detail::qkv_part3(b.qkv, H * D, Hkv, D), a.positions,
+                            (float)cfg.rope_theta, stream());
+  bf16(b.qkv);
+}
+
+// A dense block's gate_up again (ln2 from mid where only its quantized copy was kept), and the
+// SwiGLU output where the mlp_down Wgrad reads it in BF16.
+void Model::Impl::recompute_gate_up(int l, Acts& a, BlockActs& b) {
+  const detail::BlockParams& p = bp[(size_t)l];
+  const int64_t N = a.N, F = cfg.d_ff;
+  if (b.save_ln2) {
+    Scope s(*this, Section::kMlp, Work::kOther);
+    ops::rmsnorm_forward(b.ln2, b.ln2_rstd, a.mid[(size_t)l], master(p.mlp_norm), (float)cfg.norm_eps, stream());
+    bf16(b.ln2);
+  }
+  const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
+  fprop(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, w(p.mlp_up), gu);
+  if (b.save_act) return;
+  Scope s(*this, Section::kMlp, Work::kOther);
+  ops::swiglu_forward(act, gu, stream());
+  bf16(act);
+}
+
+
 
 bool Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& out,
                               const TensorView& forced_host, const TensorView& residual) {
@@ -677,7 +725,7 @@ bool Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& ou
   }
   fprop(Section::kMlp, l, LinearKind::kMlpDown, act, w(p.mlp_down), out, true,
         save_act ? &b.saved_act : nullptr, given_amax(act_amax), residual);
-  if (a.training) {
+  if (a.training && !recomputes()) {  // per-pass scratch when recomputed
     record(fmt::format("blocks.{}.mlp.gate_up", l), gu, true);
     if (!b.save_act) record(fmt::format("blocks.{}.mlp.act", l), act);  // scratch otherwise
   }
@@ -809,6 +857,7 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale,
   // d_ln accumulates d ln2 from every consumer of ln2; dense: the MLP only.
   if (!cfg.is_moe_block(l)) {
     const int64_t F = cfg.d_ff;
+    if (recomputes()) recompute_gate_up(l, a, b);
     const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
     const TensorView d_act = prefix(s.d_act, N, F);
     dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, g(p.mlp_down),
@@ -1220,7 +1269,7 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
     }
     // ln1 / ln2 in per-pass scratch (their Wgrad copies kept quantized) are not kept: not named.
     if (!b.save_ln1) im.record(pfx + "attn_norm", b.ln1);
-    im.record(pfx + "attn.qkv", b.qkv);
+    if (!im.recomputes()) im.record(pfx + "attn.qkv", b.qkv);  // per-pass scratch otherwise
     im.record(pfx + "attn.out", b.attn);
     im.record(pfx + "attn.residual", mid);
     if (!b.save_ln2) im.record(pfx + "mlp_norm", b.ln2);
@@ -1386,6 +1435,7 @@ void Model::backward(const BackwardOptions& o) {
     // Attention half.
     im.dgrad_wgrad(Section::kAttention, l, LinearKind::kAttnOut, s.d_resid, im.w(p.attn_out), s.d_attn,
                    b.attn, im.g(p.attn_out), nullptr, Model::Impl::given_amax(d_mid_amax));
+    if (im.recomputes()) im.recompute_qkv(l, a, b);
     {
       Scope sc(im, Section::kAttention, Work::kAttention);
       const int B = a.B, T = a.T;

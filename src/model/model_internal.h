@@ -205,6 +205,11 @@ struct Model::Impl {
   bool fuses_residual_add() const;
   // Whether the attention backward also does RoPE's backward (ModelOptions::fuse_rope_backward).
   bool fuses_rope_backward() const;
+  // Whether training recomputes qkv, gate_up and act in the backward (ModelOptions::
+  // recompute_activations, FOURBIT_RECOMPUTE), and the recomputations of block l.
+  bool recomputes() const;
+  void recompute_qkv(int l, detail::Acts& a, detail::BlockActs& b);
+  void recompute_gate_up(int l, detail::Acts& a, detail::BlockActs& b);
   // Whether a forward given ForwardOptions::loss_gradient_scale writes the loss gradient
   // (FOURBIT_FUSE_LOSS_GRAD=0: no, for A/B runs).
   bool fuses_loss_gradient() const;

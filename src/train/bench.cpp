@@ -38,6 +38,7 @@ std::vector<TrainBenchRow> run_train_bench(const TrainBenchOptions& o) {
     mo.max_batch = B;
     mo.max_seq = T;
     mo.keep_wgrad_inputs = o.keep_wgrad_inputs;
+    mo.recompute_activations = o.recompute;
     // Random tokens (uniform over the vocabulary), fixed for all steps and recipes.
     Tensor tokens = Tensor::empty({B, T}, DType::kI32, Device::kCpu);
     Tensor targets = Tensor::empty({B, T}, DType::kI32, Device::kCpu);

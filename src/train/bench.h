@@ -30,6 +30,7 @@ struct TrainBenchOptions {
   Device device = Device::kCuda;
   std::string csv_path;
   bool keep_wgrad_inputs = false;  // model::ModelOptions::keep_wgrad_inputs
+  bool recompute = false;          // model::ModelOptions::recompute_activations
 };
 
 struct TrainBenchRow {

@@ -136,6 +136,7 @@ nlohmann::json to_json(const TrainConfig& c) {
                {"val_fraction", c.data.val_fraction}, {"seed", c.data.seed},
                {"batch_size", c.data.batch_size},     {"seq_len", c.data.seq_len}};
   j["grad_accum"] = c.grad_accum;
+  j["recompute_activations"] = c.recompute_activations;
   j["steps"] = c.steps;
   Schedule s = c.schedule;
   s.total_steps = c.steps;
@@ -202,6 +203,7 @@ Trainer::Trainer(TrainConfig config, std::FILE* progress, DataParallelFactory da
   mo.seed = config_.seed;
   mo.max_batch = (int)config_.data.batch_size;
   mo.max_seq = (int)config_.data.seq_len;
+  mo.recompute_activations = config_.recompute_activations;
   model_ = std::make_unique<model::Model>(mc, rr, mo);
   if (data_parallel) {
     dp_ = data_parallel(*model_, config_.optimizer);

@@ -63,6 +63,9 @@ struct TrainConfig {
   // Data.
   DataOptions data;                // batch_size (B) and seq_len (T) live here
   int grad_accum = 1;              // micro-batches per step
+  // model::ModelOptions::recompute_activations: less activation memory for one more qkv and
+  // mlp_up GEMM a block in the backward; the same bits, so not part of the resume fingerprint.
+  bool recompute_activations = false;
   // Optimization.
   int64_t steps = 100;             // total optimizer steps (the schedule's total_steps)
   Schedule schedule;               // total_steps is overwritten by `steps`
