@@ -445,14 +445,17 @@ Acts Model::Impl::plan(detail::Carver& c, int B, int T, bool training, int64_t l
     b.save_ln1 = training && saves_quantized_x(plan_mode, l, LinearKind::kQkv);
     b.save_ln2 = training && dense_mlp && saves_quantized_x(plan_mode, l, LinearKind::kMlpUp);
     b.save_act = training && dense_mlp && saves_quantized_x(plan_mode, l, LinearKind::kMlpDown);
-    b.ln1 = b.save_ln1 ? scratch(scratch_ln1, {N, C}, "attn_norm out (per-pass scratch)")
+    // With recomputation ln1 and a dense block's ln2 are recomputed too (RMSNorm: cheap).
+    b.scratch_ln1 = b.save_ln1 || recompute;
+    b.scratch_ln2 = b.save_ln2 || (recompute && dense_mlp);
+    b.ln1 = b.scratch_ln1 ? scratch(scratch_ln1, {N, C}, "attn_norm out (per-pass scratch)")
                        : c.take({N, C}, adt, "attn_norm out");
     b.ln1_rstd = c.take({N}, sdt, "attn_norm rstd");
     b.qkv = recompute ? scratch(scratch_qkv, {N, QKV}, "qkv (per-pass scratch, recomputed)")
                       : c.take({N, QKV}, adt, "qkv");
     b.attn = c.take({N, HD}, adt, "attention out");
     if (training) b.lse = c.take({B, cfg.n_heads, T}, sdt, "attention lse");
-    b.ln2 = b.save_ln2 ? scratch(scratch_ln2, {N, C}, "mlp_norm out (per-pass scratch)")
+    b.ln2 = b.scratch_ln2 ? scratch(scratch_ln2, {N, C}, "mlp_norm out (per-pass scratch)")
                        : c.take({N, C}, adt, "mlp_norm out");
     b.ln2_rstd = c.take({N}, sdt, "mlp_norm rstd");
     int64_t F = 0;
@@ -665,12 +668,12 @@ TensorView prefix(const TensorView& buf, int64_t rows, int64_t cols) {
 }
 }  // namespace
 
-// qkv of block l again, as the forward made it: ln1 from the residual when only its quantized
-// copy was kept (the same kernel on the same input: the same bits), the qkv GEMM, RoPE.
+// qkv of block l again, as the forward made it: ln1 from the residual when it lived in per-pass
+// scratch (the same kernel on the same input: the same bits), the qkv GEMM, RoPE.
 void Model::Impl::recompute_qkv(int l, Acts& a, BlockActs& b) {
   const detail::BlockParams& p = bp[(size_t)l];
   const int64_t D = cfg.head_dim(), H = cfg.n_heads, Hkv = cfg.n_kv_heads;
-  if (b.save_ln1) {
+  if (b.scratch_ln1) {
     Scope s(*this, Section::kAttention, Work::kOther);
     ops::rmsnorm_forward(b.ln1, b.ln1_rstd, a.resid[(size_t)l], master(p.attn_norm), (float)cfg.norm_eps, stream());
     bf16(b.ln1);
@@ -682,12 +685,12 @@ void Model::Impl::recompute_qkv(int l, Acts& a, BlockActs& b) {
   bf16(b.qkv);
 }
 
-// A dense block's gate_up again (ln2 from mid where only its quantized copy was kept), and the
-// SwiGLU output where the mlp_down Wgrad reads it in BF16.
+// A dense block's gate_up again (ln2 from mid where it lived in per-pass scratch), and the SwiGLU
+// output where the mlp_down Wgrad reads it in BF16.
 void Model::Impl::recompute_gate_up(int l, Acts& a, BlockActs& b) {
   const detail::BlockParams& p = bp[(size_t)l];
   const int64_t N = a.N, F = cfg.d_ff;
-  if (b.save_ln2) {
+  if (b.scratch_ln2) {
     Scope s(*this, Section::kMlp, Work::kOther);
     ops::rmsnorm_forward(b.ln2, b.ln2_rstd, a.mid[(size_t)l], master(p.mlp_norm), (float)cfg.norm_eps, stream());
     bf16(b.ln2);
@@ -1268,11 +1271,11 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
       im.bf16(b.ln2);
     }
     // ln1 / ln2 in per-pass scratch (their Wgrad copies kept quantized) are not kept: not named.
-    if (!b.save_ln1) im.record(pfx + "attn_norm", b.ln1);
+    if (!b.scratch_ln1) im.record(pfx + "attn_norm", b.ln1);
     if (!im.recomputes()) im.record(pfx + "attn.qkv", b.qkv);  // per-pass scratch otherwise
     im.record(pfx + "attn.out", b.attn);
     im.record(pfx + "attn.residual", mid);
-    if (!b.save_ln2) im.record(pfx + "mlp_norm", b.ln2);
+    if (!b.scratch_ln2) im.record(pfx + "mlp_norm", b.ln2);
     const TensorView out = a.resid[(size_t)l + 1];
     // out = mid + ffn(ln2): a dense block adds mid in mlp_down's epilogue when fusing.
     if (!im.forward_ffn(l, a, b, out, o.forced_expert_ids, fuse_residual ? mid : TensorView{})) {

@@ -126,12 +126,12 @@ struct ModelOptions {
   // test (OpsAttentionCuda.RopeBackwardInTheEpiloguesEqualsTheSeparatePass) passed on the H100
   // (session 20: 12 RoPE launches of ~83 us a step fewer at gpt2-124m B 32).
   bool fuse_rope_backward = true;
-  // Activation recomputation (training): qkv, a dense block's gate_up and (where it is not kept
-  // quantized) its SwiGLU output live in per-pass scratch instead of one buffer per block, and the
-  // backward recomputes them (RMSNorm again where its output was not kept, the GEMM, RoPE, SwiGLU)
-  // right before it needs them. The same bits (every recomputed op is deterministic and sees the
-  // forward's inputs); less memory (gpt2-124m B 32: ~0.42 GB a block with nvfp4, ~0.55 GB with
-  // bf16) for one more qkv and mlp_up GEMM a block. FOURBIT_RECOMPUTE=0|1 overrides it for every
+  // Activation recomputation (training): ln1, qkv, and a dense block's ln2, gate_up and (where it
+  // is not kept quantized) SwiGLU output live in per-pass scratch instead of one buffer per block,
+  // and the backward recomputes them (the RMSNorms, the GEMM, RoPE, SwiGLU) right before it needs
+  // them. The same bits (every recomputed op is deterministic and sees the forward's inputs); less
+  // memory (gpt2-124m B 32: ~0.42 GB a block with nvfp4, ~0.65 GB with bf16) for one more qkv and
+  // mlp_up GEMM a block. FOURBIT_RECOMPUTE=0|1 overrides it for every
   // model of the process (A/B runs). Off by default.
   bool recompute_activations = false;
 };

@@ -56,6 +56,9 @@ struct BlockActs {
   TensorView gate_up;    // [N, 2F]      dense MLP or shared expert (F = d_ff or expert_d_ff)
   TensorView act;        // [N, F]
   bool save_ln1 = false, save_ln2 = false, save_act = false;
+  // ln1 / ln2 live in per-pass scratch (only a quantized Wgrad copy kept, or recomputation): the
+  // backward recomputes them from resid / mid where it needs them (recompute_qkv / _gate_up).
+  bool scratch_ln1 = false, scratch_ln2 = false;
   std::optional<quant::QuantizedTensor> saved_ln1;  // qkv's X: stored [C, N]
   std::optional<quant::QuantizedTensor> saved_ln2;  // mlp_up's X (dense blocks): stored [C, N]
   std::optional<quant::QuantizedTensor> saved_act;  // mlp_down's X (dense blocks): stored [F, N]
