@@ -34,8 +34,8 @@ Command add_bench_train_command(CLI::App& app) {
                 "keep every Wgrad input X at full precision and quantize each GEMM operand in its "
                 "own pass (the path before the fused training passes: for A/B comparisons)");
   sub->add_flag("--recompute", a->o.recompute,
-                "recompute qkv and the MLP's gate_up in the backward (ModelOptions::"
-                "recompute_activations: less memory, one more GEMM pair a block)");
+                "recompute the norms, qkv and the MLP's gate_up and SwiGLU in the backward "
+                "(ModelOptions::recompute_activations: less memory, one more GEMM pair a block)");
   return {sub, [a] {
             a->o.presets = split_list(a->presets);
             a->o.recipes = split_list(a->recipes);

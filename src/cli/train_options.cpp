@@ -45,8 +45,9 @@ void add_train_options(CLI::App* sub, TrainArgs& a, bool with_recipe) {
   sub->add_option("--grad-accum", c.grad_accum, "micro-batches per optimizer step")
       ->capture_default_str()->group("Data");
   sub->add_flag("--recompute", c.recompute_activations,
-                "recompute qkv and the MLP's gate_up in the backward instead of keeping them (less "
-                "activation memory, one more qkv and mlp_up GEMM a block; the same results)")
+                "recompute the norms, qkv and the MLP's gate_up and SwiGLU in the backward instead of "
+                "keeping them (less activation memory, one more qkv and mlp_up GEMM a block; the same "
+                "results)")
       ->group("Data");
 
   sub->add_option("--steps", c.steps, "optimizer steps")->capture_default_str()->group("Optimizer");

@@ -668,21 +668,27 @@ TensorView prefix(const TensorView& buf, int64_t rows, int64_t cols) {
 }
 }  // namespace
 
-// qkv of block l again, as the forward made it: ln1 from the residual when it lived in per-pass
-// scratch (the same kernel on the same input: the same bits), the qkv GEMM, RoPE.
-void Model::Impl::recompute_qkv(int l, Acts& a, BlockActs& b) {
-  const detail::BlockParams& p = bp[(size_t)l];
+void Model::Impl::norm_forward(Section s, int norm, const TensorView& x, const TensorView& y,
+                               const TensorView& rstd) {
+  Scope sc(*this, s, Work::kOther);
+  ops::rmsnorm_forward(y, rstd, x, master(norm), (float)cfg.norm_eps, stream());
+  bf16(y);
+}
+
+void Model::Impl::qkv_forward(int l, Acts& a, BlockActs& b, std::optional<quant::QuantizedTensor>* saved_x) {
   const int64_t D = cfg.head_dim(), H = cfg.n_heads, Hkv = cfg.n_kv_heads;
-  if (b.scratch_ln1) {
-    Scope s(*this, Section::kAttention, Work::kOther);
-    ops::rmsnorm_forward(b.ln1, b.ln1_rstd, a.resid[(size_t)l], master(p.attn_norm), (float)cfg.norm_eps, stream());
-    bf16(b.ln1);
-  }
-  fprop(Section::kAttention, l, LinearKind::kQkv, b.ln1, w(p.qkv), b.qkv);
+  fprop(Section::kAttention, l, LinearKind::kQkv, b.ln1, w(bp[(size_t)l].qkv), b.qkv, true, saved_x);
   Scope s(*this, Section::kAttention, Work::kOther);
   ops::rope_forward_inplace(detail::qkv_part3(b.qkv, 0, H, D), detail::qkv_part3(b.qkv, H * D, Hkv, D), a.positions,
                             (float)cfg.rope_theta, stream());
   bf16(b.qkv);
+}
+
+// qkv of block l again, as the forward made it (the same ops on the same inputs: the same bits):
+// ln1 from the residual when it lived in per-pass scratch, the qkv GEMM, RoPE.
+void Model::Impl::recompute_qkv(int l, Acts& a, BlockActs& b) {
+  if (b.scratch_ln1) norm_forward(Section::kAttention, bp[(size_t)l].attn_norm, a.resid[(size_t)l], b.ln1, b.ln1_rstd);
+  qkv_forward(l, a, b, nullptr);
 }
 
 // A dense block's gate_up again (ln2 from mid where it lived in per-pass scratch), and the SwiGLU
@@ -690,11 +696,7 @@ void Model::Impl::recompute_qkv(int l, Acts& a, BlockActs& b) {
 void Model::Impl::recompute_gate_up(int l, Acts& a, BlockActs& b) {
   const detail::BlockParams& p = bp[(size_t)l];
   const int64_t N = a.N, F = cfg.d_ff;
-  if (b.scratch_ln2) {
-    Scope s(*this, Section::kMlp, Work::kOther);
-    ops::rmsnorm_forward(b.ln2, b.ln2_rstd, a.mid[(size_t)l], master(p.mlp_norm), (float)cfg.norm_eps, stream());
-    bf16(b.ln2);
-  }
+  if (b.scratch_ln2) norm_forward(Section::kMlp, p.mlp_norm, a.mid[(size_t)l], b.ln2, b.ln2_rstd);
   const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
   fprop(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, w(p.mlp_up), gu);
   if (b.save_act) return;
@@ -702,8 +704,6 @@ void Model::Impl::recompute_gate_up(int l, Acts& a, BlockActs& b) {
   ops::swiglu_forward(act, gu, stream());
   bf16(act);
 }
-
-
 
 bool Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& out,
                               const TensorView& forced_host, const TensorView& residual) {
@@ -1198,7 +1198,6 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
   im.have_forward = false;
   im.backward_done = false;
   im.promised_loss_scale = o.loss_gradient_scale;
-  im.logits_hold_gradient = o.loss_gradient_scale.has_value() && im.fuses_loss_gradient();
   im.named.clear();
 
   arena_->reset();
@@ -1224,24 +1223,12 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
   im.record("embedding", a.resid[0]);
 
   const int64_t D = c.head_dim(), H = c.n_heads, Hkv = c.n_kv_heads;
-  const float eps = (float)c.norm_eps, theta = (float)c.rope_theta;
   for (int l = 0; l < c.n_layers; ++l) {
     const detail::BlockParams& p = im.bp[(size_t)l];
     BlockActs& b = a.blocks[(size_t)l];
     const std::string pfx = fmt::format("blocks.{}.", l);
-    {
-      Scope s(im, Section::kAttention, Work::kOther);
-      ops::rmsnorm_forward(b.ln1, b.ln1_rstd, a.resid[(size_t)l], im.master(p.attn_norm), eps, st);
-      im.bf16(b.ln1);
-    }
-    im.fprop(Section::kAttention, l, LinearKind::kQkv, b.ln1, im.w(p.qkv), b.qkv, true,
-             b.save_ln1 && a.for_backward ? &b.saved_ln1 : nullptr);
-    {
-      Scope s(im, Section::kAttention, Work::kOther);
-      ops::rope_forward_inplace(detail::qkv_part3(b.qkv, 0, H, D), detail::qkv_part3(b.qkv, H * D, Hkv, D),
-                                a.positions, theta, st);
-      im.bf16(b.qkv);
-    }
+    im.norm_forward(Section::kAttention, p.attn_norm, a.resid[(size_t)l], b.ln1, b.ln1_rstd);
+    im.qkv_forward(l, a, b, b.save_ln1 && a.for_backward ? &b.saved_ln1 : nullptr);
     {
       Scope s(im, Section::kAttention, Work::kAttention);
       TensorView out4 = b.attn;
@@ -1265,11 +1252,7 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
       im.bf16(mid);
     }
     const Section ffn = c.is_moe_block(l) ? Section::kMoe : Section::kMlp;
-    {
-      Scope s(im, ffn, Work::kOther);
-      ops::rmsnorm_forward(b.ln2, b.ln2_rstd, mid, im.master(p.mlp_norm), eps, st);
-      im.bf16(b.ln2);
-    }
+    im.norm_forward(ffn, p.mlp_norm, mid, b.ln2, b.ln2_rstd);
     // ln1 / ln2 in per-pass scratch (their Wgrad copies kept quantized) are not kept: not named.
     if (!b.scratch_ln1) im.record(pfx + "attn_norm", b.ln1);
     if (!im.recomputes()) im.record(pfx + "attn.qkv", b.qkv);  // per-pass scratch otherwise
@@ -1285,15 +1268,11 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
     }
     im.record(pfx + "output", out);
   }
-  {
-    Scope s(im, Section::kLmHead, Work::kOther);
-    ops::rmsnorm_forward(a.lnf, a.lnf_rstd, a.resid[(size_t)c.n_layers], im.master(im.final_norm), eps, st);
-    im.bf16(a.lnf);
-  }
+  im.norm_forward(Section::kLmHead, im.final_norm, a.resid[(size_t)c.n_layers], a.lnf, a.lnf_rstd);
   im.fprop(Section::kLmHead, c.n_layers, LinearKind::kLmHead, a.lnf, im.w(im.lm_head), a.logits);
   {
     Scope s(im, Section::kLmHead, Work::kOther);
-    if (im.logits_hold_gradient) {
+    if (im.logits_hold_gradient()) {
       // The backward's loss gradient now, over the logits (ForwardOptions::loss_gradient_scale):
       // the same bits as the saved-lse path below followed by the backward's pass.
       const double scale = n_valid > 0 ? *o.loss_gradient_scale / (double)n_valid : 0.0;
@@ -1306,7 +1285,7 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
     }
   }
   im.record("final_norm", a.lnf);
-  im.record(im.logits_hold_gradient ? "logits (now their gradient: ForwardOptions::loss_gradient_scale)" : "logits",
+  im.record(im.logits_hold_gradient() ? "logits (now their gradient: ForwardOptions::loss_gradient_scale)" : "logits",
             a.logits, true);
 
   LossInfo info;
@@ -1360,7 +1339,7 @@ void Model::backward(const BackwardOptions& o) {
   im.backward_done = true;
 
   // LM head and loss: dlogits over the logits (unless the forward wrote them), then the final norm.
-  if (!im.logits_hold_gradient) {
+  if (!im.logits_hold_gradient()) {
     Scope sc(im, Section::kLmHead, Work::kOther);
     if (o.token_weights.data != nullptr) {
       // Per-token weights (RL): copied next to the losses, in the stat dtype.

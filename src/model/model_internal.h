@@ -168,10 +168,10 @@ struct Model::Impl {
   bool have_forward = false;
   bool backward_done = false;
   int64_t n_valid = 0;
-  // The last forward's ForwardOptions::loss_gradient_scale (backward() must get the same), and
-  // whether that forward wrote the logits' gradient already (fuses_loss_gradient()).
+  // The last forward's ForwardOptions::loss_gradient_scale (backward() must get the same).
   std::optional<double> promised_loss_scale;
-  bool logits_hold_gradient = false;
+  // Whether the last forward wrote the logits' gradient already.
+  bool logits_hold_gradient() const { return promised_loss_scale && fuses_loss_gradient(); }
   std::vector<std::array<double, 2>> router_losses;  // per MoE block {aux, z}
   struct Named {
     std::string name;
@@ -208,10 +208,15 @@ struct Model::Impl {
   bool fuses_residual_add() const;
   // Whether the attention backward also does RoPE's backward (ModelOptions::fuse_rope_backward).
   bool fuses_rope_backward() const;
-  // Whether training recomputes qkv, gate_up and act in the backward (ModelOptions::
+  // Whether training recomputes ln1, qkv, ln2, gate_up and act in the backward (ModelOptions::
   // recompute_activations, FOURBIT_RECOMPUTE), and the recomputations of block l.
   bool recomputes() const;
   void recompute_qkv(int l, detail::Acts& a, detail::BlockActs& b);
+  // y = rmsnorm(x) with the block norm parameter `norm` (rstd saved), rounded as an activation:
+  // the forward's and the recomputation's norm step.
+  void norm_forward(Section s, int norm, const TensorView& x, const TensorView& y, const TensorView& rstd);
+  // b.qkv = RoPE(b.ln1 W_qkv^T) of block l; saved_x: keep X's quantized Wgrad copy there.
+  void qkv_forward(int l, detail::Acts& a, detail::BlockActs& b, std::optional<quant::QuantizedTensor>* saved_x);
   void recompute_gate_up(int l, detail::Acts& a, detail::BlockActs& b);
   // Whether a forward given ForwardOptions::loss_gradient_scale writes the loss gradient
   // (FOURBIT_FUSE_LOSS_GRAD=0: no, for A/B runs).
