@@ -22,8 +22,6 @@
 
 #include <math_constants.h>
 
-#include <type_traits>
-
 namespace fourbit::ops::kernels {
 namespace {
 
@@ -103,26 +101,11 @@ __device__ __forceinline__ void fill_row(T* row, int64_t n, float value) {
     store8_aligned(row + i, v);
 }
 
-// The raw 16 bytes (8 BF16 or 4 FP32 logits) of one staged vector, and their floats.
-using Raw8Bf16 = uint4;
-struct Raw8F32 {
-  uint4 a, b;
-};
+// One staged vector: 8 logits as stored (16 bytes of BF16 or 32 of FP32), copied as a whole.
 template <typename T>
-using Raw8 = std::conditional_t<sizeof(T) == 2, Raw8Bf16, Raw8F32>;
-__device__ __forceinline__ void unpack8(const Raw8Bf16& r, float v[8]) {
-  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(w[i] << 16);
-    v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-  }
-}
-__device__ __forceinline__ void unpack8(const Raw8F32& r, float v[8]) {
-  const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = __uint_as_float(w[i]);
-}
+struct alignas(16) Raw8 {
+  T e[8];
+};
 
 // No __restrict__ on logits / dlogits: they are the same buffer in the in-place variant.
 // kStage: dynamic shared memory holds the row's aligned body (body_end - head elements).
@@ -177,7 +160,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         if constexpr (kStage) {
           const Raw8<TL> r = *reinterpret_cast<const Raw8<TL>*>(row + i);
           staged[(i - head) / 8] = r;
-          unpack8(r, v);
+          load8_aligned(r.e, v);
         } else {
           load8_aligned(row + i, v);
         }
@@ -205,7 +188,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     for (int64_t i = head + (int64_t)tid * 8; i < body_end; i += (int64_t)blockDim.x * 8) {
       if constexpr (kStage) {
-        unpack8(staged[(i - head) / 8], v);  // this thread's own vector from pass 1
+        load8_aligned(staged[(i - head) / 8].e, v);  // this thread's own vector from pass 1
       } else {
         load8_aligned(row + i, v);
       }
@@ -257,18 +240,16 @@ void launch_cross_entropy(const CrossEntropyArgs& a, cudaStream_t stream) {
       using TD = decltype(td);
       // Both passes in this launch: stage the row when its body fits (at most V elements).
       const int64_t stage_bytes = a.vocab * (int64_t)sizeof(TL);
+      auto kernel = cross_entropy_kernel<TL, TD, false>;
+      size_t smem = 0;
       if (a.dlogits != nullptr && a.lse_in == nullptr && stage_bytes <= kMaxStageBytes) {
-        auto kernel = cross_entropy_kernel<TL, TD, true>;
-        FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                (int)stage_bytes));
-        kernel<<<grid, threads, (size_t)stage_bytes, stream>>>(
-            static_cast<const TL*>(a.logits), static_cast<TD*>(a.dlogits), a.losses, a.targets,
-            a.n_rows, a.vocab, a.dloss_scale, a.row_weights, a.error_flag, a.lse_out, a.lse_in);
-      } else {
-        cross_entropy_kernel<TL, TD, false><<<grid, threads, 0, stream>>>(
-            static_cast<const TL*>(a.logits), static_cast<TD*>(a.dlogits), a.losses, a.targets,
-            a.n_rows, a.vocab, a.dloss_scale, a.row_weights, a.error_flag, a.lse_out, a.lse_in);
+        kernel = cross_entropy_kernel<TL, TD, true>;
+        smem = (size_t)stage_bytes;
+        FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
       }
+      kernel<<<grid, threads, smem, stream>>>(
+          static_cast<const TL*>(a.logits), static_cast<TD*>(a.dlogits), a.losses, a.targets, a.n_rows,
+          a.vocab, a.dloss_scale, a.row_weights, a.error_flag, a.lse_out, a.lse_in);
     });
   });
   FOURBIT_CUDA_CHECK_LAUNCH();

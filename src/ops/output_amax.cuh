@@ -36,13 +36,24 @@ constexpr int kStripRows = 16;
 __device__ __forceinline__ uint32_t load_word(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 __device__ __forceinline__ float lo_of(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_of(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
-__device__ __forceinline__ void store_pair(uint16_t* p, float& lo, float& hi) {
+// round_pair: the BF16 word of (lo, hi), leaving lo and hi holding its two values.
+__device__ __forceinline__ uint32_t round_pair(float& lo, float& hi) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   uint32_t w;
   memcpy(&w, &h, 4);
-  *reinterpret_cast<uint32_t*>(p) = w;
   lo = lo_of(w);
   hi = hi_of(w);
+  return w;
+}
+__device__ __forceinline__ void store_pair(uint16_t* p, float& lo, float& hi) {
+  *reinterpret_cast<uint32_t*>(p) = round_pair(lo, hi);
+}
+// Folds a stored value into a thread's plain amax (NaN left out by fmaxf, Inf kept); a NaN or
+// Inf sets `bad`.
+__device__ __forceinline__ void fold_amax(float stored, float& amax, bool& bad) {
+  const float x = formats::abs_f32(stored);
+  bad |= !(x <= formats::kFloatMax);
+  amax = fmaxf(amax, x);
 }
 
 // The strip loop of an amax kernel over an output of [n_rows, cols] (n_rows % 16 == 0, cols even):
@@ -68,11 +79,7 @@ __device__ __forceinline__ void amax_strip_loop(int64_t n_rows, int64_t cols, co
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
-        for (int i = 0; i < kStripRows; ++i) {
-          const float x = formats::abs_f32(v[o][j][i]);  // a stored value (store_pair)
-          bad |= !(x <= formats::kFloatMax);
-          row_amax = fmaxf(row_amax, x);
-        }
+        for (int i = 0; i < kStripRows; ++i) fold_amax(v[o][j][i], row_amax, bad);  // stored values (store_pair)
         if (a.rht_amax != nullptr) col_amax = fmaxf(col_amax, quant::device::rht_segment_amax(v[o][j], a.rht_sign_mask));
       }
   }

@@ -11,11 +11,8 @@
 #include "core/error.h"
 #include "ops/error_flags.h"
 #include "ops/kernel_support.cuh"
-#include "quant/amax_device.cuh"
+#include "ops/output_amax.cuh"
 
-#include <cuda_bf16.h>
-
-#include <cstring>
 #include <type_traits>
 
 namespace fourbit::ops::kernels {
@@ -151,31 +148,32 @@ __global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : 1024)  // kA
       }
       store8(dxr, c, cols, vec, g);
       if constexpr (kAmax) {
-        // The stored bits (store8 rounds as the hardware pair conversion does; columns past
-        // `cols` hold 0 and are not stored), their amax, and the segment slot of this row.
+        // The stored bits (store8 rounds as round_pair does; columns past `cols` hold 0 and are
+        // not stored), their amax, and the segment slot of this row.
         uint32_t wd[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const __nv_bfloat162 h = __floats2bfloat162_rn(g[2 * k], g[2 * k + 1]);
-          memcpy(&wd[k], &h, 4);
-          const float lo = __uint_as_float(wd[k] << 16), hi = __uint_as_float(wd[k] & 0xFFFF0000u);
-          const float alo = formats::abs_f32(lo), ahi = formats::abs_f32(hi);
-          bad |= !(alo <= formats::kFloatMax) || !(ahi <= formats::kFloatMax);
-          out_amax = fmaxf(out_amax, fmaxf(alo, ahi));
+          float lo = g[2 * k], hi = g[2 * k + 1];
+          wd[k] = round_pair(lo, hi);
+          fold_amax(lo, out_amax, bad);
+          fold_amax(hi, out_amax, bad);
         }
         const int seg_row = (int)((row - first) & 15);
         segment_slots[seg_row * blockDim.x + threadIdx.x] = make_uint4(wd[0], wd[1], wd[2], wd[3]);
         if (seg_row == 15 && amaxes.rht_amax != nullptr) {
+          // Each slot word once: word k holds columns 2k and 2k + 1 of the segment's 16 rows.
+          const uint32_t* words = reinterpret_cast<const uint32_t*>(segment_slots);
 #pragma unroll 1
-          for (int k = 0; k < 8; ++k) {
-            float v[16];
+          for (int k = 0; k < 4; ++k) {
+            float lo[16], hi[16];
 #pragma unroll
             for (int i = 0; i < 16; ++i) {
-              const uint4 q = segment_slots[i * blockDim.x + threadIdx.x];
-              const uint32_t word = (k >> 1) == 0 ? q.x : (k >> 1) == 1 ? q.y : (k >> 1) == 2 ? q.z : q.w;
-              v[i] = __uint_as_float((k & 1) ? (word & 0xFFFF0000u) : (word << 16));
+              const uint32_t word = words[(i * blockDim.x + threadIdx.x) * 4 + k];
+              lo[i] = lo_of(word);
+              hi[i] = hi_of(word);
             }
-            rht_amax = fmaxf(rht_amax, quant::device::rht_segment_amax(v, amaxes.rht_sign_mask));
+            rht_amax = fmaxf(rht_amax, fmaxf(quant::device::rht_segment_amax(lo, amaxes.rht_sign_mask),
+                                             quant::device::rht_segment_amax(hi, amaxes.rht_sign_mask)));
           }
         }
       }
