@@ -34,6 +34,7 @@ Command add_bench_command(CLI::App& app) {
   q->add_option("--cols", quant_opts->cols, "columns of the BF16 source")->capture_default_str();
   q->add_option("--reps", quant_opts->reps, "timed repetitions (median reported)")->capture_default_str();
   q->add_option("--csv", quant_opts->csv_path, "also write the table as CSV to this file");
+  q->add_option("--only", quant_opts->only, "only the cases whose name contains this text (e.g. 'train dy')");
   CLI::App* g = bench->add_subcommand(
       "gemm", "TFLOP/s of every CUDA GEMM backend and its ratio to cuBLASLt BF16, quantization "
               "excluded and included");

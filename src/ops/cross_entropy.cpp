@@ -6,6 +6,8 @@
 #include "ops/error_flags.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #if defined(FOURBIT_WITH_CUDA)
 #include "ops/cross_entropy_kernels.h"
@@ -19,6 +21,21 @@ using detail::check_shape;
 using detail::present;
 
 constexpr int32_t kIgnored = -1;
+
+#if defined(FOURBIT_WITH_CUDA)
+// The CUDA kernels' exponential: FOURBIT_CE_EXP=expf (default) or sfu (ex2.approx on the
+// special-function unit, see cross_entropy_kernels.cu). Read once per process.
+bool cuda_sfu_exp() {
+  static const bool sfu = [] {
+    const char* v = std::getenv("FOURBIT_CE_EXP");
+    const std::string s = v != nullptr ? v : "";
+    FOURBIT_CHECK(s.empty() || s == "expf" || s == "sfu",
+                  "FOURBIT_CE_EXP must be 'expf' or 'sfu' (the cross-entropy kernels' exponential); got '{}'", s);
+    return s == "sfu";
+  }();
+  return sfu;
+}
+#endif
 
 template <typename T>
 T row_lse(const T* row, int64_t V) {
@@ -169,6 +186,7 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
   a.row_weights = present(row_weights) ? row_weights.ptr<const float>() : nullptr;
   a.lse_out = present(lse_out) ? lse_out.ptr<float>() : nullptr;
   a.lse_in = present(lse_in) ? lse_in.ptr<const float>() : nullptr;
+  a.sfu_exp = cuda_sfu_exp();
   detail::DeviceFlag flag(error_flag, stream);
   a.error_flag = flag.get();
   kernels::launch_cross_entropy(a, static_cast<cudaStream_t>(stream));

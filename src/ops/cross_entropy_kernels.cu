@@ -36,42 +36,60 @@ struct Softmax {
   float s;  // sum of exp(x - m)
 };
 
+// exp(d): expf, or with kSfu 2^(d log2(e)) on the special-function unit: one FMUL and
+// ex2.approx.ftz (relative error ~2^-22 like expf's 2 ulp, plus the product's rounding, u |d|;
+// results below 2^-126 flush to 0). expf adds a range reduction of ~8 instructions, and these
+// kernels are issue-bound with two exponentials per logit. FOURBIT_CE_EXP picks (cross_entropy.cpp).
+template <bool kSfu>
+__device__ __forceinline__ float exp_of(float d) {
+  if constexpr (kSfu) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d * 1.4426950408889634f));
+    return y;
+  } else {
+    return expf(d);
+  }
+}
+
+template <bool kSfu>
 __device__ __forceinline__ Softmax combine(Softmax a, Softmax b) {
   const float m = fmaxf(a.m, b.m);
   if (m == -CUDART_INF_F) return a;  // both empty (or all -inf)
-  return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+  return {m, a.s * exp_of<kSfu>(a.m - m) + b.s * exp_of<kSfu>(b.m - m)};
 }
 
 // Adds up to 8 values (padding must be -inf).
+template <bool kSfu>
 __device__ __forceinline__ void add8(Softmax& st, const float v[8]) {
   float mx = v[0];
 #pragma unroll
   for (int k = 1; k < 8; ++k) mx = fmaxf(mx, v[k]);
   if (mx > st.m) {
-    st.s *= expf(st.m - mx);
+    st.s *= exp_of<kSfu>(st.m - mx);
     st.m = mx;
   }
   if (st.m == -CUDART_INF_F) return;
   float s = 0.0f;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) s += expf(v[k] - st.m);
+  for (int k = 0; k < 8; ++k) s += exp_of<kSfu>(v[k] - st.m);
   st.s += s;
   // A NaN logit: fmaxf skips it, expf(NaN) poisons s, and the loss becomes NaN, as it should.
 }
 
+template <bool kSfu>
 __device__ __forceinline__ Softmax block_softmax(Softmax st, Softmax* scratch) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     Softmax other;
     other.m = __shfl_xor_sync(0xFFFFFFFFu, st.m, o);
     other.s = __shfl_xor_sync(0xFFFFFFFFu, st.s, o);
-    st = combine(st, other);
+    st = combine<kSfu>(st, other);
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   if (lane == 0) scratch[warp] = st;
   __syncthreads();
   Softmax total = scratch[0];
-  for (int w = 1; w < n_warps; ++w) total = combine(total, scratch[w]);
+  for (int w = 1; w < n_warps; ++w) total = combine<kSfu>(total, scratch[w]);
   __syncthreads();
   return total;
 }
@@ -109,7 +127,7 @@ struct alignas(16) Raw8 {
 
 // No __restrict__ on logits / dlogits: they are the same buffer in the in-place variant.
 // kStage: dynamic shared memory holds the row's aligned body (body_end - head elements).
-template <typename TL, typename TD, bool kStage>
+template <typename TL, typename TD, bool kStage, bool kSfu>
 __global__ void __launch_bounds__(kMaxThreads)
     cross_entropy_kernel(const TL* logits, TD* dlogits, float* __restrict__ losses,
                          const int32_t* __restrict__ targets, int64_t n_rows, int64_t vocab,
@@ -153,7 +171,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         for (int k = 0; k < 8; ++k) v[k] = -CUDART_INF_F;
         if (tid < head) v[0] = to_float(row[tid]);
         if (tid < tail) v[1] = to_float(row[body_end + tid]);
-        add8(st, v);
+        add8<kSfu>(st, v);
       }
 #pragma unroll 2  // two 16-byte loads in flight a thread
       for (int64_t i = head + (int64_t)tid * 8; i < body_end; i += (int64_t)blockDim.x * 8) {
@@ -164,11 +182,11 @@ __global__ void __launch_bounds__(kMaxThreads)
         } else {
           load8_aligned(row + i, v);
         }
-        add8(st, v);
+        add8<kSfu>(st, v);
       }
       // Read before the barrier in block_softmax: in place, pass 2 overwrites the row.
       const float x_target = tid == 0 ? to_float(row[target]) : 0.0f;
-      st = block_softmax(st, scratch);
+      st = block_softmax<kSfu>(st, scratch);
       lse = st.m + logf(st.s);
       if (losses && tid == 0) losses[n] = lse - x_target;
       if (lse_out && tid == 0) lse_out[n] = lse;
@@ -179,7 +197,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     const bool dvec = is_aligned16(drow + head);
     const float scale = row_weights ? row_weights[n] * dloss_scale : dloss_scale;
     auto grad = [&](float x, int64_t idx) {
-      return (expf(x - lse) - (idx == target ? 1.0f : 0.0f)) * scale;
+      return (exp_of<kSfu>(x - lse) - (idx == target ? 1.0f : 0.0f)) * scale;
     };
     if (tid < head) drow[tid] = from_float<TD>(grad(to_float(row[tid]), tid));
     if (tid < tail) {
@@ -240,10 +258,11 @@ void launch_cross_entropy(const CrossEntropyArgs& a, cudaStream_t stream) {
       using TD = decltype(td);
       // Both passes in this launch: stage the row when its body fits (at most V elements).
       const int64_t stage_bytes = a.vocab * (int64_t)sizeof(TL);
-      auto kernel = cross_entropy_kernel<TL, TD, false>;
+      const bool stage = a.dlogits != nullptr && a.lse_in == nullptr && stage_bytes <= kMaxStageBytes;
+      auto kernel = a.sfu_exp ? (stage ? cross_entropy_kernel<TL, TD, true, true> : cross_entropy_kernel<TL, TD, false, true>)
+                              : (stage ? cross_entropy_kernel<TL, TD, true, false> : cross_entropy_kernel<TL, TD, false, false>);
       size_t smem = 0;
-      if (a.dlogits != nullptr && a.lse_in == nullptr && stage_bytes <= kMaxStageBytes) {
-        kernel = cross_entropy_kernel<TL, TD, true>;
+      if (stage) {
         smem = (size_t)stage_bytes;
         FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
       }

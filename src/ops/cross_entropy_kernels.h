@@ -23,6 +23,7 @@ struct CrossEntropyArgs {
   int* error_flag;        // device int: kErrIndexOutOfRange
   float* lse_out = nullptr;       // [N]; null: not written (0 for an ignored row)
   const float* lse_in = nullptr;  // [N]; non-null: no pass 1, the backward uses these lse
+  bool sfu_exp = false;           // exp on the special-function unit (ex2.approx) instead of expf
 };
 void launch_cross_entropy(const CrossEntropyArgs& a, cudaStream_t stream);
 

@@ -172,6 +172,7 @@ std::vector<QuantBenchRow> run_quant_bench(const QuantBenchOptions& o) {
 
   const double src_bytes = 2.0 * (double)o.rows * o.cols;
   for (const BenchCase& bc : bench_cases()) {
+    if (!o.only.empty() && bc.name.find(o.only) == std::string::npos) continue;
     QuantizedTensor q = allocate_quantized(bc.config, o.rows, o.cols, bc.orientations, Device::kCuda);
     if (bc.row_bf16_col_packed) {  // no packed row-wise output (see quantize.h)
       q.rowwise->data = Tensor();

@@ -12,6 +12,7 @@ struct QuantBenchOptions {
   int64_t rows = 16384, cols = 8192;
   int reps = 50;
   std::string csv_path;  // optional: also write the table as CSV
+  std::string only;      // optional: only the cases whose name contains this text
 };
 
 struct QuantBenchRow {

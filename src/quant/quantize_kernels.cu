@@ -61,6 +61,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 namespace fourbit::quant {
@@ -344,13 +347,19 @@ struct Tile {
 // The variant fixes which options are compiled in: kRoundNearest has no stochastic rounding,
 // Four Over Six or RHT code at all, kSrRht no Four Over Six (the gradients' SR + RHT path), kAll
 // everything. Small kernels stay in the instruction cache (ncu on the H200 showed 44% of stall
-// cycles waiting for instruction fetch with every option compiled in).
-enum Variant : int { kRoundNearest = 0, kSrRht = 1, kAll = 2 };
+// cycles waiting for instruction fetch with every option compiled in). kSrRhtBf16Only is kSrRht
+// for calls whose two copies are scaled-domain BF16 only (the Hopper training's dY: no packed
+// data, no scales): each value comes straight from the encoder's grid (nvfp4_scaled16_direct),
+// with no codes packed and decoded again, and nothing is staged.
+enum Variant : int { kRoundNearest = 0, kSrRht = 1, kAll = 2, kSrRhtBf16Only = 3 };
 
-template <typename InT, Format F, bool kTwoD, int kVariant>
-__global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
+// kMinBlocks: CTAs an SM that the register budget must allow (4: <= 64 registers a thread, which
+// the BF16 SR + RHT variant fills with a few spills; 3: <= 80; 2: <= 128).
+template <typename InT, Format F, bool kTwoD, int kVariant, int kMinBlocks = 4>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) quantize_tile_kernel(Params p) {
   core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
   core::pdl_wait_for_producer();
+  constexpr bool kBf16Only = kVariant == kSrRhtBf16Only;
   const bool stochastic = kVariant != kRoundNearest && p.stochastic;
   const bool four_over_six = kVariant == kAll && p.four_over_six;
   const bool rht = kVariant != kRoundNearest && p.rht;
@@ -491,6 +500,13 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
       const int64_t index = out_row * out_cols + out_col;
       Philox4x32Result rb{};
       if (stochastic) rb = micro_block_bits(out.sr, (uint64_t)index);
+      if constexpr (kBf16Only) {  // the BF16 copy alone: grid values, no codes, no staged scale
+        const uint8_t s = nvfp4_block_scale(amax, t.ts);
+        float sv[16];
+        nvfp4_scaled16_direct(v, nvfp4_element_multiplier(s, t.ts), s, stochastic, rb, sv);
+        store_bf16x16(out.bf16 + index, sv);
+        return make_uint2(0u, 0u);
+      }
       uint8_t s;
       float mult;
       if (four_over_six) {
@@ -535,7 +551,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
       }
       const uint2 packed = encode(v, amax, p.row.amax_per_row ? nvfp4_tensor(p, p.row.amax + r0 + r) : nv_row,
                                   p.row, r0 + r, c0 + b * 16, K, row_scale_stage + r * (TC / 16) + b);
-      if (p.row.data) *reinterpret_cast<uint2*>(p.row.data + ((r0 + r) * K + c0 + b * 16) / 2) = packed;
+      if (!kBf16Only && p.row.data) *reinterpret_cast<uint2*>(p.row.data + ((r0 + r) * K + c0 + b * 16) / 2) = packed;
     };
     auto col_task = [&](int task) {
       const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
@@ -566,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
         }
         const uint2 packed = encode(v[j], amax[j], nv_col, p.col, c0 + c, r0 + mb * 16, M,
                                     col_scale_stage + c * (TR / 16) + mb);
-        *reinterpret_cast<uint2*>(stage + T::stage_offset(c, mb)) = packed;
+        if constexpr (!kBf16Only) *reinterpret_cast<uint2*>(stage + T::stage_offset(c, mb)) = packed;
       }
     };
     if (do_row) {
@@ -576,6 +592,10 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
     if (do_col) {
 #pragma unroll 1
       for (int task = threadIdx.x; task < T::kColTasks; task += kThreads) col_task(task);
+    }
+    if constexpr (kBf16Only) {  // nothing staged: only the non-finite flag is left to report
+      if (bad) atomicOr(p.error_flags, kErrNonFinite);
+      return;
     }
     if (do_col) {
       flush_stage();  // (its barrier also completes the staged scales)
@@ -1191,10 +1211,10 @@ __global__ void dequantize_kernel(DequantParams p) {
   }
 }
 
-template <typename InT, Format F, bool kTwoD, int kVariant>
+template <typename InT, Format F, bool kTwoD, int kVariant, int kMinBlocks = 4>
 void launch_tile_kernel(const Params& p, cudaStream_t stream) {
   using T = Tile<InT, F, kTwoD>;
-  auto kernel = quantize_tile_kernel<InT, F, kTwoD, kVariant>;
+  auto kernel = quantize_tile_kernel<InT, F, kTwoD, kVariant, kMinBlocks>;
   static bool configured = false;  // per instantiation; the device is set once per process
   if (!configured) {
     FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1206,6 +1226,34 @@ void launch_tile_kernel(const Params& p, cudaStream_t stream) {
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
+// Register budget of the SR + RHT tile kernel, as CTAs an SM (launch bounds): 4 (default), or 3
+// or 2 from FOURBIT_QUANT_SRRHT_BLOCKS for A/B runs. Read once per process.
+int sr_rht_min_blocks() {
+  static const int blocks = [] {
+    const char* v = std::getenv("FOURBIT_QUANT_SRRHT_BLOCKS");
+    if (v == nullptr || *v == '\0') return 4;
+    const std::string s(v);
+    if (s == "2" || s == "3" || s == "4") return std::stoi(s);
+    throw std::invalid_argument("FOURBIT_QUANT_SRRHT_BLOCKS must be 2, 3 or 4 (CTAs an SM the SR + RHT "
+                                "quantizer's registers allow); got '" + s + "'");
+  }();
+  return blocks;
+}
+
+// Whether SR + RHT calls with BF16-only copies take kSrRhtBf16Only: FOURBIT_QUANT_SRRHT_DIRECT=1
+// (default off until measured), for A/B runs. Read once per process.
+bool sr_rht_bf16_direct() {
+  static const bool on = [] {
+    const char* v = std::getenv("FOURBIT_QUANT_SRRHT_DIRECT");
+    if (v == nullptr || *v == '\0') return false;
+    const std::string s(v);
+    if (s == "0" || s == "1") return s == "1";
+    throw std::invalid_argument("FOURBIT_QUANT_SRRHT_DIRECT must be 0 or 1 (1: the SR + RHT quantizer "
+                                "writes BF16-only copies from the encoder's grid); got '" + s + "'");
+  }();
+  return on;
+}
+
 template <typename InT, Format F, bool kTwoD>
 void launch_tile(const Params& p, cudaStream_t stream) {
   if (p.four_over_six) {
@@ -1213,7 +1261,21 @@ void launch_tile(const Params& p, cudaStream_t stream) {
   } else if (p.stochastic || p.rht) {
     // Only NVFP4 1x16 has its own SR + RHT kernel (the gradients); the others take kAll.
     if constexpr (F == Format::kNvfp4 && !kTwoD) {
-      launch_tile_kernel<InT, F, kTwoD, kSrRht>(p, stream);
+      const bool bf16_only = p.row.data == nullptr && p.row.scales == nullptr &&
+                             p.col.data == nullptr && p.col.scales == nullptr;
+      if (bf16_only && sr_rht_bf16_direct()) {
+        switch (sr_rht_min_blocks()) {
+          case 2: launch_tile_kernel<InT, F, kTwoD, kSrRhtBf16Only, 2>(p, stream); break;
+          case 3: launch_tile_kernel<InT, F, kTwoD, kSrRhtBf16Only, 3>(p, stream); break;
+          default: launch_tile_kernel<InT, F, kTwoD, kSrRhtBf16Only, 4>(p, stream); break;
+        }
+        return;
+      }
+      switch (sr_rht_min_blocks()) {
+        case 2: launch_tile_kernel<InT, F, kTwoD, kSrRht, 2>(p, stream); break;
+        case 3: launch_tile_kernel<InT, F, kTwoD, kSrRht, 3>(p, stream); break;
+        default: launch_tile_kernel<InT, F, kTwoD, kSrRht, 4>(p, stream); break;
+      }
     } else {
       launch_tile_kernel<InT, F, kTwoD, kAll>(p, stream);
     }
