@@ -126,15 +126,23 @@ __device__ __forceinline__ uint32_t e2m1_code(float x, float mult, bool four_ove
   return four_over_six && mult == 0.0f ? 0u : q;
 }
 
-// Encodes 16 values with an NVFP4 scale already chosen; returns the packed 8 bytes.
-__device__ __forceinline__ uint2 nvfp4_encode16(const float v[16], float mult, bool four_over_six,
-                                                bool stochastic, const Philox4x32Result& rb) {
+// Encodes 16 values with an NVFP4 scale already chosen; returns the packed 8 bytes. The rounding
+// is decided once per micro-block (kStochastic): a run-time flag tested per element left one
+// branch per element in the PTX, so the 16 independent encodes could not be interleaved.
+template <bool kStochastic>
+__device__ __forceinline__ uint2 nvfp4_encode16_as(const float v[16], float mult, bool four_over_six,
+                                                   const Philox4x32Result& rb) {
   uint32_t w[2] = {0, 0};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    w[i >> 3] |= e2m1_code(v[i], mult, four_over_six, stochastic, rbyte(rb, i)) << (4 * (i & 7));
+    w[i >> 3] |= e2m1_code(v[i], mult, four_over_six, kStochastic, rbyte(rb, i)) << (4 * (i & 7));
   }
   return make_uint2(w[0], w[1]);
+}
+__device__ __forceinline__ uint2 nvfp4_encode16(const float v[16], float mult, bool four_over_six,
+                                                bool stochastic, const Philox4x32Result& rb) {
+  return stochastic ? nvfp4_encode16_as<true>(v, mult, four_over_six, rb)
+                    : nvfp4_encode16_as<false>(v, mult, four_over_six, rb);
 }
 
 // The scaled-domain values q * s_b of a micro-block that is written as BF16 only (no packed
@@ -142,15 +150,24 @@ __device__ __forceinline__ uint2 nvfp4_encode16(const float v[16], float mult, b
 // decoded again. Bit for bit nvfp4_scaled16(nvfp4_encode16(v, mult, false, stochastic, rb),
 // scale, out) (the formats tests compare the element functions on dense sweeps; test_quant_cuda
 // compares the BF16-only copies with the reference).
-__device__ __forceinline__ void nvfp4_scaled16_direct(const float v[16], float mult, uint8_t scale,
-                                                      bool stochastic, const Philox4x32Result& rb,
-                                                      float out[16]) {
+template <bool kStochastic>
+__device__ __forceinline__ void nvfp4_scaled16_direct_as(const float v[16], float mult, uint8_t scale,
+                                                         const Philox4x32Result& rb, float out[16]) {
   const float s = formats::decode_e4m3(scale);
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const float y = formats::mul_rn(v[i], mult);
-    const float q = stochastic ? formats::e2m1_value_sr_not_nan(y, rbyte(rb, i)) : formats::e2m1_value_rn_not_nan(y);
+    const float q = kStochastic ? formats::e2m1_value_sr_not_nan(y, rbyte(rb, i)) : formats::e2m1_value_rn_not_nan(y);
     out[i] = formats::mul_rn(q, s);
+  }
+}
+__device__ __forceinline__ void nvfp4_scaled16_direct(const float v[16], float mult, uint8_t scale,
+                                                      bool stochastic, const Philox4x32Result& rb,
+                                                      float out[16]) {
+  if (stochastic) {
+    nvfp4_scaled16_direct_as<true>(v, mult, scale, rb, out);
+  } else {
+    nvfp4_scaled16_direct_as<false>(v, mult, scale, rb, out);
   }
 }
 
