@@ -509,9 +509,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) quantize_tile_kernel(Par
     const Nvfp4Tensor nv_row = do_row ? nvfp4_tensor(p, p.row.amax) : Nvfp4Tensor{};
     const Nvfp4Tensor nv_col = do_col ? nvfp4_tensor(p, p.col.amax) : Nvfp4Tensor{};
     // Returns the packed codes; writes the BF16 values for the micro-block at stored (out_row,
-    // out_col) of an [*, out_cols] matrix, and its scale to the shared-memory *scale_slot. (The
-    // grid-value path of rowwise_kernel, nvfp4_scaled16_direct, made this kernel slower: 178 ->
-    // 232 us a launch for the gradients' SR + RHT variant in `bench train`, H100; not used here.)
+    // out_col) of an [*, out_cols] matrix, and its scale to the shared-memory *scale_slot. The
+    // grid-value path (nvfp4_scaled16_direct) only in kSrRhtBf16Only: compiled next to the encode
+    // path in one kernel it made the gradients' SR + RHT launch slower (178 -> 232 us in `bench
+    // train`, H100, session 16), with more live registers in the column task.
     auto encode = [&](const float v[16], float amax, const Nvfp4Tensor& t, const OrientationOut& out,
                       int64_t out_row, int64_t out_col, int64_t out_cols, uint8_t* scale_slot) {
       const int64_t index = out_row * out_cols + out_col;
