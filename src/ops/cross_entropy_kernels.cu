@@ -210,8 +210,15 @@ __global__ void __launch_bounds__(kMaxThreads)
       } else {
         load8_aligned(row + i, v);
       }
+      // The one-hot term only in the vector that holds the target (one thread a row); elsewhere
+      // (e - 0) * scale is e * scale, the same bits without a 64-bit compare per logit.
+      if ((uint64_t)(target - i) < 8u) {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = grad(v[k], i + k);
+        for (int k = 0; k < 8; ++k) v[k] = grad(v[k], i + k);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = exp_of<kSfu>(v[k] - lse) * scale;
+      }
       if (dvec) {
         store8_aligned(drow + i, v);
       } else {
