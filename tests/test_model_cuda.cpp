@@ -382,13 +382,19 @@ TEST_F(ModelCuda, ProducerAmaxesKeepTheGradientsBitForBit) {
 // ModelOptions::fuse_residual_add: attn_out and mlp_down add the residual stream in their GEMM
 // epilogues (cuBLASLt BF16 / FP8, the emulated NVFP4 GEMM). The sum is rounded once instead of
 // twice, so the step is close to, not equal to, the separate adds'. The tight check is block 0's
-// attention residual, whose inputs are the same on both paths: every element within one BF16
-// rounding (2^-8 relative) of the separate add's. Downstream, a quantized recipe turns such
+// attention residual, whose inputs are the same on both paths: fused = rn(x + ab) against
+// separate = rn(x + rn(ab)), with ab the GEMM's FP32 result and x the embedding, so they differ by
+// at most the two final roundings (2^-8 of each result) plus the separate path's rounding of ab
+// (2^-9 |ab|, |ab| ~ |separate - x|): not by one rounding of the sum, which cancellation makes far
+// smaller than ab's (measured on the H100: ~2700 of the 16384 elements broke that older bound in
+// every recipe). A missing or doubled add is off by |x|. Downstream, a quantized recipe turns
 // last-bit differences into whole code steps (an input near an FP4 rounding boundary moves by a
 // step of up to a quarter of the block scale: measured on the H100, nvfp4 logits 5.7e-2 apart and
-// a gradient 0.21 apart, fp8 1.4e-2 and 0.06), so the end-to-end bounds are per recipe and catch
-// a wrong or missing add, not rounding. (FOURBIT_FUSE_RESIDUAL, if set, overrides the options:
-// leave it unset for this test.)
+// a gradient 0.21 apart, fp8 1.4e-2 and 0.06), and the MoE model's top-k routing flips for tokens
+// whose router scores tie within such differences (bf16 MoE gradients up to 8.6e-2 apart, nvfp4
+// 0.40, the losses within 1e-5 and 4e-4 relative), so the end-to-end bounds are per recipe and
+// model and catch a wrong or missing add, not rounding. (FOURBIT_FUSE_RESIDUAL, if set, overrides
+// the options: leave it unset for this test.)
 // The MoE model adds the shared expert's output in its mlp_down epilogue (in place over the routed
 // experts' output).
 TEST_F(ModelCuda, FusedResidualAddsMatchTheSeparateAdds) {
@@ -403,22 +409,32 @@ TEST_F(ModelCuda, FusedResidualAddsMatchTheSeparateAdds) {
     o.fuse_residual_add = true;
     Model fused(c, all_blocks(c, preset), o);
     const StepResult a = run_step(separate, batch, nullptr, 3), b = run_step(fused, batch, nullptr, 3);
-    const auto it = std::find(a.names.begin(), a.names.end(), "blocks.0.attn.residual");
-    ASSERT_NE(it, a.names.end());
-    const size_t k = (size_t)(it - a.names.begin());
-    ASSERT_EQ(b.names[k], *it);
-    int64_t off = 0;
+    const auto index_of = [&](const std::string& name) {
+      const auto it = std::find(a.names.begin(), a.names.end(), name);
+      EXPECT_NE(it, a.names.end()) << name;
+      const size_t k = (size_t)(it - a.names.begin());
+      EXPECT_EQ(b.names[k], name);
+      return k;
+    };
+    const size_t k = index_of("blocks.0.attn.residual"), e = index_of("embedding");
+    ASSERT_EQ(a.activations[e].size(), a.activations[k].size());
+    int64_t off = 0, missing_add_off = 0;
     for (size_t i = 0; i < a.activations[k].size(); ++i) {
-      const double want = a.activations[k][i], got = b.activations[k][i];
-      off += std::fabs(got - want) > std::ldexp(std::fabs(want), -8) + 1e-30;
+      const double want = a.activations[k][i], got = b.activations[k][i], x = a.activations[e][i];
+      const double bound = std::ldexp(std::fabs(want) + std::fabs(got) + std::fabs(want - x), -8) + 1e-30;
+      off += std::fabs(got - want) > bound;
+      missing_add_off += std::fabs(x) > bound;  // how many elements the check would see without x
     }
-    EXPECT_EQ(off, 0) << "block 0's attention residual: elements more than one BF16 rounding from the separate add's";
+    EXPECT_EQ(off, 0) << "block 0's attention residual: elements beyond the two roundings of the separate add's";
+    // The bound must be able to fail: most elements would, if the add were missing or doubled.
+    EXPECT_GT(missing_add_off, (int64_t)a.activations[k].size() / 2);
     double worst = 0;
     for (size_t i = 0; i < a.grads.size(); ++i) worst = std::max(worst, rel(b.grads[i], a.grads[i]));
     std::printf("%s: loss separate %.7f fused %.7f, logits %.3e apart, worst gradient %.3e\n",
                 preset.c_str(), a.loss.loss, b.loss.loss, rel(b.logits, a.logits), worst);
+    const bool moe = c.name == gpu_moe().name;
     const double logits_tol = preset == "bf16" ? 2e-2 : preset == "fp8" ? 5e-2 : 0.15;
-    const double grad_tol = preset == "bf16" ? 3e-2 : preset == "fp8" ? 0.15 : 0.4;
+    const double grad_tol = preset == "bf16" ? (moe ? 0.2 : 3e-2) : preset == "fp8" ? 0.15 : (moe ? 0.8 : 0.4);
     EXPECT_NEAR(b.loss.loss, a.loss.loss, 2e-3 * a.loss.loss);
     EXPECT_TRUE(close_normwise(b.logits, a.logits, logits_tol, "logits"));
     for (size_t i = 0; i < a.grads.size(); ++i)

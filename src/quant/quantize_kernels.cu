@@ -370,10 +370,8 @@ struct Tile {
 // with no codes packed and decoded again, and nothing is staged.
 enum Variant : int { kRoundNearest = 0, kSrRht = 1, kAll = 2, kSrRhtBf16Only = 3 };
 
-// kMinBlocks: CTAs an SM that the register budget must allow (4: <= 64 registers a thread, which
-// the BF16 SR + RHT variant fills with a few spills; 3: <= 80; 2: <= 128).
-template <typename InT, Format F, bool kTwoD, int kVariant, int kMinBlocks = 4>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) quantize_tile_kernel(Params p) {
+template <typename InT, Format F, bool kTwoD, int kVariant>
+__global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
   core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
   core::pdl_wait_for_producer();
   constexpr bool kBf16Only = kVariant == kSrRhtBf16Only;
@@ -1229,10 +1227,10 @@ __global__ void dequantize_kernel(DequantParams p) {
   }
 }
 
-template <typename InT, Format F, bool kTwoD, int kVariant, int kMinBlocks = 4>
+template <typename InT, Format F, bool kTwoD, int kVariant>
 void launch_tile_kernel(const Params& p, cudaStream_t stream) {
   using T = Tile<InT, F, kTwoD>;
-  auto kernel = quantize_tile_kernel<InT, F, kTwoD, kVariant, kMinBlocks>;
+  auto kernel = quantize_tile_kernel<InT, F, kTwoD, kVariant>;
   static bool configured = false;  // per instantiation; the device is set once per process
   if (!configured) {
     FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1244,26 +1242,15 @@ void launch_tile_kernel(const Params& p, cudaStream_t stream) {
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
-// Register budget of the SR + RHT tile kernel, as CTAs an SM (launch bounds): 4 (default), or 3
-// or 2 from FOURBIT_QUANT_SRRHT_BLOCKS for A/B runs. Read once per process.
-int sr_rht_min_blocks() {
-  static const int blocks = [] {
-    const char* v = std::getenv("FOURBIT_QUANT_SRRHT_BLOCKS");
-    if (v == nullptr || *v == '\0') return 4;
-    const std::string s(v);
-    if (s == "2" || s == "3" || s == "4") return std::stoi(s);
-    throw std::invalid_argument("FOURBIT_QUANT_SRRHT_BLOCKS must be 2, 3 or 4 (CTAs an SM the SR + RHT "
-                                "quantizer's registers allow); got '" + s + "'");
-  }();
-  return blocks;
-}
-
-// Whether SR + RHT calls with BF16-only copies take kSrRhtBf16Only: FOURBIT_QUANT_SRRHT_DIRECT=1
-// (default off until measured), for A/B runs. Read once per process.
+// Whether SR + RHT calls with BF16-only copies take kSrRhtBf16Only (default; measured on the H100
+// in session 21: `bench quant` train dy with amax given 0.497 -> 0.410 ms, gpt2-124m nvfp4 step
+// 85.1 -> 84.2 ms). FOURBIT_QUANT_SRRHT_DIRECT=0 takes kSrRht for A/B runs. Read once per process.
+// (Launch bounds of 3 or 2 CTAs an SM instead of 4, 71-122 registers, were slower for both:
+// kSrRht 0.516 / 0.554 ms, kSrRhtBf16Only 0.431 / 0.469 ms.)
 bool sr_rht_bf16_direct() {
   static const bool on = [] {
     const char* v = std::getenv("FOURBIT_QUANT_SRRHT_DIRECT");
-    if (v == nullptr || *v == '\0') return false;
+    if (v == nullptr || *v == '\0') return true;
     const std::string s(v);
     if (s == "0" || s == "1") return s == "1";
     throw std::invalid_argument("FOURBIT_QUANT_SRRHT_DIRECT must be 0 or 1 (1: the SR + RHT quantizer "
@@ -1282,17 +1269,9 @@ void launch_tile(const Params& p, cudaStream_t stream) {
       const bool bf16_only = p.row.data == nullptr && p.row.scales == nullptr &&
                              p.col.data == nullptr && p.col.scales == nullptr;
       if (bf16_only && sr_rht_bf16_direct()) {
-        switch (sr_rht_min_blocks()) {
-          case 2: launch_tile_kernel<InT, F, kTwoD, kSrRhtBf16Only, 2>(p, stream); break;
-          case 3: launch_tile_kernel<InT, F, kTwoD, kSrRhtBf16Only, 3>(p, stream); break;
-          default: launch_tile_kernel<InT, F, kTwoD, kSrRhtBf16Only, 4>(p, stream); break;
-        }
-        return;
-      }
-      switch (sr_rht_min_blocks()) {
-        case 2: launch_tile_kernel<InT, F, kTwoD, kSrRht, 2>(p, stream); break;
-        case 3: launch_tile_kernel<InT, F, kTwoD, kSrRht, 3>(p, stream); break;
-        default: launch_tile_kernel<InT, F, kTwoD, kSrRht, 4>(p, stream); break;
+        launch_tile_kernel<InT, F, kTwoD, kSrRhtBf16Only>(p, stream);
+      } else {
+        launch_tile_kernel<InT, F, kTwoD, kSrRht>(p, stream);
       }
     } else {
       launch_tile_kernel<InT, F, kTwoD, kAll>(p, stream);
