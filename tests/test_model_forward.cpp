@@ -397,7 +397,9 @@ TEST(ModelForward, GradientsAccumulateAndLossScaleApplies) {
   m.backward();
   const std::vector<double> once = values(m.grads().flat());
   m.forward(batch.tokens, batch.targets);
-  m.backward({.loss_scale = 0.5});
+  BackwardOptions half;
+  half.loss_scale = 0.5;
+  m.backward(half);
   const std::vector<double> twice = values(m.grads().flat());
   for (size_t i = 0; i < once.size(); ++i) ASSERT_NEAR(twice[i], 1.5 * once[i], 1e-12 * (1 + std::fabs(once[i])));
   EXPECT_THROW(m.backward(), Error);  // one backward per forward
