@@ -19,9 +19,9 @@
 //
 // Dtypes. CPU reference: logits, losses, mean_loss, dlogits all f32 or all f64 (naive two-pass
 // softmax in the scalar type). CUDA: logits bf16 or f32, dlogits bf16 or f32, losses and
-// mean_loss f32; all math FP32 (exp on the special-function unit, ex2.approx of d log2(e):
-// relative error ~2^-22 plus the product's rounding; FOURBIT_CE_EXP=expf for expf; logf). targets
-// i32. Contiguous tensors.
+// mean_loss f32; all math FP32 (expf, logf; FOURBIT_CE_EXP=sfu takes ex2.approx of d log2(e) on the
+// special-function unit instead: faster, relative error ~2^-22 plus the product's rounding).
+// targets i32. Contiguous tensors.
 //
 // Invalid targets. CPU: an error naming the token. CUDA: the kernel cannot throw; it sets
 // kErrIndexOutOfRange in the error flag (ops/error_flags.h) and writes NaN to that token's loss and
