@@ -170,13 +170,59 @@ std::unique_ptr<Tensor> forced_from(const StepResult& ref, const ModelConfig& c)
   return t;
 }
 
-void expect_routing_mostly_equal(const std::vector<int32_t>& gpu, const std::vector<int32_t>& cpu) {
-  ASSERT_EQ(gpu.size(), cpu.size());
-  int64_t same = 0;
-  for (size_t i = 0; i < gpu.size(); ++i) same += gpu[i] == cpu[i];
-  const double frac = gpu.empty() ? 1.0 : (double)same / gpu.size();
-  std::printf("  routing: %.4f of the expert ids equal (gpu's own selection vs cpu)\n", frac);
-  EXPECT_GE(frac, 0.98) << "the GPU router selects other experts than the CPU reference";
+// The GPU router must pick the CPU's experts, in the CPU's order, for every token whose choice the
+// two devices cannot disagree on. With each of a token's router logits within delta of the CPU's
+// (delta: the row's largest |gpu - cpu|), a CPU ranking whose k + 1 largest logits are each more
+// than 2 delta apart is the GPU's ranking too, so any difference there is a router bug. Closer
+// logits are near-ties that the GEMMs' FP32 summation order decides (session 21: with the residual
+// sums rounded once, 250 of 256 ids matched, the rest such ties): counted, not checked, and they
+// must stay a small minority, or the check would mean little. (The test models balance load
+// with the aux loss: no selection bias enters the ranking.)
+void expect_routing_equal_where_decided(const StepResult& gpu, const StepResult& cpu, const ModelConfig& c) {
+  ASSERT_EQ(c.moe.load_balancing, LoadBalancing::kAuxLoss) << "selection bias not modelled in the margins";
+  ASSERT_EQ(gpu.routing.size(), cpu.routing.size());
+  ASSERT_EQ(gpu.names, cpu.names);
+  const int k = c.moe.top_k, E = c.moe.n_experts, L = c.n_moe_layers();
+  ASSERT_LT(k, E);
+  const int64_t n_tokens = (int64_t)cpu.routing.size() / ((int64_t)L * k);
+  int64_t decided = 0, decided_equal = 0, undecided = 0, undecided_equal = 0;
+  int m = 0;  // index among the MoE layers (the routing tensor's middle dimension)
+  for (int l = 0; l < c.n_layers; ++l) {
+    if (!c.is_moe_block(l)) continue;
+    const std::string name = "blocks." + std::to_string(l) + ".moe.router_logits";
+    const auto it = std::find(cpu.names.begin(), cpu.names.end(), name);
+    ASSERT_NE(it, cpu.names.end()) << name;
+    const std::vector<double>& cl = cpu.activations[(size_t)(it - cpu.names.begin())];
+    const std::vector<double>& gl = gpu.activations[(size_t)(it - cpu.names.begin())];
+    ASSERT_EQ((int64_t)cl.size(), n_tokens * E) << name;
+    for (int64_t n = 0; n < n_tokens; ++n) {
+      double delta = 0;
+      std::vector<double> row(cl.begin() + n * E, cl.begin() + (n + 1) * E);
+      for (int e = 0; e < E; ++e) delta = std::max(delta, std::fabs(gl[(size_t)(n * E + e)] - row[(size_t)e]));
+      std::sort(row.begin(), row.end(), std::greater<double>());
+      double margin = INFINITY;
+      for (int j = 0; j < k; ++j) margin = std::min(margin, row[(size_t)j] - row[(size_t)j + 1]);
+      bool equal = true;
+      for (int j = 0; j < k; ++j) {
+        const size_t at = (size_t)((n * L + m) * k + j);
+        equal = equal && gpu.routing[at] == cpu.routing[at];
+      }
+      if (margin > 2 * delta) {
+        ++decided;
+        decided_equal += equal;
+      } else {
+        ++undecided;
+        undecided_equal += equal;
+      }
+    }
+    ++m;
+  }
+  std::printf("  routing: %lld of %lld decided tokens equal (gpu's own selection vs cpu); near-ties %lld, "
+              "%lld of them equal\n", (long long)decided_equal, (long long)decided, (long long)undecided,
+              (long long)undecided_equal);
+  EXPECT_EQ(decided_equal, decided) << "the GPU router selects other experts than the CPU reference "
+                                       "where their logits leave no doubt";
+  EXPECT_GE(decided, 9 * undecided) << "too many near-tied routing decisions for the check to mean much";
 }
 
 TEST_F(ModelCuda, Bf16RecipeMatchesTheCpuReference) {
@@ -186,7 +232,7 @@ TEST_F(ModelCuda, Bf16RecipeMatchesTheCpuReference) {
     Model cpu(c, testing::resolved(c), options(Device::kCpu, true));
     Model gpu(c, testing::resolved(c), options(Device::kCuda));
     const StepResult ref = run_step(cpu, batch, nullptr);
-    if (c.is_moe()) expect_routing_mostly_equal(run_step(gpu, batch, nullptr).routing, ref.routing);
+    if (c.is_moe()) expect_routing_equal_where_decided(run_step(gpu, batch, nullptr), ref, c);
     const std::unique_ptr<Tensor> forced = forced_from(ref, c);
     const StepResult got = run_step(gpu, batch, forced.get());
     std::printf("%s, bf16 recipe: loss gpu %.7f cpu %.7f\n", c.name.c_str(), got.loss.loss, ref.loss.loss);

@@ -119,9 +119,10 @@ struct ModelOptions {
   // 259.49 -> 252.52), and ModelCuda.FusedResidualAddsMatchTheSeparateAdds passed with its revised
   // bounds; but with it on, ModelCuda.Bf16RecipeMatchesTheCpuReference's MoE routing agreement came
   // out 250 of 256 expert ids against its 0.98 floor (rounding the residual sum once lets the
-  // GEMMs' FP32 summation order decide a few near-tied top-2 choices). Off by default until that
-  // comparison counts only tokens whose router margin exceeds the summation noise and the whole
-  // GPU suite has run with it on (bench/notes-train.md, session 21).
+  // GEMMs' FP32 summation order decide a few near-tied top-2 choices). That comparison now checks
+  // only the tokens whose router margins exceed the two devices' logit difference
+  // (expect_routing_equal_where_decided); off by default until the GPU suite has run with it on
+  // (bench/notes-train.md, session 21).
   bool fuse_residual_add = false;
   // The attention backward rotates dq and dk back through RoPE in its own epilogues
   // (ops::AttentionOptions::rope_backward: the same bits as the separate rope_backward pass, one
