@@ -367,14 +367,17 @@ struct Tile {
 // cycles waiting for instruction fetch with every option compiled in). kSrRhtBf16Only is kSrRht
 // for calls whose two copies are scaled-domain BF16 only (the Hopper training's dY: no packed
 // data, no scales): each value comes straight from the encoder's grid (nvfp4_scaled16_direct),
-// with no codes packed and decoded again, and nothing is staged.
-enum Variant : int { kRoundNearest = 0, kSrRht = 1, kAll = 2, kSrRhtBf16Only = 3 };
+// with no codes packed and decoded again, and nothing is staged. kSrRhtRowGrid is kSrRht for
+// calls whose row-wise copy is BF16 only and whose column-wise copy is packed (the forward's X):
+// the row copy from the grid, the column copy encoded (an A/B variant, FOURBIT_QUANT_X_ROW_GRID).
+enum Variant : int { kRoundNearest = 0, kSrRht = 1, kAll = 2, kSrRhtBf16Only = 3, kSrRhtRowGrid = 4 };
 
 template <typename InT, Format F, bool kTwoD, int kVariant>
 __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
   core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
   core::pdl_wait_for_producer();
   constexpr bool kBf16Only = kVariant == kSrRhtBf16Only;
+  constexpr bool kRowGrid = kBf16Only || kVariant == kSrRhtRowGrid;  // row copy from the grid
   const bool stochastic = kVariant != kRoundNearest && p.stochastic;
   const bool four_over_six = kVariant == kAll && p.four_over_six;
   const bool rht = kVariant != kRoundNearest && p.rht;
@@ -511,12 +514,14 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
     // grid-value path (nvfp4_scaled16_direct) only in kSrRhtBf16Only: compiled next to the encode
     // path in one kernel it made the gradients' SR + RHT launch slower (178 -> 232 us in `bench
     // train`, H100, session 16), with more live registers in the column task.
+    // `grid` (a constant at each call site): this orientation is BF16 only and takes its values
+    // from the grid, with no codes and no staged scale.
     auto encode = [&](const float v[16], float amax, const Nvfp4Tensor& t, const OrientationOut& out,
-                      int64_t out_row, int64_t out_col, int64_t out_cols, uint8_t* scale_slot) {
+                      int64_t out_row, int64_t out_col, int64_t out_cols, uint8_t* scale_slot, bool grid) {
       const int64_t index = out_row * out_cols + out_col;
       Philox4x32Result rb{};
       if (stochastic) rb = micro_block_bits(out.sr, (uint64_t)index);
-      if constexpr (kBf16Only) {  // the BF16 copy alone: grid values, no codes, no staged scale
+      if (kRowGrid && grid) {  // the BF16 copy alone: grid values, no codes, no staged scale
         const uint8_t s = nvfp4_block_scale(amax, t.ts);
         float sv[16];
         nvfp4_scaled16_direct(v, nvfp4_element_multiplier(s, t.ts), s, stochastic, rb, sv);
@@ -566,8 +571,8 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
         amax = amax16(v, bad);
       }
       const uint2 packed = encode(v, amax, p.row.amax_per_row ? nvfp4_tensor(p, p.row.amax + r0 + r) : nv_row,
-                                  p.row, r0 + r, c0 + b * 16, K, row_scale_stage + r * (TC / 16) + b);
-      if (!kBf16Only && p.row.data) *reinterpret_cast<uint2*>(p.row.data + ((r0 + r) * K + c0 + b * 16) / 2) = packed;
+                                  p.row, r0 + r, c0 + b * 16, K, row_scale_stage + r * (TC / 16) + b, kRowGrid);
+      if (!kRowGrid && p.row.data) *reinterpret_cast<uint2*>(p.row.data + ((r0 + r) * K + c0 + b * 16) / 2) = packed;
     };
     auto col_task = [&](int task) {
       const int mb = task / (TC / kColPair), cp = task % (TC / kColPair);
@@ -597,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
           amax[j] = amax16(v[j], ignore);
         }
         const uint2 packed = encode(v[j], amax[j], nv_col, p.col, c0 + c, r0 + mb * 16, M,
-                                    col_scale_stage + c * (TR / 16) + mb);
+                                    col_scale_stage + c * (TR / 16) + mb, kBf16Only);
         if constexpr (!kBf16Only) *reinterpret_cast<uint2*>(stage + T::stage_offset(c, mb)) = packed;
       }
     };
@@ -1259,6 +1264,21 @@ bool sr_rht_bf16_direct() {
   return on;
 }
 
+// Whether SR + RHT calls with a BF16-only row copy and a packed column copy (the forward's X) take
+// kSrRhtRowGrid: FOURBIT_QUANT_X_ROW_GRID=1, off by default (written in session 21, not yet run
+// on a GPU). Read once per process.
+bool x_row_grid() {
+  static const bool on = [] {
+    const char* v = std::getenv("FOURBIT_QUANT_X_ROW_GRID");
+    if (v == nullptr || *v == '\0') return false;
+    const std::string s(v);
+    if (s == "0" || s == "1") return s == "1";
+    throw std::invalid_argument("FOURBIT_QUANT_X_ROW_GRID must be 0 or 1 (1: the forward X quantizer "
+                                "writes its BF16-only row copy from the encoder's grid); got '" + s + "'");
+  }();
+  return on;
+}
+
 template <typename InT, Format F, bool kTwoD>
 void launch_tile(const Params& p, cudaStream_t stream) {
   if (p.four_over_six) {
@@ -1268,8 +1288,12 @@ void launch_tile(const Params& p, cudaStream_t stream) {
     if constexpr (F == Format::kNvfp4 && !kTwoD) {
       const bool bf16_only = p.row.data == nullptr && p.row.scales == nullptr &&
                              p.col.data == nullptr && p.col.scales == nullptr;
+      const bool row_bf16_col_packed = p.row.data == nullptr && p.row.scales == nullptr &&
+                                       p.row.bf16 != nullptr && p.col.data != nullptr;
       if (bf16_only && sr_rht_bf16_direct()) {
         launch_tile_kernel<InT, F, kTwoD, kSrRhtBf16Only>(p, stream);
+      } else if (row_bf16_col_packed && x_row_grid()) {
+        launch_tile_kernel<InT, F, kTwoD, kSrRhtRowGrid>(p, stream);
       } else {
         launch_tile_kernel<InT, F, kTwoD, kSrRht>(p, stream);
       }
