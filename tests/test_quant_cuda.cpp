@@ -299,10 +299,10 @@ TEST_F(QuantCuda, PerRowAmaxMatchesTheReference) {
     }
 }
 
-// The training path: NVFP4 1x16 copies written as scaled-domain BF16 only (no packed data), which
-// the kernels compute from the encoders' grid values without forming codes.
-TEST_F(QuantCuda, Bf16OnlyCopiesMatchTheReference) {
-  uint64_t seed = 5000;
+// fn(config, fill, bf16 source) for NVFP4 1x16 with and without SR and RHT, over the fills that
+// stress the block scales.
+template <typename Fn>
+void for_each_nvfp4_1x16_case(Fn&& fn) {
   for (bool sr : {false, true})
     for (bool rht : {false, true})
       for (bool bf16 : {true, false}) {
@@ -311,56 +311,61 @@ TEST_F(QuantCuda, Bf16OnlyCopiesMatchTheReference) {
         c.rht = rht;
         for (Fill fill : {Fill::kNormal, Fill::kHeavyTailed, Fill::kZeros, Fill::kOneOutlier, Fill::kSubnormal,
                           Fill::kNearMax, Fill::kAllEqualBlocks}) {
-          check_case(c, fill, 128, 256, bf16, {true, true}, seed++, false);  // tile kernel
-          check_case(c, fill, 64, 384, bf16, {true, false}, seed++, false);  // streaming row kernel
-          check_case(c, fill, 192, 128, bf16, {false, true}, seed++, false);
-          if (HasFatalFailure()) return;
+          fn(c, fill, bf16);
+          if (::testing::Test::HasFatalFailure()) return;
         }
       }
 }
 
 // The forward's X call (gemm::linear_fprop_saving_x): the row-wise copy as scaled-domain BF16 only
-// (no packed data or scales), the column-wise copy packed only, with and without RHT and SR. The
-// tile kernel's variant for it is picked by the call's outputs (kSrRhtRowGrid under
-// FOURBIT_QUANT_X_ROW_GRID=1, else kSrRht; kRoundNearest without RHT and SR).
+// (no packed data or scales), the column-wise copy packed only. The tile kernel's variant for it
+// is picked by the call's outputs (kSrRhtRowGrid under FOURBIT_QUANT_X_ROW_GRID=1, else kSrRht;
+// kRoundNearest without RHT and SR).
+void check_row_bf16_column_packed(const QuantConfig& c, Fill fill, bool bf16, uint64_t seed) {
+  const int64_t rows = 128, cols = 256;
+  SCOPED_TRACE(::testing::Message() << c.describe() << " | " << fill_name(fill) << (bf16 ? " bf16" : " f32")
+                                    << " | row bf16 only, column packed");
+  const Tensor host = make_source(fill, rows, cols, bf16, seed);
+  QuantizeOptions ro;
+  ro.tensor_name = "x";
+  ro.sr = RandomStream{seed, 78};
+  const QuantizedTensor ref = quantize_reference(host.view(), c, {true, true}, ro);
+  const Tensor dev = host.to(Device::kCuda);
+  GuardedBundle gb = allocate_guarded(c, rows, cols, {true, true});
+  for (const Guarded& g : gb.buffers) g.poison(0xA5);
+  gb.q.rowwise->data = Tensor();  // the row-wise copy as BF16 alone, as the forward asks
+  gb.q.rowwise->scales = Tensor();
+  Guarded row_bf16 = Guarded::make({rows, cols}, DType::kBF16);
+  row_bf16.poison(0xA5);
+  CudaQuantizeOptions co;
+  co.tensor_name = "x";
+  co.sr = ro.sr;
+  co.write_bf16_scaled = true;
+  quantize_cuda(dev.view(), gb.q, co, &row_bf16.view, nullptr);
+  device_synchronize();
+  for (const Guarded& g : gb.buffers) ASSERT_EQ(g.damaged_guard_bytes(0xA5), 0) << "guard overwritten";
+  ASSERT_EQ(row_bf16.damaged_guard_bytes(0xA5), 0) << "bf16 guard overwritten";
+  ASSERT_TRUE(same_bytes(row_bf16.tensor(), dequantize_bf16_scaled_reference(ref, false), "rowwise bf16 scaled"));
+  ASSERT_TRUE(same_bytes(gb.q.colwise->data, ref.colwise->data, "colwise data"));
+  ASSERT_TRUE(same_bytes(gb.q.colwise->scales, ref.colwise->scales, "colwise scales"));
+  ASSERT_TRUE(same_bytes(gb.q.colwise->amax, ref.colwise->amax, "colwise amax"));
+}
+
+// The training path: NVFP4 1x16 copies written as scaled-domain BF16 only (no packed data), which
+// the kernels compute from the encoders' grid values without forming codes.
+TEST_F(QuantCuda, Bf16OnlyCopiesMatchTheReference) {
+  uint64_t seed = 5000;
+  for_each_nvfp4_1x16_case([&](const QuantConfig& c, Fill fill, bool bf16) {
+    check_case(c, fill, 128, 256, bf16, {true, true}, seed++, false);  // tile kernel
+    check_case(c, fill, 64, 384, bf16, {true, false}, seed++, false);  // streaming row kernel
+    check_case(c, fill, 192, 128, bf16, {false, true}, seed++, false);
+  });
+}
+
 TEST_F(QuantCuda, RowBf16ColumnPackedMatchesTheReference) {
   uint64_t seed = 9000;
-  for (bool sr : {false, true})
-    for (bool rht : {false, true})
-      for (bool bf16 : {true, false}) {
-        QuantConfig c;
-        c.rounding = sr ? Rounding::kStochastic : Rounding::kNearest;
-        c.rht = rht;
-        for (Fill fill : {Fill::kNormal, Fill::kHeavyTailed, Fill::kZeros, Fill::kOneOutlier, Fill::kSubnormal,
-                          Fill::kNearMax}) {
-          const int64_t rows = 128, cols = 256;
-          SCOPED_TRACE(::testing::Message() << c.describe() << " | " << fill_name(fill) << (bf16 ? " bf16" : " f32"));
-          const Tensor host = make_source(fill, rows, cols, bf16, seed++);
-          QuantizeOptions ro;
-          ro.tensor_name = "x";
-          ro.sr = RandomStream{seed, 78};
-          const QuantizedTensor ref = quantize_reference(host.view(), c, {true, true}, ro);
-          const Tensor dev = host.to(Device::kCuda);
-          GuardedBundle gb = allocate_guarded(c, rows, cols, {true, true});
-          for (const Guarded& g : gb.buffers) g.poison(0xA5);
-          gb.q.rowwise->data = Tensor();  // the row-wise copy as BF16 alone, as the forward asks
-          gb.q.rowwise->scales = Tensor();
-          Guarded row_bf16 = Guarded::make({rows, cols}, DType::kBF16);
-          row_bf16.poison(0xA5);
-          CudaQuantizeOptions co;
-          co.tensor_name = "x";
-          co.sr = ro.sr;
-          co.write_bf16_scaled = true;
-          quantize_cuda(dev.view(), gb.q, co, &row_bf16.view, nullptr);
-          device_synchronize();
-          for (const Guarded& g : gb.buffers) ASSERT_EQ(g.damaged_guard_bytes(0xA5), 0) << "guard overwritten";
-          ASSERT_EQ(row_bf16.damaged_guard_bytes(0xA5), 0) << "bf16 guard overwritten";
-          ASSERT_TRUE(same_bytes(row_bf16.tensor(), dequantize_bf16_scaled_reference(ref, false), "rowwise bf16 scaled"));
-          ASSERT_TRUE(same_bytes(gb.q.colwise->data, ref.colwise->data, "colwise data"));
-          ASSERT_TRUE(same_bytes(gb.q.colwise->scales, ref.colwise->scales, "colwise scales"));
-          ASSERT_TRUE(same_bytes(gb.q.colwise->amax, ref.colwise->amax, "colwise amax"));
-        }
-      }
+  for_each_nvfp4_1x16_case(
+      [&](const QuantConfig& c, Fill fill, bool bf16) { check_row_bf16_column_packed(c, fill, bf16, seed++); });
 }
 
 TEST_F(QuantCuda, EdgeFillsMatchTheReference) {
