@@ -15,6 +15,7 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "core/env.h"
 #include "core/rng.h"
 #include "formats/element.h"
 #include "model/expert_linear.h"
@@ -318,18 +319,6 @@ int64_t Model::Impl::max_perm_rows(int64_t n_tokens) const {
          rows_tile_max - 1;
 }
 
-namespace {
-// An A/B switch read from the environment: 1 for "1", 0 for "0", -1 when unset or empty (the
-// ModelOptions field decides); anything else is an error that names the variable.
-int env_switch(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return -1;
-  const std::string_view s(v);
-  FOURBIT_CHECK(s == "0" || s == "1", "{}='{}': expected 0 (off) or 1 (on); unset it to use the ModelOptions default",
-                name, s);
-  return s == "1" ? 1 : 0;
-}
-}  // namespace
 
 bool Model::Impl::keeps_wgrad_inputs() const {
   // FOURBIT_KEEP_WGRAD_INPUTS=1: the same for every model of the process (A/B runs of any command;

@@ -52,6 +52,7 @@
 #include "quant/scaled_bf16_device.cuh"
 
 #include "core/sm_count.h"
+#include "core/env.h"
 #include "core/error.h"
 #include "core/pdl.cuh"
 #include "formats/element.h"
@@ -61,9 +62,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <stdexcept>
-#include <string>
 #include <type_traits>
 
 namespace fourbit::quant {
@@ -1247,24 +1245,13 @@ void launch_tile_kernel(const Params& p, cudaStream_t stream) {
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
-// A 0/1 switch from the environment (unset or empty: `fallback`); anything else is an error that
-// names the variable and says what 1 means.
-bool env_switch_01(const char* name, bool fallback, const char* what_1_means) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  const std::string s(v);
-  if (s == "0" || s == "1") return s == "1";
-  throw std::invalid_argument(std::string(name) + " must be 0 or 1 (1: " + what_1_means + "); got '" + s + "'");
-}
-
 // Whether SR + RHT calls with BF16-only copies take kSrRhtBf16Only (default; measured on the H100
 // in session 21: `bench quant` train dy with amax given 0.497 -> 0.410 ms, gpt2-124m nvfp4 step
 // 85.1 -> 84.2 ms). FOURBIT_QUANT_SRRHT_DIRECT=0 takes kSrRht for A/B runs. Read once per process.
 // (Launch bounds of 3 or 2 CTAs an SM instead of 4, 71-122 registers, were slower for both:
 // kSrRht 0.516 / 0.554 ms, kSrRhtBf16Only 0.431 / 0.469 ms.)
 bool sr_rht_bf16_direct() {
-  static const bool on = env_switch_01("FOURBIT_QUANT_SRRHT_DIRECT", true,
-                                       "the SR + RHT quantizer writes BF16-only copies from the encoder's grid");
+  static const bool on = env_switch("FOURBIT_QUANT_SRRHT_DIRECT") != 0;
   return on;
 }
 
@@ -1272,8 +1259,7 @@ bool sr_rht_bf16_direct() {
 // kSrRhtRowGrid: FOURBIT_QUANT_X_ROW_GRID=1, off by default (written in session 21, not yet run
 // on a GPU). Read once per process.
 bool x_row_grid() {
-  static const bool on = env_switch_01("FOURBIT_QUANT_X_ROW_GRID", false,
-                                       "the forward X quantizer writes its BF16-only row copy from the encoder's grid");
+  static const bool on = env_switch("FOURBIT_QUANT_X_ROW_GRID") == 1;
   return on;
 }
 
