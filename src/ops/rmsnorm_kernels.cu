@@ -146,17 +146,20 @@ __global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : 1024)  // kA
 #pragma unroll
         for (int k = 0; k < 8; ++k) g[k] = __fadd_rn(prev[k], to_float<TX>(from_float<TX>(g[k])));
       }
-      store8(dxr, c, cols, vec, g);
       if constexpr (kAmax) {
-        // The stored bits (store8 rounds as round_pair does; columns past `cols` hold 0 and are
-        // not stored), their amax, and the segment slot of this row.
+        // Rounded once (round_pair: g then holds the stored values; columns past `cols` hold 0
+        // and are not stored), stored from those words, their amax, and this row's segment slot.
         uint32_t wd[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          float lo = g[2 * k], hi = g[2 * k + 1];
-          wd[k] = round_pair(lo, hi);
-          fold_amax(lo, out_amax, bad);
-          fold_amax(hi, out_amax, bad);
+          wd[k] = round_pair(g[2 * k], g[2 * k + 1]);
+          fold_amax(g[2 * k], out_amax, bad);
+          fold_amax(g[2 * k + 1], out_amax, bad);
+        }
+        if (vec && c + 8 <= cols) {
+          *reinterpret_cast<uint4*>(dxr + c) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+        } else {
+          store8(dxr, c, cols, vec, g);  // exact: the values are BF16 already
         }
         const int seg_row = (int)((row - first) & 15);
         segment_slots[seg_row * blockDim.x + threadIdx.x] = make_uint4(wd[0], wd[1], wd[2], wd[3]);
@@ -176,6 +179,8 @@ __global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : 1024)  // kA
                                              quant::device::rht_segment_amax(hi, amaxes.rht_sign_mask)));
           }
         }
+      } else {
+        store8(dxr, c, cols, vec, g);
       }
     }
   }
