@@ -680,18 +680,22 @@ void Model::Impl::recompute_qkv(int l, Acts& a, BlockActs& b) {
   qkv_forward(l, a, b, nullptr);
 }
 
+void Model::Impl::gate_up_forward(int l, Acts& a, BlockActs& b, std::optional<quant::QuantizedTensor>* saved_x,
+                                  bool with_act, const std::optional<ops::OutputAmaxes>& act_amax) {
+  const int64_t N = a.N, F = cfg.d_ff;
+  const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
+  fprop(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, w(bp[(size_t)l].mlp_up), gu, true, saved_x);
+  if (!with_act) return;
+  Scope s(*this, Section::kMlp, Work::kOther);
+  ops::swiglu_forward(act, gu, stream(), act_amax ? &*act_amax : nullptr);
+  bf16(act);
+}
+
 // A dense block's gate_up again (ln2 from mid where it lived in per-pass scratch), and the SwiGLU
 // output where the mlp_down Wgrad reads it in BF16.
 void Model::Impl::recompute_gate_up(int l, Acts& a, BlockActs& b) {
-  const detail::BlockParams& p = bp[(size_t)l];
-  const int64_t N = a.N, F = cfg.d_ff;
-  if (b.scratch_ln2) norm_forward(Section::kMlp, p.mlp_norm, a.mid[(size_t)l], b.ln2, b.ln2_rstd);
-  const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
-  fprop(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, w(p.mlp_up), gu);
-  if (b.save_act) return;
-  Scope s(*this, Section::kMlp, Work::kOther);
-  ops::swiglu_forward(act, gu, stream());
-  bf16(act);
+  if (b.scratch_ln2) norm_forward(Section::kMlp, bp[(size_t)l].mlp_norm, a.mid[(size_t)l], b.ln2, b.ln2_rstd);
+  gate_up_forward(l, a, b, nullptr, !b.save_act, std::nullopt);
 }
 
 bool Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& out,
@@ -705,16 +709,10 @@ bool Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& ou
   const detail::BlockParams& p = bp[(size_t)l];
   const int64_t N = a.N, F = cfg.d_ff;
   const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
-  fprop(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, w(p.mlp_up), gu, true,
-        b.save_ln2 && a.for_backward ? &b.saved_ln2 : nullptr);
   const bool save_act = b.save_act && a.for_backward;
   const std::optional<ops::OutputAmaxes> act_amax =
       producer_amaxes(l, LinearKind::kMlpDown, false, save_act, ops::output_amaxes_supported(N, F));
-  {
-    Scope s(*this, Section::kMlp, Work::kOther);
-    ops::swiglu_forward(act, gu, stream(), act_amax ? &*act_amax : nullptr);
-    bf16(act);
-  }
+  gate_up_forward(l, a, b, b.save_ln2 && a.for_backward ? &b.saved_ln2 : nullptr, true, act_amax);
   fprop(Section::kMlp, l, LinearKind::kMlpDown, act, w(p.mlp_down), out, true,
         save_act ? &b.saved_act : nullptr, given_amax(act_amax), residual);
   if (a.training && !recomputes()) {  // per-pass scratch when recomputed

@@ -217,6 +217,11 @@ struct Model::Impl {
   void norm_forward(Section s, int norm, const TensorView& x, const TensorView& y, const TensorView& rstd);
   // b.qkv = RoPE(b.ln1 W_qkv^T) of block l; saved_x: keep X's quantized Wgrad copy there.
   void qkv_forward(int l, detail::Acts& a, detail::BlockActs& b, std::optional<quant::QuantizedTensor>* saved_x);
+  // A dense block's gate_up = ln2 W_up^T (saved_x: keep X's quantized Wgrad copy there) and, with
+  // with_act, act = SwiGLU(gate_up) (act_amax: its amaxes for mlp_down's quantizer): the forward's
+  // and the recomputation's step.
+  void gate_up_forward(int l, detail::Acts& a, detail::BlockActs& b, std::optional<quant::QuantizedTensor>* saved_x,
+                       bool with_act, const std::optional<ops::OutputAmaxes>& act_amax);
   void recompute_gate_up(int l, detail::Acts& a, detail::BlockActs& b);
   // Whether a forward given ForwardOptions::loss_gradient_scale writes the loss gradient
   // (FOURBIT_FUSE_LOSS_GRAD=0: no, for A/B runs).
