@@ -137,6 +137,14 @@ struct StepResult {
   std::vector<int32_t> routing;
 };
 
+// Every trainable parameter's gradient, in table order, on the host.
+std::vector<std::vector<double>> trainable_grads(const Model& m) {
+  std::vector<std::vector<double>> g;
+  for (int i = 0; i < m.table().size(); ++i)
+    if (m.table().row(i).trainable) g.push_back(values(m.grads().view(i)));
+  return g;
+}
+
 StepResult run_step(Model& m, const testing::Batch& batch, const Tensor* forced, uint64_t step = 1) {
   StepResult r;
   ForwardOptions fo;
@@ -149,8 +157,7 @@ StepResult run_step(Model& m, const testing::Batch& batch, const Tensor* forced,
   r.logits = values(m.logits());
   r.routing = routing(m, batch.tokens.numel());
   m.backward();
-  for (int i = 0; i < m.table().size(); ++i)
-    if (m.table().row(i).trainable) r.grads.push_back(values(m.grads().view(i)));
+  r.grads = trainable_grads(m);
   return r;
 }
 
@@ -510,10 +517,7 @@ TEST_F(ModelCuda, LossGradientInTheForwardKeepsTheGradientsBitForBit) {
       BackwardOptions bo;
       bo.loss_scale = 0.5;
       m.backward(bo);
-      std::vector<std::vector<double>> g;
-      for (int i = 0; i < m.table().size(); ++i)
-        if (m.table().row(i).trainable) g.push_back(values(m.grads().view(i)));
-      return g;
+      return trainable_grads(m);
     };
     double loss_sep = 0, loss_fused = 0;
     const auto sep = step(std::nullopt, loss_sep), fused = step(0.5, loss_fused);
