@@ -53,16 +53,25 @@ struct Case {
   bool fused = false;  // q, k, v (and dq, dk, dv) as strided slices of one fused buffer
   // D = 64 kernel shapes (AttentionOptions::tiles): the defaults, every kernel narrow (16 rows a
   // warp) or every kernel wide (32 rows a warp).
-  enum class Tiles { kDefault, kNarrow, kWide } tiles = Tiles::kDefault;
+  // kWgmma: the default tiles, and the backward by the warpgroup-MMA kernels (any D).
+  enum class Tiles { kDefault, kNarrow, kWide, kWgmma } tiles = Tiles::kDefault;
 };
 
 AttentionTiles tiles_of(const Case& c) {
   switch (c.tiles) {
     case Case::Tiles::kNarrow: return AttentionTiles{false, false, false};
     case Case::Tiles::kWide: return AttentionTiles{true, true, true};
-    case Case::Tiles::kDefault: break;
+    case Case::Tiles::kDefault:
+    case Case::Tiles::kWgmma: break;
   }
   return AttentionTiles{};
+}
+
+AttentionOptions options_of(const Case& c) {
+  AttentionOptions o;
+  o.tiles = tiles_of(c);
+  o.wgmma_backward = c.tiles == Case::Tiles::kWgmma;
+  return o;
 }
 
 std::string describe(const Case& c) {
@@ -70,7 +79,10 @@ std::string describe(const Case& c) {
          " Hkv " + std::to_string(c.Hkv) + " D " + std::to_string(c.D) +
          (c.input_scale != 1.0 ? " input scale " + std::to_string(c.input_scale) : "") +
          (c.fused ? " fused-QKV views" : "") +
-         (c.tiles == Case::Tiles::kWide ? " all wide" : c.tiles == Case::Tiles::kNarrow ? " all narrow" : "");
+         (c.tiles == Case::Tiles::kWide     ? " all wide"
+          : c.tiles == Case::Tiles::kNarrow ? " all narrow"
+          : c.tiles == Case::Tiles::kWgmma  ? " wgmma backward"
+                                            : "");
 }
 
 std::vector<double> abs_of(std::vector<double> v) {
@@ -266,8 +278,7 @@ void check_case(const Case& c, uint64_t seed) {
     write_heads(in, in.v, v);
     Guarded out = Guarded::make({c.B, c.T, c.H, c.D}, DType::kBF16, poison);
     Guarded lse = Guarded::make({c.B, c.H, c.T}, DType::kF32, poison);
-    AttentionOptions fwd_options;
-    fwd_options.tiles = tiles_of(c);
+    AttentionOptions fwd_options = options_of(c);
     attention_forward(in.q, in.k, in.v, out.view, lse.view, fwd_options);
     device_synchronize();
     ASSERT_EQ(out.damaged_guard_bytes(), 0) << "out: write outside the tensor";
@@ -314,8 +325,7 @@ void check_case(const Case& c, uint64_t seed) {
     const Tensor dout_d = host_tensor({c.B, c.T, c.H, c.D}, DType::kBF16, dout).to(Device::kCuda);
     const Tensor out_d = host_tensor({c.B, c.T, c.H, c.D}, DType::kBF16, out_gpu).to(Device::kCuda);
     const Tensor lse_d = lse32.to(Device::kCuda);
-    AttentionOptions options;
-    options.tiles = tiles_of(c);
+    AttentionOptions options = options_of(c);
     attention_backward(dout_d, in.q, in.k, in.v, out_d, lse_d, grad.q, grad.k, grad.v, options);
     device_synchronize();
     if (c.fused) {
@@ -404,6 +414,23 @@ TEST_F(OpsAttentionCuda, NarrowTilesMatchTheReference) {
   }
 }
 
+// The warpgroup-MMA backward (Hopper): D 64 and 128, ragged T (not a multiple of 64 or 32), one
+// query tile, GQA groups, strided fused views, scores that saturate the softmax, many key blocks.
+TEST_F(OpsAttentionCuda, WgmmaBackwardMatchesTheReference) {
+  if (!attention_wgmma_backward_available()) GTEST_SKIP() << "needs an sm_90a build on a compute 9.0 GPU";
+  constexpr Case::Tiles kWg = Case::Tiles::kWgmma;
+  uint64_t seed = 8000;
+  for (const Case& c : {Case{2, 1, 4, 2, 64, 1.0, false, kWg}, Case{1, 7, 2, 2, 128, 1.0, false, kWg},
+                        Case{2, 65, 4, 1, 64, 1.0, false, kWg}, Case{1, 128, 2, 2, 64, 1.0, false, kWg},
+                        Case{1, 200, 6, 2, 128, 1.0, false, kWg}, Case{1, 333, 2, 1, 64, 1.0, false, kWg},
+                        Case{2, 100, 4, 2, 64, 1.0, true, kWg}, Case{1, 77, 2, 1, 128, 1.0, true, kWg},
+                        Case{1, 150, 2, 1, 64, 4.0, false, kWg}, Case{1, 90, 2, 2, 128, 4.0, false, kWg},
+                        Case{2, 1000, 4, 1, 64, 1.0, false, kWg}, Case{3, 777, 4, 2, 128, 1.0, false, kWg}}) {
+    check_case(c, seed += 10);
+    if (HasFatalFailure()) return;
+  }
+}
+
 TEST_F(OpsAttentionCuda, FusedQkvStridedViews) {
   check_case(Case{2, 100, 4, 2, 64, 1.0, true}, 3000);
   if (HasFatalFailure()) return;
@@ -434,11 +461,13 @@ TEST_F(OpsAttentionCuda, RopeBackwardInTheEpiloguesEqualsTheSeparatePass) {
       {2, 100, 4, 2, 64, 1.0, false, Case::Tiles::kDefault}, {1, 200, 4, 1, 64, 1.0, false, Case::Tiles::kWide},
       {2, 130, 2, 2, 64, 1.0, true, Case::Tiles::kNarrow},   {2, 90, 4, 2, 128, 1.0, false, Case::Tiles::kDefault},
       {1, 77, 2, 1, 128, 1.0, true, Case::Tiles::kDefault},
+      {2, 100, 4, 2, 64, 1.0, false, Case::Tiles::kWgmma},  {1, 77, 2, 1, 128, 1.0, true, Case::Tiles::kWgmma},
   };
   uint64_t seed = 7000;
   for (const Case& c : cases) {
     SCOPED_TRACE(describe(c));
     seed += 10;
+    if (c.tiles == Case::Tiles::kWgmma && !attention_wgmma_backward_available()) continue;
     const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.T * c.Hkv * c.D, N = c.B * c.T;
     std::vector<int32_t> pos = random_ints(N, -50, 4000, seed + 4);
     pos[0] = 200000;  // angle up to 2e5 rad: sincosf's slow path
@@ -451,8 +480,7 @@ TEST_F(OpsAttentionCuda, RopeBackwardInTheEpiloguesEqualsTheSeparatePass) {
     const Tensor dout = host_tensor({c.B, c.T, c.H, c.D}, DType::kBF16, random_normal(nq, seed + 3)).to(Device::kCuda);
     Tensor out = Tensor::empty({c.B, c.T, c.H, c.D}, DType::kBF16, Device::kCuda);
     Tensor lse = Tensor::empty({c.B, c.H, c.T}, DType::kF32, Device::kCuda);
-    AttentionOptions options;
-    options.tiles = tiles_of(c);
+    AttentionOptions options = options_of(c);
     attention_forward(in.q, in.k, in.v, out, lse, options);
     const float theta = c.D == 64 ? 10000.0f : 500000.0f;
 

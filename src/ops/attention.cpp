@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "core/env.h"
 #include "ops/arg_checks.h"
 #include "ops/rope.h"
 
@@ -330,7 +331,33 @@ void check_cuda_heads(std::string_view op,
   return tiles_forced().value_or(options.tiles);
 }
 
+// AttentionOptions::wgmma_backward, or FOURBIT_ATTENTION_WGMMA (0/1, read once) when set; true only
+// where the kernels can run (an explicit 1 where they cannot is an error).
+[[maybe_unused]] bool resolve_wgmma_backward(const AttentionOptions& options) {
+#if defined(FOURBIT_WITH_CUDA)
+  static const int forced = env_switch("FOURBIT_ATTENTION_WGMMA");
+  if (!(forced == -1 ? options.wgmma_backward : forced == 1)) return false;
+  const bool available = kernels::attention_wgmma_backward_available();
+  FOURBIT_CHECK(available || forced != 1,
+                "FOURBIT_ATTENTION_WGMMA=1: the warpgroup-MMA attention backward needs a build with "
+                "sm_90a code (FOURBIT_CUDA_GENCODE) and a compute capability 9.0 GPU; unset it or "
+                "set 0 to use the mma.sync kernels");
+  return available;
+#else
+  (void)options;
+  return false;
+#endif
+}
+
 }  // namespace
+
+bool attention_wgmma_backward_available() {
+#if defined(FOURBIT_WITH_CUDA)
+  return cuda_device_count() > 0 && kernels::attention_wgmma_backward_available();
+#else
+  return false;
+#endif
+}
 
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                        const TensorView& out, const TensorView& lse,
@@ -440,6 +467,7 @@ void attention_backward(const TensorView& dout, const TensorView& q, const Tenso
   const AttentionTiles tiles = resolve_tiles(options);
   a.wide_dkdv = tiles.wide_dkdv;
   a.wide_dq = tiles.wide_dq;
+  a.wgmma = resolve_wgmma_backward(options);
   if (const auto& r = options.rope_backward) {
     static_assert(kernels::kAttentionRopeMaxPairs * 2 >= 128, "D <= 128 on CUDA");
     a.rope.positions = r->positions.ptr<const int32_t>();

@@ -61,6 +61,12 @@ struct AttentionOptions {
   // shared-memory traffic per tensor-core op, more registers; attention_kernels.cu). Same
   // tolerances and determinism either way; the wide backward kernels sum in another FP32 order.
   AttentionTiles tiles;
+  // attention_backward on CUDA: the Hopper warpgroup-MMA (wgmma) dK/dV and dQ kernels, used where
+  // the build has sm_90a code and the device is compute capability 9.0 (else the mma.sync ones
+  // above). Same contract and tolerances, deterministic; their FP32 sums run in another order, so
+  // the bits differ from the mma.sync kernels'. FOURBIT_ATTENTION_WGMMA=0/1 overrides every call of
+  // the process for A/B runs (1 where they cannot run is an error).
+  bool wgmma_backward = false;
   // attention_backward only: q and k came out of rope_forward with these positions and theta, and
   // dq, dk are wanted w.r.t. its inputs. Then dq and dk are rotated back as rope_backward does, with
   // the same bits as attention_backward followed by rope_backward_inplace on dq and dk (CUDA: in
@@ -91,6 +97,10 @@ class AttentionDecodeWorkspace {
   Tensor partials_;  // f32 [kDecodeSplitCtas * 16 * 130]
   Tensor counters_;  // i32 [kDecodeSplitCtas], zero
 };
+
+// True where AttentionOptions::wgmma_backward takes effect: a CUDA build with sm_90a code and a
+// current device of compute capability 9.0. False in CPU-only builds.
+bool attention_wgmma_backward_available();
 
 // Causal forward. Writes out and lse.
 void attention_forward(const TensorView& q,    // [B, T, H, D]

@@ -42,6 +42,7 @@
 
 #include "core/pdl.cuh"
 #include "core/error.h"
+#include "ops/attention_wgmma.cuh"
 #include "ops/rope_device.cuh"
 
 #include <cuda_bf16.h>
@@ -786,6 +787,349 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionB
   }
 }
 
+// --- backward on Hopper warpgroup MMA (wgmma, sm_90a) ---------------------------------------------
+//
+// The same dK/dV and dQ passes (after the same delta kernel; no atomics, deterministic) with a CTA
+// of one warpgroup (the 4 warps) and each tile product one asynchronous wgmma over the whole CTA
+// tile, its operands read from 128-byte-swizzled shared-memory tiles (attention_wgmma.cuh). The
+// mma.sync kernels above read every B fragment once per warp: 4x the shared-memory traffic per
+// product, which bounds them (bench/notes-train.md, session 15). Here a product reads its
+// operands once per warpgroup, and P^T / dS^T (dS for dQ) go from accumulators to register A
+// operands as before. Within an iteration the products overlap the softmax: S^T and dP^T are two
+// commit groups, P^T is computed while dP^T runs, and dV += P^T dO runs while dS^T is computed.
+//   dK/dV: 64 keys a CTA; query tiles of 64 (D = 64) or 32 (D = 128: dK and dV take 128
+//          accumulator registers a thread) in a 2-stage cp.async pipeline, K and V A operands
+//          from shared memory.
+//   dQ:    64 queries a CTA; key/value tiles of 64 in a 2-stage pipeline, Q and dO A operands from
+//          shared memory.
+// Masking happens only on tiles that cross the diagonal or the end of the sequence. Rows at or
+// beyond T are zero-filled: their products are finite and never stored or used unmasked.
+// The FP32 accumulation order inside a wgmma is the hardware's, so the bits differ from the
+// mma.sync kernels' (same tolerances; still the same bits run to run).
+
+constexpr int kWgKeys = 64;     // keys of a dK/dV CTA, queries of a dQ CTA, key tile of dQ
+constexpr int kSmemAlign = 1024;  // swizzled tiles start on 1024-byte boundaries
+
+template <int D>
+constexpr int wg_dkdv_query_tile() {
+  return D == 64 ? 64 : 32;
+}
+
+template <int D>
+constexpr int wg_dkdv_smem_bytes() {  // K, V, 2 x (Q, dO), 2 x (lse, D_i) + alignment slack
+  constexpr int kQ = wg_dkdv_query_tile<D>();
+  return kSmemAlign + 2 * kWgKeys * D * 2 + 4 * kQ * D * 2 + 4 * kQ * 4;
+}
+
+template <int D>
+constexpr int wg_dq_smem_bytes() {  // Q, dO, 2 x K, 2 x V + alignment slack
+  return kSmemAlign + 6 * kWgKeys * D * 2;
+}
+
+// cp.async rows [row0, row0 + kRows) of one head's [T, D] sequence (row r at base + r * stride)
+// into the swizzled tile at shared address `tile`; rows at or beyond n_rows are zero-filled.
+template <int D, int kRows>
+__device__ __forceinline__ void load_tile_swizzled(uint32_t tile, const uint16_t* base, int64_t stride,
+                                                   int row0, int n_rows, int tid) {
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly over the CTA");
+#pragma unroll
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int c = tid + i * kThreads;
+    const int r = c / kChunksPerRow, chunk = c % kChunksPerRow;
+    const bool valid = row0 + r < n_rows;
+    const uint16_t* src = valid ? base + (int64_t)(row0 + r) * stride + chunk * 8 : base;
+    cp_async_16(tile + wgmma::swizzled_offset<kRows>(r, chunk), src, valid);
+  }
+}
+
+// The four A-operand registers of k-step kc (reduction columns 16 kc ..) from FP32 accumulators in
+// the C layout, rounded to bf16.
+template <int NB>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&p)[NB][4], int kc) {
+  a[0] = pack_bf16(p[2 * kc][0], p[2 * kc][1]);
+  a[1] = pack_bf16(p[2 * kc][2], p[2 * kc][3]);
+  a[2] = pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]);
+  a[3] = pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3]);
+}
+
+// Keeps registers that an in-flight wgmma reads alive (unmoved) until after its wait.
+template <int KC>
+__device__ __forceinline__ void operands_fence(uint32_t (&a)[KC][4]) {
+#pragma unroll
+  for (int k = 0; k < KC; ++k)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[k][e])::"memory");
+}
+
+template <int D, bool kRope>
+__global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const AttentionBackwardArgs a,
+                                                                        const float* delta) {
+  constexpr int kKeys = kWgKeys;
+  constexpr int kQ = wg_dkdv_query_tile<D>();
+  constexpr uint32_t kKvBytes = kKeys * D * 2, kQBytes = kQ * D * 2;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
+  unsigned char* base_ptr = smem_raw + (base - raw);
+  const uint32_t k_s = base, v_s = base + kKvBytes;
+  const uint32_t q_s = v_s + kKvBytes;        // [2] swizzled [kQ, D]
+  const uint32_t do_s = q_s + 2 * kQBytes;    // [2] swizzled [kQ, D]
+  float* lse_s = reinterpret_cast<float*>(base_ptr + 2 * kKvBytes + 4 * kQBytes);  // [2][kQ]
+  float* delta_s = lse_s + 2 * kQ;                                                  // [2][kQ]
+
+  const AttentionDims& d = a.dims;
+  const int T = d.seq, H = d.heads;
+  const int group = d.heads / d.kv_heads;
+  const int n_block = blockIdx.x;  // the first key blocks see the most queries: launched first
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = n_block * kKeys;
+  const int key_lo = n0 + warp * 16 + g;  // this thread's key rows: key_lo and key_lo + 8
+
+  load_tile_swizzled<D, kKeys>(k_s, a.k + b * a.k_stride.b + hk * a.k_stride.h, a.k_stride.t, n0, T, tid);
+  load_tile_swizzled<D, kKeys>(v_s, a.v + b * a.v_stride.b + hk * a.v_stride.h, a.v_stride.t, n0, T, tid);
+  cp_async_commit();
+
+  const int i_begin = n0 / kQ;              // earlier query tiles lie entirely before the keys
+  const int n_qtiles = (T + kQ - 1) / kQ;
+  const int per_head = n_qtiles - i_begin;  // >= 1 because n0 < T
+  const int total = group * per_head;
+  auto issue = [&](int it, int buf) {
+    const int h = hk * group + it / per_head, q0 = (i_begin + it % per_head) * kQ;
+    load_tile_swizzled<D, kQ>(q_s + buf * kQBytes, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t,
+                              q0, T, tid);
+    load_tile_swizzled<D, kQ>(do_s + buf * kQBytes, a.dout + b * a.dout_stride.b + h * a.dout_stride.h,
+                              a.dout_stride.t, q0, T, tid);
+    if (tid < 2 * kQ) {
+      const int r = tid % kQ;
+      const bool valid = q0 + r < T;
+      const int64_t off = ((int64_t)b * H + h) * T + (valid ? q0 + r : 0);
+      if (tid < kQ) cp_async_4(smem_u32(lse_s + buf * kQ + r), a.lse + off, valid);
+      else cp_async_4(smem_u32(delta_s + buf * kQ + r), delta + off, valid);
+    }
+    cp_async_commit();
+  };
+  issue(0, 0);
+
+  const float sl2 = d.scale * kLog2e;
+  float dk[D / 8][4], dv[D / 8][4], st[kQ / 8][4], dpt[kQ / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kQ / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
+  uint32_t pa[kQ / 16][4], dsa[kQ / 16][4];
+
+  for (int it = 0; it < total; ++it) {
+    const int buf = it & 1;
+    if (it + 1 < total) {
+      issue(it + 1, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    wgmma::fence_proxy_async();
+    __syncthreads();
+    const int q0 = (i_begin + it % per_head) * kQ;
+    const uint32_t qt = q_s + buf * kQBytes, dot = do_s + buf * kQBytes;
+    const float* lse_t = lse_s + buf * kQ;
+    const float* delta_t = delta_s + buf * kQ;
+
+    // S^T = K Q^T, then dP^T = V dO^T: two groups.
+    wgmma::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma::mma_ss<kQ>(st, wgmma::k_major<kKeys>(k_s, kk), wgmma::k_major<kQ>(qt, kk), kk > 0);
+    wgmma::wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma::mma_ss<kQ>(dpt, wgmma::k_major<kKeys>(v_s, kk), wgmma::k_major<kQ>(dot, kk), kk > 0);
+    wgmma::wgmma_commit();
+
+    // P^T = exp(S^T - lse) where query >= key and query < T, else 0 (while dP^T runs).
+    const bool edge = q0 < n0 + kKeys || q0 + kQ > T;
+    wgmma::wgmma_wait<1>();
+    wgmma::accumulators_fence(st);
+#pragma unroll
+    for (int nb = 0; nb < kQ / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int ql = nb * 8 + 2 * t + (e & 1);
+        float p = exp2f(fmaf(st[nb][e], sl2, -lse_t[ql] * kLog2e));
+        if (edge) {
+          const int qi = q0 + ql, key = key_lo + (e >> 1) * 8;
+          if (!(qi >= key && qi < T)) p = 0.0f;
+        }
+        st[nb][e] = p;
+      }
+#pragma unroll
+    for (int kc = 0; kc < kQ / 16; ++kc) pack_a(pa[kc], st, kc);
+    // dV += P^T dO (while dS^T is computed).
+    wgmma::wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < kQ / 16; ++kc) wgmma::mma_rs<D>(dv, pa[kc], wgmma::mn_major<kQ>(dot, kc));
+    wgmma::wgmma_commit();
+
+    // dS^T = P^T (dP^T - D).
+    wgmma::wgmma_wait<1>();
+    wgmma::accumulators_fence(dpt);
+#pragma unroll
+    for (int nb = 0; nb < kQ / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpt[nb][e] = st[nb][e] * (dpt[nb][e] - delta_t[nb * 8 + 2 * t + (e & 1)]);
+#pragma unroll
+    for (int kc = 0; kc < kQ / 16; ++kc) pack_a(dsa[kc], dpt, kc);
+    // dK += dS^T Q.
+    wgmma::wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < kQ / 16; ++kc) wgmma::mma_rs<D>(dk, dsa[kc], wgmma::mn_major<kQ>(qt, kc));
+    wgmma::wgmma_commit();
+    wgmma::wgmma_wait<0>();
+    wgmma::accumulators_fence(dv);
+    wgmma::accumulators_fence(dk);
+    operands_fence(pa);
+    operands_fence(dsa);
+    __syncthreads();  // before this buffer is refilled
+  }
+
+  // Every product is done and the loop ended on a barrier: the query buffers are the stage, 16
+  // padded rows a warp.
+  constexpr int S = TileLayout<D>::kStride;
+  static_assert(kThreads / 32 * 16 * S * 2 <= 4 * (int)kQBytes, "the stage fits the query buffers");
+  uint16_t* stage = reinterpret_cast<uint16_t*>(base_ptr + 2 * kKvBytes) + warp * 16 * S;
+  const int row0 = n0 + warp * 16;
+  store_grad_rows<D, kRope>(dk, d.scale, a.rope, a.rope.positions + (int64_t)b * T, stage, lane,
+                            a.dk + b * a.dk_stride.b + hk * a.dk_stride.h, a.dk_stride.t, row0, T);
+  store_rows<D>(dv, 1.0f, stage, lane, a.dv + b * a.dv_stride.b + hk * a.dv_stride.h, a.dv_stride.t, row0, T);
+}
+
+template <int D, bool kRope>
+__global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const AttentionBackwardArgs a,
+                                                                      const float* delta) {
+  constexpr int kRows = kWgKeys;   // queries of the CTA
+  constexpr int kKeys = kWgKeys;   // keys of a tile
+  constexpr uint32_t kRowBytes = kRows * D * 2, kTileBytes = kKeys * D * 2;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
+  unsigned char* base_ptr = smem_raw + (base - raw);
+  const uint32_t q_s = base, do_s = base + kRowBytes;
+  const uint32_t k_s = do_s + kRowBytes;      // [2] swizzled [kKeys, D]
+  const uint32_t v_s = k_s + 2 * kTileBytes;  // [2] swizzled [kKeys, D]
+
+  const AttentionDims& d = a.dims;
+  const int T = d.seq;
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // the last queries see the most keys: first
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (d.heads / d.kv_heads);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = m_block * kRows;
+  const int q_lo = m0 + warp * 16 + g;  // this thread's query rows: q_lo and q_lo + 8
+
+  const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
+  const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
+  load_tile_swizzled<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
+  load_tile_swizzled<D, kRows>(do_s, a.dout + b * a.dout_stride.b + h * a.dout_stride.h, a.dout_stride.t,
+                               m0, T, tid);
+  load_tile_swizzled<D, kKeys>(k_s, k_base, a.k_stride.t, 0, T, tid);
+  load_tile_swizzled<D, kKeys>(v_s, v_base, a.v_stride.t, 0, T, tid);
+  cp_async_commit();
+
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = q_lo + r * 8;
+    const int64_t off = ((int64_t)b * d.heads + h) * T + row;
+    lse2[r] = row < T ? a.lse[off] * kLog2e : 0.0f;
+    dlt[r] = row < T ? delta[off] : 0.0f;
+  }
+
+  const float sl2 = d.scale * kLog2e;
+  float dq[D / 8][4], s[kKeys / 8][4], dp[kKeys / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kKeys / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.0f;
+  uint32_t dsa[kKeys / 16][4];
+
+  // Key tiles 0 .. the one holding key min(m0 + kRows, T) - 1.
+  const int n_tiles = (min(m0 + kRows, T) - 1) / kKeys + 1;
+  for (int j = 0; j < n_tiles; ++j) {
+    const int buf = j & 1;
+    if (j + 1 < n_tiles) {
+      load_tile_swizzled<D, kKeys>(k_s + (buf ^ 1) * kTileBytes, k_base, a.k_stride.t, (j + 1) * kKeys, T, tid);
+      load_tile_swizzled<D, kKeys>(v_s + (buf ^ 1) * kTileBytes, v_base, a.v_stride.t, (j + 1) * kKeys, T, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    wgmma::fence_proxy_async();
+    __syncthreads();
+    const uint32_t kt = k_s + buf * kTileBytes, vt = v_s + buf * kTileBytes;
+
+    // S = Q K^T, then dP = dO V^T: two groups.
+    wgmma::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma::mma_ss<kKeys>(s, wgmma::k_major<kRows>(q_s, kk), wgmma::k_major<kKeys>(kt, kk), kk > 0);
+    wgmma::wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma::mma_ss<kKeys>(dp, wgmma::k_major<kRows>(do_s, kk), wgmma::k_major<kKeys>(vt, kk), kk > 0);
+    wgmma::wgmma_commit();
+
+    // P = exp(S - lse) where key <= query < T, else 0 (while dP runs).
+    const bool edge = j * kKeys + kKeys - 1 > m0 || m0 + kRows > T;
+    wgmma::wgmma_wait<1>();
+    wgmma::accumulators_fence(s);
+#pragma unroll
+    for (int nb = 0; nb < kKeys / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float p = exp2f(fmaf(s[nb][e], sl2, -lse2[e >> 1]));
+        if (edge) {
+          const int qi = q_lo + (e >> 1) * 8, key = j * kKeys + nb * 8 + 2 * t + (e & 1);
+          if (!(key <= qi && qi < T)) p = 0.0f;
+        }
+        s[nb][e] = p;
+      }
+    // dS = P (dP - D), then dQ += dS K.
+    wgmma::wgmma_wait<0>();
+    wgmma::accumulators_fence(dp);
+#pragma unroll
+    for (int nb = 0; nb < kKeys / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[nb][e] = s[nb][e] * (dp[nb][e] - dlt[e >> 1]);
+#pragma unroll
+    for (int kc = 0; kc < kKeys / 16; ++kc) pack_a(dsa[kc], dp, kc);
+    wgmma::wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < kKeys / 16; ++kc) wgmma::mma_rs<D>(dq, dsa[kc], wgmma::mn_major<kKeys>(kt, kc));
+    wgmma::wgmma_commit();
+    wgmma::wgmma_wait<0>();
+    wgmma::accumulators_fence(dq);
+    operands_fence(dsa);
+    __syncthreads();  // before this buffer is refilled
+  }
+
+  // The loop ended on a barrier after its last product: the key buffers are the stage.
+  constexpr int S = TileLayout<D>::kStride;
+  static_assert(kThreads / 32 * 16 * S * 2 <= 4 * (int)kTileBytes, "the stage fits the key/value buffers");
+  uint16_t* stage = reinterpret_cast<uint16_t*>(base_ptr + 2 * kRowBytes) + warp * 16 * S;
+  store_grad_rows<D, kRope>(dq, d.scale, a.rope, a.rope.positions + (int64_t)b * T, stage, lane,
+                            a.dq + b * a.dq_stride.b + h * a.dq_stride.h, a.dq_stride.t, m0 + warp * 16, T);
+}
+
 // --- decode --------------------------------------------------------------------------------------
 
 constexpr int kDecodeRows = 16;  // query rows (heads of a group x new tokens) per CTA
@@ -1114,6 +1458,22 @@ void dkdv_dq(const AttentionBackwardArgs& a, const float* delta, cudaStream_t st
   }
 }
 
+// The warpgroup-MMA dK/dV and dQ kernels, with or without RoPE's backward in the stores.
+template <int D, bool kRope>
+void dkdv_dq_wgmma_rope(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
+  const AttentionDims& d = a.dims;
+  const int n_blocks = (d.seq + kWgKeys - 1) / kWgKeys;
+  constexpr int dkdv_smem = wg_dkdv_smem_bytes<D>();
+  set_smem(attention_dkdv_wgmma_kernel<D, kRope>, dkdv_smem);
+  attention_dkdv_wgmma_kernel<D, kRope><<<dim3(n_blocks, d.kv_heads, d.batch), kThreads, dkdv_smem, stream>>>(
+      a, delta);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+  constexpr int dq_smem = wg_dq_smem_bytes<D>();
+  set_smem(attention_dq_wgmma_kernel<D, kRope>, dq_smem);
+  attention_dq_wgmma_kernel<D, kRope><<<dim3(n_blocks, d.heads, d.batch), kThreads, dq_smem, stream>>>(a, delta);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
 template <int D>
 void backward_d(const AttentionBackwardArgs& a, float* delta, cudaStream_t stream) {
   const AttentionDims& d = a.dims;
@@ -1122,6 +1482,10 @@ void backward_d(const AttentionBackwardArgs& a, float* delta, cudaStream_t strea
   attention_delta_kernel<D><<<(unsigned)((delta_threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
+  if (a.wgmma) {
+    if (a.rope.positions != nullptr) return dkdv_dq_wgmma_rope<D, true>(a, delta, stream);
+    return dkdv_dq_wgmma_rope<D, false>(a, delta, stream);
+  }
   if constexpr (D == 64) {
     if (a.wide_dkdv && a.wide_dq) return dkdv_dq<D, kWideM, kWideM>(a, delta, stream);
     if (a.wide_dkdv) return dkdv_dq<D, kWideM, 1>(a, delta, stream);
@@ -1156,6 +1520,25 @@ void decode_d(const AttentionDecodeArgs& a, cudaStream_t stream) {
 }  // namespace
 
 bool attention_head_dim_supported(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
+bool attention_wgmma_backward_available() {
+#if defined(FOURBIT_CUDA_SM90A)
+  int dev = 0;
+  FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));
+  static thread_local int cached_device = -1;
+  static thread_local bool cached = false;
+  if (dev != cached_device) {
+    int major = 0, minor = 0;
+    FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    cached = major == 9 && minor == 0;
+    cached_device = dev;
+  }
+  return cached;
+#else
+  return false;
+#endif
+}
 
 void launch_attention_forward(const AttentionForwardArgs& a, cudaStream_t stream) {
   if (a.dims.head_dim == 64) forward_d<64>(a, stream);

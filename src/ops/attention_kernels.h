@@ -57,8 +57,14 @@ struct AttentionBackwardArgs {
   // (attention_kernels.cu); ignored for D = 128.
   bool wide_dkdv = false;
   bool wide_dq = false;
+  // dK/dV and dQ by the warpgroup-MMA kernels (any D; only where attention_wgmma_backward_available()).
+  bool wgmma = false;
   AttentionRopeBackward rope;
 };
+
+// True when this build carries sm_90a code (FOURBIT_CUDA_SM90A) and the current device is
+// compute capability 9.0: the wgmma backward kernels can run. Cached per device.
+bool attention_wgmma_backward_available();
 
 struct AttentionDecodeArgs {
   AttentionDims dims;                                    // seq = Tq

@@ -1,0 +1,187 @@
+// Hopper warpgroup MMA (wgmma, sm_90a) for the attention backward kernels (attention_kernels.cu):
+// the PTX wrappers, the 128-byte-swizzled shared-memory tile layout they read, and its matrix
+// descriptors. Nothing here is attention-specific; it lives next to its only user.
+//
+// Tile layout ("swizzled tile"): a [kRows, D] bf16 tile (D a multiple of 64) is stored as D / 64
+// panels of kRows x 128 bytes (64 columns each), panel p at p * kRows * 128 bytes. Within a panel,
+// row r occupies bytes [128 r, 128 r + 128) and its 16-byte chunk c (columns 8 c .. 8 c + 7) sits
+// at chunk position c ^ (r % 8): the 128-byte swizzle of the PTX ISA ("Shared Memory Matrix
+// Layout", Swizzle<3, 4, 3>), which the hardware undoes given a descriptor with swizzle mode 1.
+// Every panel starts on a 1024-byte boundary (kRows % 8 == 0 and 1024-aligned tile bases), so the
+// swizzle pattern of an address depends only on its own bits and the descriptors' base offset is 0.
+//
+// Such a tile serves as either kind of wgmma operand:
+//   K-major (the reduction index runs along the row: S = Q K^T reads Q and K this way): the
+//     k-step kk (columns 16 kk .. 16 kk + 15) starts at panel kk / 4, byte 32 (kk % 4); the
+//     stride between 8-row groups (SBO) is 1024 bytes; LBO is unused.
+//   MN-major (the reduction index runs down the rows: dV = P^T dO reads dO this way, N = D): the
+//     k-step kk (rows 16 kk .. 16 kk + 15) starts at byte 2048 kk; SBO = 1024 bytes (8 rows down),
+//     LBO = the panel stride (the next 64 columns).
+// The accumulator layout of m64nNk16 is the m16n8k16 C layout per warp (warp w of the warpgroup
+// holds rows 16 w .. 16 w + 15; d[j][e] is column block j, element e as in mma.m16n8k16), and the
+// register A operand is the m16n8k16 A layout per warp: P and dS go from accumulators to A
+// operands without leaving the thread, as in FlashAttention-2 and -3.
+//
+// Ordering rules the callers follow: wgmma_fence() before the first wgmma that reads registers
+// written by ordinary instructions (accumulators, A operands); wgmma_commit() closes a group;
+// wgmma_wait<N>() waits until at most N groups are pending, after which the accumulators may be
+// read (accumulators_fence() keeps the compiler from moving their uses above the wait). Shared
+// memory written by ordinary or cp.async stores is made visible to wgmma (the async proxy) by
+// fence_proxy_async() in the writing thread before the CTA barrier.
+#pragma once
+
+#include <cstdint>
+
+namespace fourbit::ops::kernels::wgmma {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FOURBIT_WGMMA_AVAILABLE 1
+#else
+#define FOURBIT_WGMMA_AVAILABLE 0
+#endif
+
+// Byte offset of 16-byte chunk `chunk` (columns 8 chunk ..) of row r in a swizzled tile of kRows rows.
+template <int kRows>
+__device__ __forceinline__ uint32_t swizzled_offset(int r, int chunk) {
+  return (uint32_t)((chunk >> 3) * kRows * 128 + r * 128 + (((chunk & 7) ^ (r & 7)) << 4));
+}
+
+// The 64-bit shared-memory matrix descriptor, 128-byte swizzle, base offset 0.
+__device__ __forceinline__ uint64_t descriptor(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return (uint64_t)((smem_addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo_bytes & 0x3FFFFu) >> 4) << 16) |
+         ((uint64_t)((sbo_bytes & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+
+// K-major operand: k-step kk (16 reduction columns) of a swizzled tile of kRows rows at tile_addr.
+template <int kRows>
+__device__ __forceinline__ uint64_t k_major(uint32_t tile_addr, int kk) {
+  return descriptor(tile_addr + (uint32_t)((kk >> 2) * kRows * 128 + (kk & 3) * 32), 16, 1024);
+}
+
+// MN-major operand: k-step kk (16 reduction rows) of a swizzled tile of kRows rows at tile_addr.
+template <int kRows>
+__device__ __forceinline__ uint64_t mn_major(uint32_t tile_addr, int kk) {
+  return descriptor(tile_addr + (uint32_t)(kk * 2048), kRows * 128, 1024);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if FOURBIT_WGMMA_AVAILABLE
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if FOURBIT_WGMMA_AVAILABLE
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if FOURBIT_WGMMA_AVAILABLE
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+__device__ __forceinline__ void fence_proxy_async() {
+#if FOURBIT_WGMMA_AVAILABLE
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Pins accumulator registers in place across a wait (no moves of their uses above it).
+template <int NB>
+__device__ __forceinline__ void accumulators_fence(float (&d)[NB][4]) {
+#pragma unroll
+  for (int j = 0; j < NB; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+
+#if FOURBIT_WGMMA_AVAILABLE
+// D[64 x 32] (+)= A[64 x 16] B[16 x 32], A and B from shared memory, both K-major.
+__device__ __forceinline__ void wgmma_ss_n32(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b,
+                                          int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64 x 32] += A[64 x 16] B[16 x 32], A in registers (the mma.m16n8k16 A layout, warp w
+// holding rows 16 w ..), B from shared memory, MN-major.
+__device__ __forceinline__ void wgmma_rs_n32(float (&d)[4][4], const uint32_t (&a)[4],
+                                          uint64_t desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, 1, 1;\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory, both K-major.
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
+                                          int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64 x 64] += A[64 x 16] B[16 x 64], A in registers (the mma.m16n8k16 A layout, warp w
+// holding rows 16 w ..), B from shared memory, MN-major.
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[8][4], const uint32_t (&a)[4],
+                                          uint64_t desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B from shared memory, both K-major.
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
+                                          int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64 x 128] += A[64 x 16] B[16 x 128], A in registers (the mma.m16n8k16 A layout, warp w
+// holding rows 16 w ..), B from shared memory, MN-major.
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[16][4], const uint32_t (&a)[4],
+                                          uint64_t desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+#endif  // FOURBIT_WGMMA_AVAILABLE
+
+// D[64 x N] (+)= A B over one k-step, A and B K-major in shared memory; accumulate = 0 overwrites D.
+template <int N>
+__device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#if FOURBIT_WGMMA_AVAILABLE
+  if constexpr (N == 32) wgmma_ss_n32(d, desc_a, desc_b, accumulate);
+  else if constexpr (N == 64) wgmma_ss_n64(d, desc_a, desc_b, accumulate);
+  else wgmma_ss_n128(d, desc_a, desc_b, accumulate);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
+  __trap();
+#endif
+}
+
+// D[64 x N] += A B over one k-step, A in registers, B MN-major in shared memory.
+template <int N>
+__device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b) {
+#if FOURBIT_WGMMA_AVAILABLE
+  if constexpr (N == 32) wgmma_rs_n32(d, a, desc_b);
+  else if constexpr (N == 64) wgmma_rs_n64(d, a, desc_b);
+  else wgmma_rs_n128(d, a, desc_b);
+#else
+  (void)d, (void)a, (void)desc_b;
+  __trap();
+#endif
+}
+
+}  // namespace fourbit::ops::kernels::wgmma
