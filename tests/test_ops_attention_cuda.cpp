@@ -53,7 +53,7 @@ struct Case {
   bool fused = false;  // q, k, v (and dq, dk, dv) as strided slices of one fused buffer
   // D = 64 kernel shapes (AttentionOptions::tiles): the defaults, every kernel narrow (16 rows a
   // warp) or every kernel wide (32 rows a warp).
-  // kWgmma: the default tiles, and the backward by the warpgroup-MMA kernels (any D).
+  // kWgmma: the warpgroup-MMA forward and backward kernels (any D).
   enum class Tiles { kDefault, kNarrow, kWide, kWgmma } tiles = Tiles::kDefault;
 };
 
@@ -70,7 +70,7 @@ AttentionTiles tiles_of(const Case& c) {
 AttentionOptions options_of(const Case& c) {
   AttentionOptions o;
   o.tiles = tiles_of(c);
-  o.wgmma_backward = c.tiles == Case::Tiles::kWgmma;
+  o.wgmma_backward = o.wgmma_forward = c.tiles == Case::Tiles::kWgmma;
   return o;
 }
 
@@ -81,7 +81,7 @@ std::string describe(const Case& c) {
          (c.fused ? " fused-QKV views" : "") +
          (c.tiles == Case::Tiles::kWide     ? " all wide"
           : c.tiles == Case::Tiles::kNarrow ? " all narrow"
-          : c.tiles == Case::Tiles::kWgmma  ? " wgmma backward"
+          : c.tiles == Case::Tiles::kWgmma  ? " wgmma"
                                             : "");
 }
 
@@ -414,10 +414,10 @@ TEST_F(OpsAttentionCuda, NarrowTilesMatchTheReference) {
   }
 }
 
-// The warpgroup-MMA backward (Hopper): D 64 and 128, ragged T (not a multiple of 64 or 32), one
+// The warpgroup-MMA forward and backward (Hopper): D 64 and 128, ragged T (not a multiple of 64 or 32), one
 // query tile, GQA groups, strided fused views, scores that saturate the softmax, many key blocks.
-TEST_F(OpsAttentionCuda, WgmmaBackwardMatchesTheReference) {
-  if (!attention_wgmma_backward_available()) GTEST_SKIP() << "needs an sm_90a build on a compute 9.0 GPU";
+TEST_F(OpsAttentionCuda, WgmmaKernelsMatchTheReference) {
+  if (!attention_wgmma_available()) GTEST_SKIP() << "needs an sm_90a build on a compute 9.0 GPU";
   constexpr Case::Tiles kWg = Case::Tiles::kWgmma;
   uint64_t seed = 8000;
   for (const Case& c : {Case{2, 1, 4, 2, 64, 1.0, false, kWg}, Case{1, 7, 2, 2, 128, 1.0, false, kWg},
@@ -467,7 +467,7 @@ TEST_F(OpsAttentionCuda, RopeBackwardInTheEpiloguesEqualsTheSeparatePass) {
   for (const Case& c : cases) {
     SCOPED_TRACE(describe(c));
     seed += 10;
-    if (c.tiles == Case::Tiles::kWgmma && !attention_wgmma_backward_available()) continue;
+    if (c.tiles == Case::Tiles::kWgmma && !attention_wgmma_available()) continue;
     const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.T * c.Hkv * c.D, N = c.B * c.T;
     std::vector<int32_t> pos = random_ints(N, -50, 4000, seed + 4);
     pos[0] = 200000;  // angle up to 2e5 rad: sincosf's slow path

@@ -333,27 +333,37 @@ void check_cuda_heads(std::string_view op,
 
 // AttentionOptions::wgmma_backward, or FOURBIT_ATTENTION_WGMMA (0/1, read once) when set; true only
 // where the kernels can run (an explicit 1 where they cannot is an error).
-[[maybe_unused]] bool resolve_wgmma_backward(const AttentionOptions& options) {
+// AttentionOptions::wgmma_forward / wgmma_backward (`wanted`), or the switch `variable` (0/1)
+// when set; true only where the kernels can run (an explicit 1 where they cannot is an error).
+[[maybe_unused]] bool resolve_wgmma(bool wanted, const char* variable, int forced) {
 #if defined(FOURBIT_WITH_CUDA)
-  static const int forced = env_switch("FOURBIT_ATTENTION_WGMMA");
-  if (!(forced == -1 ? options.wgmma_backward : forced == 1)) return false;
-  const bool available = kernels::attention_wgmma_backward_available();
+  if (!(forced == -1 ? wanted : forced == 1)) return false;
+  const bool available = kernels::attention_wgmma_available();
   FOURBIT_CHECK(available || forced != 1,
-                "FOURBIT_ATTENTION_WGMMA=1: the warpgroup-MMA attention backward needs a build with "
-                "sm_90a code (FOURBIT_CUDA_GENCODE) and a compute capability 9.0 GPU; unset it or "
-                "set 0 to use the mma.sync kernels");
+                "{}=1: the warpgroup-MMA attention kernels need a build with sm_90a code "
+                "(FOURBIT_CUDA_GENCODE) and a compute capability 9.0 GPU; unset it or set 0 to use "
+                "the mma.sync kernels",
+                variable);
   return available;
 #else
-  (void)options;
+  (void)wanted, (void)variable, (void)forced;
   return false;
 #endif
+}
+[[maybe_unused]] bool resolve_wgmma_backward(const AttentionOptions& options) {
+  static const int forced = env_switch("FOURBIT_ATTENTION_WGMMA");
+  return resolve_wgmma(options.wgmma_backward, "FOURBIT_ATTENTION_WGMMA", forced);
+}
+[[maybe_unused]] bool resolve_wgmma_forward(const AttentionOptions& options) {
+  static const int forced = env_switch("FOURBIT_ATTENTION_WGMMA_FORWARD");
+  return resolve_wgmma(options.wgmma_forward, "FOURBIT_ATTENTION_WGMMA_FORWARD", forced);
 }
 
 }  // namespace
 
-bool attention_wgmma_backward_available() {
+bool attention_wgmma_available() {
 #if defined(FOURBIT_WITH_CUDA)
-  return cuda_device_count() > 0 && kernels::attention_wgmma_backward_available();
+  return cuda_device_count() > 0 && kernels::attention_wgmma_available();
 #else
   return false;
 #endif
@@ -395,6 +405,7 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   a.out_stride = head_strides(out);
   a.lse = lse.ptr<float>();
   a.wide = resolve_tiles(options).wide_forward;
+  a.wgmma = resolve_wgmma_forward(options);
   kernels::launch_attention_forward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;

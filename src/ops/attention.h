@@ -67,6 +67,9 @@ struct AttentionOptions {
   // the bits differ from the mma.sync kernels'. FOURBIT_ATTENTION_WGMMA=0/1 overrides every call of
   // the process for A/B runs (1 where they cannot run is an error).
   bool wgmma_backward = false;
+  // attention_forward on CUDA: the warpgroup-MMA forward kernel, under the same conditions (its bits
+  // differ from the mma.sync kernels'). FOURBIT_ATTENTION_WGMMA_FORWARD=0/1 overrides.
+  bool wgmma_forward = false;
   // attention_backward only: q and k came out of rope_forward with these positions and theta, and
   // dq, dk are wanted w.r.t. its inputs. Then dq and dk are rotated back as rope_backward does, with
   // the same bits as attention_backward followed by rope_backward_inplace on dq and dk (CUDA: in
@@ -98,9 +101,9 @@ class AttentionDecodeWorkspace {
   Tensor counters_;  // i32 [kDecodeSplitCtas], zero
 };
 
-// True where AttentionOptions::wgmma_backward takes effect: a CUDA build with sm_90a code and a
+// True where AttentionOptions::wgmma_forward / wgmma_backward take effect: a CUDA build with sm_90a code and a
 // current device of compute capability 9.0. False in CPU-only builds.
-bool attention_wgmma_backward_available();
+bool attention_wgmma_available();
 
 // Causal forward. Writes out and lse.
 void attention_forward(const TensorView& q,    // [B, T, H, D]

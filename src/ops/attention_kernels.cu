@@ -1130,6 +1130,107 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
                             a.dq + b * a.dq_stride.b + h * a.dq_stride.h, a.dq_stride.t, m0 + warp * 16, T);
 }
 
+template <int D>
+constexpr int wg_forward_smem_bytes() {  // Q, 2 x K, 2 x V + alignment slack
+  return kSmemAlign + 5 * kWgKeys * D * 2;
+}
+
+// The forward on warpgroup MMA: 64 queries a CTA (one warpgroup), key/value tiles of 64 in a
+// 2-stage cp.async pipeline; S = Q K^T with Q and K from swizzled shared memory, the online softmax
+// of the mma.sync kernel on the accumulators (the same layout), then O += P V with P from registers
+// and V read MN-major.
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const AttentionForwardArgs a) {
+  constexpr int kRows = kWgKeys;  // queries of the CTA
+  constexpr int kKeys = kWgKeys;  // keys of a tile
+  constexpr uint32_t kRowBytes = kRows * D * 2, kTileBytes = kKeys * D * 2;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
+  unsigned char* base_ptr = smem_raw + (base - raw);
+  const uint32_t q_s = base;
+  const uint32_t k_s = q_s + kRowBytes;       // [2] swizzled [kKeys, D]
+  const uint32_t v_s = k_s + 2 * kTileBytes;  // [2] swizzled [kKeys, D]
+
+  const AttentionDims& d = a.dims;
+  const int T = d.seq;
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // the last queries see the most keys: first
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (d.heads / d.kv_heads);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = m_block * kRows;
+  const int warp_q0 = m0 + warp * 16;  // this warp's first query row
+
+  const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
+  const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
+  load_tile_swizzled<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
+  load_tile_swizzled<D, kKeys>(k_s, k_base, a.k_stride.t, 0, T, tid);
+  load_tile_swizzled<D, kKeys>(v_s, v_base, a.v_stride.t, 0, T, tid);
+  cp_async_commit();
+
+  const float sl2 = d.scale * kLog2e;
+  float o[D / 8][4], s[kKeys / 8][4];
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kKeys / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+  uint32_t pa[kKeys / 16][4];
+
+  // Key tiles 0 .. the one holding key min(m0 + kRows, T) - 1.
+  const int n_tiles = (min(m0 + kRows, T) - 1) / kKeys + 1;
+  for (int j = 0; j < n_tiles; ++j) {
+    const int buf = j & 1;
+    if (j + 1 < n_tiles) {
+      load_tile_swizzled<D, kKeys>(k_s + (buf ^ 1) * kTileBytes, k_base, a.k_stride.t, (j + 1) * kKeys, T, tid);
+      load_tile_swizzled<D, kKeys>(v_s + (buf ^ 1) * kTileBytes, v_base, a.v_stride.t, (j + 1) * kKeys, T, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    wgmma::fence_proxy_async();
+    __syncthreads();
+    const uint32_t kt = k_s + buf * kTileBytes, vt = v_s + buf * kTileBytes;
+
+    wgmma::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma::mma_ss<kKeys>(s, wgmma::k_major<kRows>(q_s, kk), wgmma::k_major<kKeys>(kt, kk), kk > 0);
+    wgmma::wgmma_commit();
+    wgmma::wgmma_wait<0>();
+    wgmma::accumulators_fence(s);
+    if (j * kKeys + kKeys - 1 > warp_q0) {  // a tile on this warp's diagonal: key > query is masked
+#pragma unroll
+      for (int nb = 0; nb < kKeys / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = warp_q0 + g + (e >> 1) * 8, key = j * kKeys + nb * 8 + 2 * t + (e & 1);
+          if (key > qi) s[nb][e] = -INFINITY;
+        }
+    }
+    online_softmax_step<D>(s, o, row_max, row_sum, sl2);
+#pragma unroll
+    for (int kc = 0; kc < kKeys / 16; ++kc) pack_a(pa[kc], s, kc);
+    wgmma::wgmma_fence();  // o was rescaled by ordinary instructions
+#pragma unroll
+    for (int kc = 0; kc < kKeys / 16; ++kc) wgmma::mma_rs<D>(o, pa[kc], wgmma::mn_major<kKeys>(vt, kc));
+    wgmma::wgmma_commit();
+    wgmma::wgmma_wait<0>();
+    wgmma::accumulators_fence(o);
+    operands_fence(pa);
+    __syncthreads();  // before this buffer is refilled
+  }
+
+  finish_softmax_rows<D>(o, row_max, row_sum, sl2, a.lse + ((int64_t)b * d.heads + h) * T, warp_q0, T, g, t);
+  // The loop ended on a barrier after its last product: the key buffers are the stage.
+  constexpr int S = TileLayout<D>::kStride;
+  static_assert(kThreads / 32 * 16 * S * 2 <= 2 * (int)kTileBytes, "the stage fits the key buffers");
+  uint16_t* stage = reinterpret_cast<uint16_t*>(base_ptr + kRowBytes) + warp * 16 * S;
+  store_rows<D>(o, 1.0f, stage, lane, a.out + b * a.out_stride.b + h * a.out_stride.h, a.out_stride.t, warp_q0, T);
+}
+
 // --- decode --------------------------------------------------------------------------------------
 
 constexpr int kDecodeRows = 16;  // query rows (heads of a group x new tokens) per CTA
@@ -1417,6 +1518,14 @@ void forward_m(const AttentionForwardArgs& a, cudaStream_t stream) {
 
 template <int D>
 void forward_d(const AttentionForwardArgs& a, cudaStream_t stream) {
+  if (a.wgmma) {
+    const dim3 grid((a.dims.seq + kWgKeys - 1) / kWgKeys, a.dims.heads, a.dims.batch);
+    constexpr int smem = wg_forward_smem_bytes<D>();
+    set_smem(attention_forward_wgmma_kernel<D>, smem);
+    attention_forward_wgmma_kernel<D><<<grid, kThreads, smem, stream>>>(a);
+    FOURBIT_CUDA_CHECK_LAUNCH();
+    return;
+  }
   if constexpr (D == 64) {
     if (a.wide) return forward_m<D, kWideM>(a, stream);
   }
@@ -1521,7 +1630,7 @@ void decode_d(const AttentionDecodeArgs& a, cudaStream_t stream) {
 
 bool attention_head_dim_supported(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
-bool attention_wgmma_backward_available() {
+bool attention_wgmma_available() {
 #if defined(FOURBIT_CUDA_SM90A)
   int dev = 0;
   FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));

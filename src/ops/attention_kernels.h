@@ -32,6 +32,8 @@ struct AttentionForwardArgs {
   float* lse;                                  // f32 [B, H, T], contiguous
   // D = 64: the kernel with 32 queries a warp (attention_kernels.cu); ignored for D = 128.
   bool wide = false;
+  // The warpgroup-MMA kernel (any D; only where attention_wgmma_available()); wins over wide.
+  bool wgmma = false;
 };
 
 // RoPE's backward rotation folded into the dq and dk stores (attention.h
@@ -57,14 +59,14 @@ struct AttentionBackwardArgs {
   // (attention_kernels.cu); ignored for D = 128.
   bool wide_dkdv = false;
   bool wide_dq = false;
-  // dK/dV and dQ by the warpgroup-MMA kernels (any D; only where attention_wgmma_backward_available()).
+  // dK/dV and dQ by the warpgroup-MMA kernels (any D; only where attention_wgmma_available()).
   bool wgmma = false;
   AttentionRopeBackward rope;
 };
 
 // True when this build carries sm_90a code (FOURBIT_CUDA_SM90A) and the current device is
-// compute capability 9.0: the wgmma backward kernels can run. Cached per device.
-bool attention_wgmma_backward_available();
+// compute capability 9.0: the wgmma kernels can run. Cached per device.
+bool attention_wgmma_available();
 
 struct AttentionDecodeArgs {
   AttentionDims dims;                                    // seq = Tq
