@@ -23,7 +23,8 @@
 // softmax are FP32. Head dims D = 64 and D = 128 only (others are rejected with a message);
 // every row of D elements must start on a 16-byte boundary (strides multiples of 8 elements).
 // The kernels are our own FlashAttention-2 style kernels on BF16 tensor cores (mma.sync
-// m16n8k16, FP32 accumulation; see attention_kernels.cu for the tiling), not cuDNN's fused
+// m16n8k16, FP32 accumulation; on Hopper optionally warpgroup MMA, AttentionOptions::wgmma_*; see
+// attention_kernels.cu for the tiling), not cuDNN's fused
 // attention: they need no extra runtime dependency (the build and GPU machines carry different
 // cuDNN releases), they accept GQA and strided views as they come, and the backward is
 // deterministic (dq is computed by its own pass over the keys instead of FP32 atomics, at the

@@ -32,6 +32,11 @@
 // Heaviest CTAs first: for the causal mask, the last query tiles (forward, dq) and the first key
 // tiles (dk/dv) do the most work, so they are given the lowest block indices.
 //
+// Hopper (sm_90a) variants of the forward, dK/dV and dQ kernels on warpgroup MMA (wgmma), chosen
+// by AttentionOptions::wgmma_forward / wgmma_backward: same tiling of the work, one warpgroup a
+// CTA, each tile product one wgmma with operands in 128-byte-swizzled shared memory (see the
+// section "backward on Hopper warpgroup MMA" and attention_wgmma.cuh).
+//
 // Decode: one CTA per (b, kv head, 16 query rows, cache split); FP32 scalar math on key/value tiles
 // of 64 positions staged in shared memory, online softmax per row. With a workspace, launches of
 // fewer than 6 CTAs per SM (small batches: Llama-1.1B at batch 1 has 4 kv heads, 4 CTAs) split the
