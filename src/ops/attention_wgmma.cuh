@@ -28,41 +28,49 @@
 // read (accumulators_fence() keeps the compiler from moving their uses above the wait). Shared
 // memory written by ordinary or cp.async stores is made visible to wgmma (the async proxy) by
 // fence_proxy_async() in the writing thread before the CTA barrier.
+//
+// The layout functions are host-callable too: tests/test_ops_attention_wgmma_layout.cpp checks on
+// the CPU that every descriptor addresses, through the PTX ISA's canonical layouts, exactly the
+// element that load_tile_swizzled stored there.
 #pragma once
+
+#include "core/hd.h"
 
 #include <cstdint>
 
 namespace fourbit::ops::kernels::wgmma {
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FOURBIT_WGMMA_AVAILABLE 1
-#else
-#define FOURBIT_WGMMA_AVAILABLE 0
-#endif
-
 // Byte offset of 16-byte chunk `chunk` (columns 8 chunk ..) of row r in a swizzled tile of kRows rows.
 template <int kRows>
-__device__ __forceinline__ uint32_t swizzled_offset(int r, int chunk) {
+FOURBIT_HD uint32_t swizzled_offset(int r, int chunk) {
   return (uint32_t)((chunk >> 3) * kRows * 128 + r * 128 + (((chunk & 7) ^ (r & 7)) << 4));
 }
 
 // The 64-bit shared-memory matrix descriptor, 128-byte swizzle, base offset 0.
-__device__ __forceinline__ uint64_t descriptor(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+FOURBIT_HD uint64_t descriptor(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
   return (uint64_t)((smem_addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo_bytes & 0x3FFFFu) >> 4) << 16) |
          ((uint64_t)((sbo_bytes & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
 }
 
 // K-major operand: k-step kk (16 reduction columns) of a swizzled tile of kRows rows at tile_addr.
 template <int kRows>
-__device__ __forceinline__ uint64_t k_major(uint32_t tile_addr, int kk) {
+FOURBIT_HD uint64_t k_major(uint32_t tile_addr, int kk) {
   return descriptor(tile_addr + (uint32_t)((kk >> 2) * kRows * 128 + (kk & 3) * 32), 16, 1024);
 }
 
 // MN-major operand: k-step kk (16 reduction rows) of a swizzled tile of kRows rows at tile_addr.
 template <int kRows>
-__device__ __forceinline__ uint64_t mn_major(uint32_t tile_addr, int kk) {
+FOURBIT_HD uint64_t mn_major(uint32_t tile_addr, int kk) {
   return descriptor(tile_addr + (uint32_t)(kk * 2048), kRows * 128, 1024);
 }
+
+#if defined(__CUDACC__)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FOURBIT_WGMMA_AVAILABLE 1
+#else
+#define FOURBIT_WGMMA_AVAILABLE 0
+#endif
 
 __device__ __forceinline__ void wgmma_fence() {
 #if FOURBIT_WGMMA_AVAILABLE
@@ -213,5 +221,7 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
   __trap();
 #endif
 }
+
+#endif  // __CUDACC__
 
 }  // namespace fourbit::ops::kernels::wgmma

@@ -1,0 +1,112 @@
+// ops attention (cpu): the shared-memory layout of the warpgroup-MMA attention kernels. For every
+// operand the kernels hand to wgmma (attention_kernels.cu), each element that the instruction reads
+// through its descriptor, by the PTX ISA's canonical 128-byte-swizzle layouts ("Shared Memory Matrix
+// Layout": K-major ((8,m),(T,2k)):((8T,SBO),(1,T)), MN-major ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO)),
+// T = 8 bf16 elements, then Swizzle<3,4,3> on the byte address), must be the element that
+// load_tile_swizzled stored at that address. A wrong stride, a swapped LBO/SBO or a wrong k-step
+// offset reads another element and fails here without a GPU.
+#include "ops/attention_wgmma.cuh"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+namespace fourbit::ops::kernels::wgmma {
+namespace {
+
+constexpr uint32_t kTileBase = 17 * 1024;  // any 1024-byte-aligned shared address
+
+struct Decoded {
+  uint32_t start, lbo, sbo, base_offset, swizzle_mode;
+};
+
+Decoded decode(uint64_t d) {
+  return {(uint32_t)(d & 0x3FFF) << 4, (uint32_t)((d >> 16) & 0x3FFF) << 4, (uint32_t)((d >> 32) & 0x3FFF) << 4,
+          (uint32_t)((d >> 49) & 7), (uint32_t)(d >> 62)};
+}
+
+uint32_t swizzle128(uint32_t byte_address) { return byte_address ^ (((byte_address >> 7) & 7) << 4); }
+
+// Where wgmma reads element (mn, k) of the k-step (k < 16) described by d.
+uint32_t k_major_address(const Decoded& d, int mn, int k) {
+  const uint32_t elems = (uint32_t)((mn % 8) * 64 + (k % 8) + (k / 8) * 8);
+  return swizzle128(d.start + 2 * elems + (uint32_t)(mn / 8) * d.sbo);
+}
+uint32_t mn_major_address(const Decoded& d, int mn, int k) {
+  const uint32_t elems = (uint32_t)((mn % 8) + ((mn / 8) % 8) * 8 + (k % 8) * 64);
+  return swizzle128(d.start + 2 * elems + (uint32_t)(mn / 64) * d.lbo + (uint32_t)(k / 8) * d.sbo);
+}
+
+// Where load_tile_swizzled put element (row, col) of a [kRows, D] tile.
+template <int kRows>
+uint32_t stored_address(int row, int col) {
+  return kTileBase + swizzled_offset<kRows>(row, col / 8) + 2 * (uint32_t)(col % 8);
+}
+
+// A tile [kRows, D] read K-major (rows = M or N, the D columns = the reduction): D / 16 k-steps.
+// Returns the number of mismatching elements.
+template <int kRows, int D>
+int k_major_mismatches(uint64_t (*make)(uint32_t, int)) {
+  int bad = 0;
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const Decoded d = decode(make(kTileBase, kk));
+    EXPECT_EQ(d.swizzle_mode, 1u);
+    EXPECT_EQ(d.base_offset, 0u);
+    for (int mn = 0; mn < kRows; ++mn)
+      for (int k = 0; k < 16; ++k) bad += k_major_address(d, mn, k) != stored_address<kRows>(mn, 16 * kk + k);
+  }
+  return bad;
+}
+
+// A tile [kRows, D] read MN-major (the kRows rows = the reduction, the D columns = N): kRows / 16
+// k-steps.
+template <int kRows, int D>
+int mn_major_mismatches(uint64_t (*make)(uint32_t, int)) {
+  int bad = 0;
+  for (int kk = 0; kk < kRows / 16; ++kk) {
+    const Decoded d = decode(make(kTileBase, kk));
+    EXPECT_EQ(d.swizzle_mode, 1u);
+    EXPECT_EQ(d.base_offset, 0u);
+    for (int mn = 0; mn < D; ++mn)
+      for (int k = 0; k < 16; ++k) bad += mn_major_address(d, mn, k) != stored_address<kRows>(16 * kk + k, mn);
+  }
+  return bad;
+}
+
+// dK/dV, D 64: K and V (A, 64 keys), Q and dO (B of S^T and dP^T, 64 queries) K-major; dO and Q
+// (B of dV and dK, N = D) MN-major.
+TEST(OpsAttentionWgmmaLayout, DkdvHeadDim64) {
+  EXPECT_EQ((k_major_mismatches<64, 64>(k_major<64>)), 0);
+  EXPECT_EQ((mn_major_mismatches<64, 64>(mn_major<64>)), 0);
+}
+
+// dK/dV, D 128: two 64-column panels; 32-query tiles.
+TEST(OpsAttentionWgmmaLayout, DkdvHeadDim128) {
+  EXPECT_EQ((k_major_mismatches<64, 128>(k_major<64>)), 0);
+  EXPECT_EQ((k_major_mismatches<32, 128>(k_major<32>)), 0);
+  EXPECT_EQ((mn_major_mismatches<32, 128>(mn_major<32>)), 0);
+}
+
+// dQ and the forward: Q, dO (A) and K, V (B of S and dP) K-major over 64 rows; K (B of dQ) and V
+// (B of O) MN-major with N = D.
+TEST(OpsAttentionWgmmaLayout, DqAndForward) {
+  EXPECT_EQ((k_major_mismatches<64, 64>(k_major<64>)), 0);
+  EXPECT_EQ((mn_major_mismatches<64, 64>(mn_major<64>)), 0);
+  EXPECT_EQ((k_major_mismatches<64, 128>(k_major<64>)), 0);
+  EXPECT_EQ((mn_major_mismatches<64, 128>(mn_major<64>)), 0);
+}
+
+// The check can fail: LBO and SBO swapped, or a k-step offset of one 16-byte chunk instead of two,
+// address other elements.
+uint64_t swapped_strides(uint32_t tile, int kk) { return descriptor(tile + (uint32_t)(kk * 2048), 1024, 64 * 128); }
+uint64_t short_k_step(uint32_t tile, int kk) {
+  return descriptor(tile + (uint32_t)((kk >> 2) * 64 * 128 + (kk & 3) * 16), 16, 1024);
+}
+TEST(OpsAttentionWgmmaLayout, WrongDescriptorsAreCaught) {
+  EXPECT_GT((mn_major_mismatches<64, 128>(swapped_strides)), 0);
+  EXPECT_GT((k_major_mismatches<64, 64>(short_k_step)), 0);
+}
+
+}  // namespace
+}  // namespace fourbit::ops::kernels::wgmma
