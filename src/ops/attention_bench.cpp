@@ -103,8 +103,18 @@ std::vector<AttentionBenchRow> run_attention_bench(const AttentionBenchOptions& 
     const double fwd_flops = 2.0 * s.B * s.H * (double)s.T * s.T * s.D;
     const double fwd = median_ms(o.reps, [&] { attention_forward(q, k, v, out, lse); });
     const double bwd = median_ms(o.reps, [&] { attention_backward(dout, q, k, v, out, lse, dq, dk, dv); });
-    for (const auto& [op, ms, flops] : {std::tuple{"forward", fwd, fwd_flops},
-                                        std::tuple{"backward", bwd, 2.5 * fwd_flops}}) {
+    std::vector<std::tuple<const char*, double, double>> timed = {{"forward", fwd, fwd_flops},
+                                                                  {"backward", bwd, 2.5 * fwd_flops}};
+    if (attention_wgmma_available()) {  // the Hopper warpgroup-MMA kernels, whatever the defaults
+      AttentionOptions wg;
+      wg.wgmma_forward = wg.wgmma_backward = true;
+      const double wg_fwd = median_ms(o.reps, [&] { attention_forward(q, k, v, out, lse, wg); });
+      const double wg_bwd =
+          median_ms(o.reps, [&] { attention_backward(dout, q, k, v, out, lse, dq, dk, dv, wg); });
+      timed.emplace_back("forward (wgmma)", wg_fwd, fwd_flops);
+      timed.emplace_back("backward (wgmma)", wg_bwd, 2.5 * fwd_flops);
+    }
+    for (const auto& [op, ms, flops] : timed) {
       AttentionBenchRow r;
       r.shape = shape;
       r.op = op;
@@ -135,9 +145,9 @@ std::vector<AttentionBenchRow> run_attention_bench(const AttentionBenchOptions& 
     rows.push_back(r);
   }
 
-  std::printf("%-56s %-9s %10s %9s %9s %8s\n", "shape", "op", "ms", "TFLOP/s", "GB/s", "ceiling");
+  std::printf("%-56s %-16s %10s %9s %9s %8s\n", "shape", "op", "ms", "TFLOP/s", "GB/s", "ceiling");
   for (const AttentionBenchRow& r : rows) {
-    std::printf("%-56.56s %-9s %10.4f %9.1f %9.1f %7.1f%%\n", r.shape.c_str(), r.op.c_str(), r.ms,
+    std::printf("%-56.56s %-16s %10.4f %9.1f %9.1f %7.1f%%\n", r.shape.c_str(), r.op.c_str(), r.ms,
                 r.tflops, r.gbps, 100 * r.fraction_of_ceiling);
   }
   std::printf("(ceilings, BENCHMARKS.md: cuBLASLt BF16 8192^3 799 TFLOP/s for forward/backward, "
