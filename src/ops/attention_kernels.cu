@@ -868,6 +868,45 @@ __device__ __forceinline__ void operands_fence(uint32_t (&a)[KC][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[k][e])::"memory");
 }
 
+// acc[64 x N] (=) A B^T over the D reduction columns: A and B swizzled [kRowsA, D] / [N, D] tiles,
+// both read K-major; the first k-step overwrites acc. Issues the wgmmas only (no fence or commit).
+template <int D, int N, int kRowsA>
+__device__ __forceinline__ void issue_tile_ss(float (&acc)[N / 8][4], uint32_t a_tile, uint32_t b_tile) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    wgmma::mma_ss<N>(acc, wgmma::k_major<kRowsA>(a_tile, kk), wgmma::k_major<N>(b_tile, kk), kk > 0);
+}
+
+// acc[64 x 8 NB] += A B over KC k-steps: A in registers (pack_a), B a swizzled [16 KC, 8 NB] tile
+// read MN-major. Issues the wgmmas only.
+template <int NB, int KC>
+__device__ __forceinline__ void issue_regs_tile(float (&acc)[NB][4], const uint32_t (&a)[KC][4],
+                                                uint32_t b_tile) {
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) wgmma::mma_rs<8 * NB>(acc, a[kc], wgmma::mn_major<16 * KC>(b_tile, kc));
+}
+
+// Forward and dQ: the key/value tile pipeline over swizzled tiles (advance_kv_tiles' contract):
+// tile j + 1 is issued into the other buffer, tile j is waited for, made visible to wgmma, and the
+// CTA synchronizes.
+template <int D>
+__device__ __forceinline__ void advance_kv_tiles_swizzled(uint32_t k_s, uint32_t v_s, const uint16_t* k_base,
+                                                          const uint16_t* v_base, int64_t k_stride,
+                                                          int64_t v_stride, int j, int n_tiles, int T, int tid) {
+  constexpr uint32_t kTileBytes = kWgKeys * D * 2;
+  const int buf = j & 1;
+  if (j + 1 < n_tiles) {
+    load_tile_swizzled<D, kWgKeys>(k_s + (buf ^ 1) * kTileBytes, k_base, k_stride, (j + 1) * kWgKeys, T, tid);
+    load_tile_swizzled<D, kWgKeys>(v_s + (buf ^ 1) * kTileBytes, v_base, v_stride, (j + 1) * kWgKeys, T, tid);
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  wgmma::fence_proxy_async();
+  __syncthreads();
+}
+
 template <int D, bool kRope>
 __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const AttentionBackwardArgs a,
                                                                         const float* delta) {
@@ -948,13 +987,9 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
 
     // S^T = K Q^T, then dP^T = V dO^T: two groups.
     wgmma::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma::mma_ss<kQ>(st, wgmma::k_major<kKeys>(k_s, kk), wgmma::k_major<kQ>(qt, kk), kk > 0);
+    issue_tile_ss<D, kQ, kKeys>(st, k_s, qt);
     wgmma::wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma::mma_ss<kQ>(dpt, wgmma::k_major<kKeys>(v_s, kk), wgmma::k_major<kQ>(dot, kk), kk > 0);
+    issue_tile_ss<D, kQ, kKeys>(dpt, v_s, dot);
     wgmma::wgmma_commit();
 
     // P^T = exp(S^T - lse) where query >= key and query < T, else 0 (while dP^T runs).
@@ -977,8 +1012,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
     for (int kc = 0; kc < kQ / 16; ++kc) pack_a(pa[kc], st, kc);
     // dV += P^T dO (while dS^T is computed).
     wgmma::wgmma_fence();
-#pragma unroll
-    for (int kc = 0; kc < kQ / 16; ++kc) wgmma::mma_rs<D>(dv, pa[kc], wgmma::mn_major<kQ>(dot, kc));
+    issue_regs_tile(dv, pa, dot);
     wgmma::wgmma_commit();
 
     // dS^T = P^T (dP^T - D).
@@ -992,8 +1026,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
     for (int kc = 0; kc < kQ / 16; ++kc) pack_a(dsa[kc], dpt, kc);
     // dK += dS^T Q.
     wgmma::wgmma_fence();
-#pragma unroll
-    for (int kc = 0; kc < kQ / 16; ++kc) wgmma::mma_rs<D>(dk, dsa[kc], wgmma::mn_major<kQ>(qt, kc));
+    issue_regs_tile(dk, dsa, qt);
     wgmma::wgmma_commit();
     wgmma::wgmma_wait<0>();
     wgmma::accumulators_fence(dv);
@@ -1070,27 +1103,14 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
   const int n_tiles = (min(m0 + kRows, T) - 1) / kKeys + 1;
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
-    if (j + 1 < n_tiles) {
-      load_tile_swizzled<D, kKeys>(k_s + (buf ^ 1) * kTileBytes, k_base, a.k_stride.t, (j + 1) * kKeys, T, tid);
-      load_tile_swizzled<D, kKeys>(v_s + (buf ^ 1) * kTileBytes, v_base, a.v_stride.t, (j + 1) * kKeys, T, tid);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    wgmma::fence_proxy_async();
-    __syncthreads();
+    advance_kv_tiles_swizzled<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
     const uint32_t kt = k_s + buf * kTileBytes, vt = v_s + buf * kTileBytes;
 
     // S = Q K^T, then dP = dO V^T: two groups.
     wgmma::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma::mma_ss<kKeys>(s, wgmma::k_major<kRows>(q_s, kk), wgmma::k_major<kKeys>(kt, kk), kk > 0);
+    issue_tile_ss<D, kKeys, kRows>(s, q_s, kt);
     wgmma::wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma::mma_ss<kKeys>(dp, wgmma::k_major<kRows>(do_s, kk), wgmma::k_major<kKeys>(vt, kk), kk > 0);
+    issue_tile_ss<D, kKeys, kRows>(dp, do_s, vt);
     wgmma::wgmma_commit();
 
     // P = exp(S - lse) where key <= query < T, else 0 (while dP runs).
@@ -1118,8 +1138,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
 #pragma unroll
     for (int kc = 0; kc < kKeys / 16; ++kc) pack_a(dsa[kc], dp, kc);
     wgmma::wgmma_fence();
-#pragma unroll
-    for (int kc = 0; kc < kKeys / 16; ++kc) wgmma::mma_rs<D>(dq, dsa[kc], wgmma::mn_major<kKeys>(kt, kc));
+    issue_regs_tile(dq, dsa, kt);
     wgmma::wgmma_commit();
     wgmma::wgmma_wait<0>();
     wgmma::accumulators_fence(dq);
@@ -1187,22 +1206,11 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
   const int n_tiles = (min(m0 + kRows, T) - 1) / kKeys + 1;
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
-    if (j + 1 < n_tiles) {
-      load_tile_swizzled<D, kKeys>(k_s + (buf ^ 1) * kTileBytes, k_base, a.k_stride.t, (j + 1) * kKeys, T, tid);
-      load_tile_swizzled<D, kKeys>(v_s + (buf ^ 1) * kTileBytes, v_base, a.v_stride.t, (j + 1) * kKeys, T, tid);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    wgmma::fence_proxy_async();
-    __syncthreads();
+    advance_kv_tiles_swizzled<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
     const uint32_t kt = k_s + buf * kTileBytes, vt = v_s + buf * kTileBytes;
 
     wgmma::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma::mma_ss<kKeys>(s, wgmma::k_major<kRows>(q_s, kk), wgmma::k_major<kKeys>(kt, kk), kk > 0);
+    issue_tile_ss<D, kKeys, kRows>(s, q_s, kt);
     wgmma::wgmma_commit();
     wgmma::wgmma_wait<0>();
     wgmma::accumulators_fence(s);
@@ -1219,8 +1227,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
 #pragma unroll
     for (int kc = 0; kc < kKeys / 16; ++kc) pack_a(pa[kc], s, kc);
     wgmma::wgmma_fence();  // o was rescaled by ordinary instructions
-#pragma unroll
-    for (int kc = 0; kc < kKeys / 16; ++kc) wgmma::mma_rs<D>(o, pa[kc], wgmma::mn_major<kKeys>(vt, kc));
+    issue_regs_tile(o, pa, vt);
     wgmma::wgmma_commit();
     wgmma::wgmma_wait<0>();
     wgmma::accumulators_fence(o);
