@@ -831,6 +831,12 @@ constexpr int wg_dq_smem_bytes() {  // Q, dO, 2 x K, 2 x V + alignment slack
   return kSmemAlign + 6 * kWgKeys * D * 2;
 }
 
+// The first kSmemAlign-aligned byte of the dynamic shared memory (allocated kSmemAlign bytes larger).
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
+  const uint32_t a = smem_u32(raw);
+  return raw + (((a + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1)) - a);
+}
+
 // cp.async rows [row0, row0 + kRows) of one head's [T, D] sequence (row r at base + r * stride)
 // into the swizzled tile at shared address `tile`; rows at or beyond n_rows are zero-filled.
 template <int D, int kRows>
@@ -914,9 +920,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
   constexpr int kQ = wg_dkdv_query_tile<D>();
   constexpr uint32_t kKvBytes = kKeys * D * 2, kQBytes = kQ * D * 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = smem_u32(smem_raw);
-  const uint32_t base = (raw + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
-  unsigned char* base_ptr = smem_raw + (base - raw);
+  unsigned char* base_ptr = aligned_smem(smem_raw);
+  const uint32_t base = smem_u32(base_ptr);
   const uint32_t k_s = base, v_s = base + kKvBytes;
   const uint32_t q_s = v_s + kKvBytes;        // [2] swizzled [kQ, D]
   const uint32_t do_s = q_s + 2 * kQBytes;    // [2] swizzled [kQ, D]
@@ -1054,9 +1059,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
   constexpr int kKeys = kWgKeys;   // keys of a tile
   constexpr uint32_t kRowBytes = kRows * D * 2, kTileBytes = kKeys * D * 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = smem_u32(smem_raw);
-  const uint32_t base = (raw + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
-  unsigned char* base_ptr = smem_raw + (base - raw);
+  unsigned char* base_ptr = aligned_smem(smem_raw);
+  const uint32_t base = smem_u32(base_ptr);
   const uint32_t q_s = base, do_s = base + kRowBytes;
   const uint32_t k_s = do_s + kRowBytes;      // [2] swizzled [kKeys, D]
   const uint32_t v_s = k_s + 2 * kTileBytes;  // [2] swizzled [kKeys, D]
@@ -1169,9 +1173,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
   constexpr int kKeys = kWgKeys;  // keys of a tile
   constexpr uint32_t kRowBytes = kRows * D * 2, kTileBytes = kKeys * D * 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = smem_u32(smem_raw);
-  const uint32_t base = (raw + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1);
-  unsigned char* base_ptr = smem_raw + (base - raw);
+  unsigned char* base_ptr = aligned_smem(smem_raw);
+  const uint32_t base = smem_u32(base_ptr);
   const uint32_t q_s = base;
   const uint32_t k_s = q_s + kRowBytes;       // [2] swizzled [kKeys, D]
   const uint32_t v_s = k_s + 2 * kTileBytes;  // [2] swizzled [kKeys, D]
