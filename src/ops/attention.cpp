@@ -331,8 +331,6 @@ void check_cuda_heads(std::string_view op,
   return tiles_forced().value_or(options.tiles);
 }
 
-// AttentionOptions::wgmma_backward, or FOURBIT_ATTENTION_WGMMA (0/1, read once) when set; true only
-// where the kernels can run (an explicit 1 where they cannot is an error).
 // AttentionOptions::wgmma_forward / wgmma_backward (`wanted`), or the switch `variable` (0/1)
 // when set; true only where the kernels can run (an explicit 1 where they cannot is an error).
 [[maybe_unused]] bool resolve_wgmma(bool wanted, const char* variable, int forced) {

@@ -56,6 +56,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace fourbit::ops::kernels {
 namespace {
@@ -115,6 +116,16 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
+// The four A-operand registers of k-step kc (reduction columns 16 kc ..) from FP32 accumulators in
+// the C layout, rounded to bf16.
+template <int NB>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&p)[NB][4], int kc) {
+  a[0] = pack_bf16(p[2 * kc][0], p[2 * kc][1]);
+  a[1] = pack_bf16(p[2 * kc][2], p[2 * kc][3]);
+  a[2] = pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]);
+  a[3] = pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3]);
+}
+
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
 
@@ -128,8 +139,16 @@ struct TileLayout {
   static constexpr int elems() { return kRows * kStride; }
 };
 
+// A tile is named by a uint16_t* (padded rows, TileLayout: the mma.sync kernels) or by a uint32_t
+// shared address (the 128-byte-swizzled layout of the wgmma kernels, attention_wgmma.cuh); the
+// loaders below take either. tile_step: what to add to a tile's name for the next tile of kRows.
+template <int D, int kRows, typename Tile>
+constexpr int tile_step() {
+  return std::is_same_v<Tile, uint32_t> ? kRows * D * 2 : TileLayout<D>::template elems<kRows>();
+}
+
 // Async-loads rows [row0, row0 + kRows) of one head's [T, D] sequence (row r at base + r * stride)
-// into a tile; rows at or beyond n_rows are zero-filled.
+// into a padded tile; rows at or beyond n_rows are zero-filled.
 template <int D, int kRows>
 __device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, int64_t stride,
                                           int row0, int n_rows, int tid) {
@@ -143,6 +162,23 @@ __device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, 
     const bool valid = row0 + r < n_rows;
     const uint16_t* src = valid ? base + (int64_t)(row0 + r) * stride + col : base;
     cp_async_16(smem_u32(tile + r * TileLayout<D>::kStride + col), src, valid);
+  }
+}
+
+// The same into the swizzled tile at shared address `tile`.
+template <int D, int kRows>
+__device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* base, int64_t stride, int row0,
+                                          int n_rows, int tid) {
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly over the CTA");
+#pragma unroll
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int c = tid + i * kThreads;
+    const int r = c / kChunksPerRow, chunk = c % kChunksPerRow;
+    const bool valid = row0 + r < n_rows;
+    const uint16_t* src = valid ? base + (int64_t)(row0 + r) * stride + chunk * 8 : base;
+    cp_async_16(tile + wgmma::swizzled_offset<kRows>(r, chunk), src, valid);
   }
 }
 
@@ -214,12 +250,7 @@ __device__ __forceinline__ void gemm_acc_b(float (&acc)[kM][D / 8][4], const flo
   for (int kc = 0; kc < kKBlocks / 2; ++kc) {
     uint32_t a[kM][4];
 #pragma unroll
-    for (int mi = 0; mi < kM; ++mi) {
-      a[mi][0] = pack_bf16(p[mi][2 * kc][0], p[mi][2 * kc][1]);
-      a[mi][1] = pack_bf16(p[mi][2 * kc][2], p[mi][2 * kc][3]);
-      a[mi][2] = pack_bf16(p[mi][2 * kc + 1][0], p[mi][2 * kc + 1][1]);
-      a[mi][3] = pack_bf16(p[mi][2 * kc + 1][2], p[mi][2 * kc + 1][3]);
-    }
+    for (int mi = 0; mi < kM; ++mi) pack_a(a[mi], p[mi], kc);
 #pragma unroll
     for (int nd = 0; nd < D / 16; ++nd) {
       uint32_t b[4];
@@ -369,12 +400,12 @@ __device__ __forceinline__ void finish_softmax_rows(float (&o)[D / 8][4], const 
   }
 }
 
-// dK/dV kernels: asynchronously loads query rows [q0, q0 + kQ) of head h (Q and dO tiles, lse and
-// D_i; rows at or beyond T zero-filled) and commits them as one cp.async group.
-template <int D, int kQ>
-__device__ __forceinline__ void load_query_tile(uint16_t* q_dst, uint16_t* do_dst, float* lse_dst,
-                                                float* delta_dst, const AttentionBackwardArgs& a,
-                                                const float* delta, int b, int h, int q0, int tid) {
+// dK/dV kernels: asynchronously loads query rows [q0, q0 + kQ) of head h (Q and dO tiles, padded or
+// swizzled; lse and D_i; rows at or beyond T zero-filled) and commits them as one cp.async group.
+template <int D, int kQ, typename Tile>
+__device__ __forceinline__ void load_query_tile(Tile q_dst, Tile do_dst, float* lse_dst, float* delta_dst,
+                                                const AttentionBackwardArgs& a, const float* delta, int b,
+                                                int h, int q0, int tid) {
   const int T = a.dims.seq, H = a.dims.heads;
   load_tile<D, kQ>(q_dst, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, q0, T, tid);
   load_tile<D, kQ>(do_dst, a.dout + b * a.dout_stride.b + h * a.dout_stride.h, a.dout_stride.t, q0, T,
@@ -393,22 +424,24 @@ __device__ __forceinline__ void load_query_tile(uint16_t* q_dst, uint16_t* do_ds
 }
 
 // Forward and dQ kernels: the key/value tile pipeline. Before key tile j is used (buffer j & 1 of
-// k_s / v_s, kTile rows each), tile j + 1 is issued into the other buffer, tile j is waited for,
-// and the CTA synchronizes.
-template <int D>
-__device__ __forceinline__ void advance_kv_tiles(uint16_t* k_s, uint16_t* v_s, const uint16_t* k_base,
+// k_s / v_s, kTile rows each, padded or swizzled), tile j + 1 is issued into the other buffer,
+// tile j is waited for (and, swizzled, made visible to wgmma's async proxy), and the CTA
+// synchronizes.
+template <int D, typename Tile>
+__device__ __forceinline__ void advance_kv_tiles(Tile k_s, Tile v_s, const uint16_t* k_base,
                                                  const uint16_t* v_base, int64_t k_stride,
                                                  int64_t v_stride, int j, int n_tiles, int T, int tid) {
-  constexpr int kElems = TileLayout<D>::template elems<kTile>();
+  constexpr int kStep = tile_step<D, kTile, Tile>();
   const int buf = j & 1;
   if (j + 1 < n_tiles) {
-    load_tile<D, kTile>(k_s + (buf ^ 1) * kElems, k_base, k_stride, (j + 1) * kTile, T, tid);
-    load_tile<D, kTile>(v_s + (buf ^ 1) * kElems, v_base, v_stride, (j + 1) * kTile, T, tid);
+    load_tile<D, kTile>(k_s + (buf ^ 1) * kStep, k_base, k_stride, (j + 1) * kTile, T, tid);
+    load_tile<D, kTile>(v_s + (buf ^ 1) * kStep, v_base, v_stride, (j + 1) * kTile, T, tid);
     cp_async_commit();
     cp_async_wait<1>();
   } else {
     cp_async_wait<0>();
   }
+  if constexpr (std::is_same_v<Tile, uint32_t>) wgmma::fence_proxy_async();
   __syncthreads();
 }
 
@@ -812,7 +845,6 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionB
 // The FP32 accumulation order inside a wgmma is the hardware's, so the bits differ from the
 // mma.sync kernels' (same tolerances; still the same bits run to run).
 
-constexpr int kWgKeys = 64;     // keys of a dK/dV CTA, queries of a dQ CTA, key tile of dQ
 constexpr int kSmemAlign = 1024;  // swizzled tiles start on 1024-byte boundaries
 
 template <int D>
@@ -823,46 +855,18 @@ constexpr int wg_dkdv_query_tile() {
 template <int D>
 constexpr int wg_dkdv_smem_bytes() {  // K, V, 2 x (Q, dO), 2 x (lse, D_i) + alignment slack
   constexpr int kQ = wg_dkdv_query_tile<D>();
-  return kSmemAlign + 2 * kWgKeys * D * 2 + 4 * kQ * D * 2 + 4 * kQ * 4;
+  return kSmemAlign + 2 * kTile * D * 2 + 4 * kQ * D * 2 + 4 * kQ * 4;
 }
 
 template <int D>
 constexpr int wg_dq_smem_bytes() {  // Q, dO, 2 x K, 2 x V + alignment slack
-  return kSmemAlign + 6 * kWgKeys * D * 2;
+  return kSmemAlign + 6 * kTile * D * 2;
 }
 
 // The first kSmemAlign-aligned byte of the dynamic shared memory (allocated kSmemAlign bytes larger).
 __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
   const uint32_t a = smem_u32(raw);
   return raw + (((a + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1)) - a);
-}
-
-// cp.async rows [row0, row0 + kRows) of one head's [T, D] sequence (row r at base + r * stride)
-// into the swizzled tile at shared address `tile`; rows at or beyond n_rows are zero-filled.
-template <int D, int kRows>
-__device__ __forceinline__ void load_tile_swizzled(uint32_t tile, const uint16_t* base, int64_t stride,
-                                                   int row0, int n_rows, int tid) {
-  constexpr int kChunksPerRow = D / 8;
-  constexpr int kChunks = kRows * kChunksPerRow;
-  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly over the CTA");
-#pragma unroll
-  for (int i = 0; i < kChunks / kThreads; ++i) {
-    const int c = tid + i * kThreads;
-    const int r = c / kChunksPerRow, chunk = c % kChunksPerRow;
-    const bool valid = row0 + r < n_rows;
-    const uint16_t* src = valid ? base + (int64_t)(row0 + r) * stride + chunk * 8 : base;
-    cp_async_16(tile + wgmma::swizzled_offset<kRows>(r, chunk), src, valid);
-  }
-}
-
-// The four A-operand registers of k-step kc (reduction columns 16 kc ..) from FP32 accumulators in
-// the C layout, rounded to bf16.
-template <int NB>
-__device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&p)[NB][4], int kc) {
-  a[0] = pack_bf16(p[2 * kc][0], p[2 * kc][1]);
-  a[1] = pack_bf16(p[2 * kc][2], p[2 * kc][3]);
-  a[2] = pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]);
-  a[3] = pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3]);
 }
 
 // Keeps registers that an in-flight wgmma reads alive (unmoved) until after its wait.
@@ -892,31 +896,10 @@ __device__ __forceinline__ void issue_regs_tile(float (&acc)[NB][4], const uint3
   for (int kc = 0; kc < KC; ++kc) wgmma::mma_rs<8 * NB>(acc, a[kc], wgmma::mn_major<16 * KC>(b_tile, kc));
 }
 
-// Forward and dQ: the key/value tile pipeline over swizzled tiles (advance_kv_tiles' contract):
-// tile j + 1 is issued into the other buffer, tile j is waited for, made visible to wgmma, and the
-// CTA synchronizes.
-template <int D>
-__device__ __forceinline__ void advance_kv_tiles_swizzled(uint32_t k_s, uint32_t v_s, const uint16_t* k_base,
-                                                          const uint16_t* v_base, int64_t k_stride,
-                                                          int64_t v_stride, int j, int n_tiles, int T, int tid) {
-  constexpr uint32_t kTileBytes = kWgKeys * D * 2;
-  const int buf = j & 1;
-  if (j + 1 < n_tiles) {
-    load_tile_swizzled<D, kWgKeys>(k_s + (buf ^ 1) * kTileBytes, k_base, k_stride, (j + 1) * kWgKeys, T, tid);
-    load_tile_swizzled<D, kWgKeys>(v_s + (buf ^ 1) * kTileBytes, v_base, v_stride, (j + 1) * kWgKeys, T, tid);
-    cp_async_commit();
-    cp_async_wait<1>();
-  } else {
-    cp_async_wait<0>();
-  }
-  wgmma::fence_proxy_async();
-  __syncthreads();
-}
-
 template <int D, bool kRope>
 __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const AttentionBackwardArgs a,
                                                                         const float* delta) {
-  constexpr int kKeys = kWgKeys;
+  constexpr int kKeys = kTile;
   constexpr int kQ = wg_dkdv_query_tile<D>();
   constexpr uint32_t kKvBytes = kKeys * D * 2, kQBytes = kQ * D * 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -929,7 +912,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
   float* delta_s = lse_s + 2 * kQ;                                                  // [2][kQ]
 
   const AttentionDims& d = a.dims;
-  const int T = d.seq, H = d.heads;
+  const int T = d.seq;
   const int group = d.heads / d.kv_heads;
   const int n_block = blockIdx.x;  // the first key blocks see the most queries: launched first
   const int hk = blockIdx.y, b = blockIdx.z;
@@ -938,8 +921,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
   const int n0 = n_block * kKeys;
   const int key_lo = n0 + warp * 16 + g;  // this thread's key rows: key_lo and key_lo + 8
 
-  load_tile_swizzled<D, kKeys>(k_s, a.k + b * a.k_stride.b + hk * a.k_stride.h, a.k_stride.t, n0, T, tid);
-  load_tile_swizzled<D, kKeys>(v_s, a.v + b * a.v_stride.b + hk * a.v_stride.h, a.v_stride.t, n0, T, tid);
+  load_tile<D, kKeys>(k_s, a.k + b * a.k_stride.b + hk * a.k_stride.h, a.k_stride.t, n0, T, tid);
+  load_tile<D, kKeys>(v_s, a.v + b * a.v_stride.b + hk * a.v_stride.h, a.v_stride.t, n0, T, tid);
   cp_async_commit();
 
   const int i_begin = n0 / kQ;              // earlier query tiles lie entirely before the keys
@@ -947,19 +930,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
   const int per_head = n_qtiles - i_begin;  // >= 1 because n0 < T
   const int total = group * per_head;
   auto issue = [&](int it, int buf) {
-    const int h = hk * group + it / per_head, q0 = (i_begin + it % per_head) * kQ;
-    load_tile_swizzled<D, kQ>(q_s + buf * kQBytes, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t,
-                              q0, T, tid);
-    load_tile_swizzled<D, kQ>(do_s + buf * kQBytes, a.dout + b * a.dout_stride.b + h * a.dout_stride.h,
-                              a.dout_stride.t, q0, T, tid);
-    if (tid < 2 * kQ) {
-      const int r = tid % kQ;
-      const bool valid = q0 + r < T;
-      const int64_t off = ((int64_t)b * H + h) * T + (valid ? q0 + r : 0);
-      if (tid < kQ) cp_async_4(smem_u32(lse_s + buf * kQ + r), a.lse + off, valid);
-      else cp_async_4(smem_u32(delta_s + buf * kQ + r), delta + off, valid);
-    }
-    cp_async_commit();
+    load_query_tile<D, kQ>(q_s + buf * kQBytes, do_s + buf * kQBytes, lse_s + buf * kQ, delta_s + buf * kQ, a,
+                           delta, b, hk * group + it / per_head, (i_begin + it % per_head) * kQ, tid);
   };
   issue(0, 0);
 
@@ -1055,8 +1027,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
 template <int D, bool kRope>
 __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const AttentionBackwardArgs a,
                                                                       const float* delta) {
-  constexpr int kRows = kWgKeys;   // queries of the CTA
-  constexpr int kKeys = kWgKeys;   // keys of a tile
+  constexpr int kRows = kTile;   // queries of the CTA
+  constexpr int kKeys = kTile;   // keys of a tile
   constexpr uint32_t kRowBytes = kRows * D * 2, kTileBytes = kKeys * D * 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* base_ptr = aligned_smem(smem_raw);
@@ -1077,11 +1049,11 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
 
   const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
   const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
-  load_tile_swizzled<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
-  load_tile_swizzled<D, kRows>(do_s, a.dout + b * a.dout_stride.b + h * a.dout_stride.h, a.dout_stride.t,
+  load_tile<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
+  load_tile<D, kRows>(do_s, a.dout + b * a.dout_stride.b + h * a.dout_stride.h, a.dout_stride.t,
                                m0, T, tid);
-  load_tile_swizzled<D, kKeys>(k_s, k_base, a.k_stride.t, 0, T, tid);
-  load_tile_swizzled<D, kKeys>(v_s, v_base, a.v_stride.t, 0, T, tid);
+  load_tile<D, kKeys>(k_s, k_base, a.k_stride.t, 0, T, tid);
+  load_tile<D, kKeys>(v_s, v_base, a.v_stride.t, 0, T, tid);
   cp_async_commit();
 
   float lse2[2], dlt[2];
@@ -1107,7 +1079,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
   const int n_tiles = (min(m0 + kRows, T) - 1) / kKeys + 1;
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
-    advance_kv_tiles_swizzled<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
+    advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
     const uint32_t kt = k_s + buf * kTileBytes, vt = v_s + buf * kTileBytes;
 
     // S = Q K^T, then dP = dO V^T: two groups.
@@ -1160,7 +1132,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
 
 template <int D>
 constexpr int wg_forward_smem_bytes() {  // Q, 2 x K, 2 x V + alignment slack
-  return kSmemAlign + 5 * kWgKeys * D * 2;
+  return kSmemAlign + 5 * kTile * D * 2;
 }
 
 // The forward on warpgroup MMA: 64 queries a CTA (one warpgroup), key/value tiles of 64 in a
@@ -1169,8 +1141,8 @@ constexpr int wg_forward_smem_bytes() {  // Q, 2 x K, 2 x V + alignment slack
 // and V read MN-major.
 template <int D>
 __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const AttentionForwardArgs a) {
-  constexpr int kRows = kWgKeys;  // queries of the CTA
-  constexpr int kKeys = kWgKeys;  // keys of a tile
+  constexpr int kRows = kTile;  // queries of the CTA
+  constexpr int kKeys = kTile;  // keys of a tile
   constexpr uint32_t kRowBytes = kRows * D * 2, kTileBytes = kKeys * D * 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* base_ptr = aligned_smem(smem_raw);
@@ -1191,9 +1163,9 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
 
   const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
   const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
-  load_tile_swizzled<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
-  load_tile_swizzled<D, kKeys>(k_s, k_base, a.k_stride.t, 0, T, tid);
-  load_tile_swizzled<D, kKeys>(v_s, v_base, a.v_stride.t, 0, T, tid);
+  load_tile<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
+  load_tile<D, kKeys>(k_s, k_base, a.k_stride.t, 0, T, tid);
+  load_tile<D, kKeys>(v_s, v_base, a.v_stride.t, 0, T, tid);
   cp_async_commit();
 
   const float sl2 = d.scale * kLog2e;
@@ -1209,7 +1181,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
   const int n_tiles = (min(m0 + kRows, T) - 1) / kKeys + 1;
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
-    advance_kv_tiles_swizzled<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
+    advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
     const uint32_t kt = k_s + buf * kTileBytes, vt = v_s + buf * kTileBytes;
 
     wgmma::wgmma_fence();
@@ -1534,7 +1506,7 @@ void forward_m(const AttentionForwardArgs& a, cudaStream_t stream) {
 template <int D>
 void forward_d(const AttentionForwardArgs& a, cudaStream_t stream) {
   if (a.wgmma) {
-    const dim3 grid((a.dims.seq + kWgKeys - 1) / kWgKeys, a.dims.heads, a.dims.batch);
+    const dim3 grid((a.dims.seq + kTile - 1) / kTile, a.dims.heads, a.dims.batch);
     constexpr int smem = wg_forward_smem_bytes<D>();
     set_smem(attention_forward_wgmma_kernel<D>, smem);
     attention_forward_wgmma_kernel<D><<<grid, kThreads, smem, stream>>>(a);
@@ -1586,7 +1558,7 @@ void dkdv_dq(const AttentionBackwardArgs& a, const float* delta, cudaStream_t st
 template <int D, bool kRope>
 void dkdv_dq_wgmma_rope(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
   const AttentionDims& d = a.dims;
-  const int n_blocks = (d.seq + kWgKeys - 1) / kWgKeys;
+  const int n_blocks = (d.seq + kTile - 1) / kTile;
   constexpr int dkdv_smem = wg_dkdv_smem_bytes<D>();
   set_smem(attention_dkdv_wgmma_kernel<D, kRope>, dkdv_smem);
   attention_dkdv_wgmma_kernel<D, kRope><<<dim3(n_blocks, d.kv_heads, d.batch), kThreads, dkdv_smem, stream>>>(
