@@ -30,6 +30,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -358,6 +359,16 @@ void check_case(const Case& c, uint64_t seed) {
   }
 }
 
+// check_case for each case with the given kernel shapes (seeds seed + 10, seed + 20, ...); stops
+// at the first fatal failure.
+void check_cases(Case::Tiles tiles, uint64_t seed, std::initializer_list<Case> cases) {
+  for (Case c : cases) {
+    c.tiles = tiles;
+    check_case(c, seed += 10);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
 TEST_F(OpsAttentionCuda, HeadDim64MatchesTheReference) {
   uint64_t seed = 1000;
   for (const Case& c : {Case{2, 1, 4, 2, 64}, Case{1, 7, 2, 2, 64}, Case{2, 65, 4, 1, 64},
@@ -390,45 +401,26 @@ TEST_F(OpsAttentionCuda, ManyKeyBlocksAndGqaGroups) {
 // keys a warp and 128 a CTA: ragged blocks (T not a multiple of 128, 32 or 16), warps that skip a tile
 // (all keys after all queries), GQA, strided views, large scores.
 TEST_F(OpsAttentionCuda, WideTilesMatchTheReference) {
-  constexpr Case::Tiles kWide = Case::Tiles::kWide;
-  uint64_t seed = 7000;
-  for (const Case& c : {Case{2, 1, 4, 2, 64, 1.0, false, kWide}, Case{1, 7, 2, 2, 64, 1.0, false, kWide},
-                        Case{2, 65, 4, 1, 64, 1.0, false, kWide}, Case{1, 128, 2, 2, 64, 1.0, false, kWide},
-                        Case{1, 200, 6, 2, 64, 1.0, false, kWide}, Case{1, 333, 2, 1, 64, 1.0, false, kWide},
-                        Case{2, 100, 4, 2, 64, 1.0, true, kWide}, Case{1, 150, 2, 1, 64, 4.0, false, kWide},
-                        Case{2, 1000, 4, 1, 64, 1.0, false, kWide}}) {
-    check_case(c, seed += 10);
-    if (HasFatalFailure()) return;
-  }
+  check_cases(Case::Tiles::kWide, 7000,
+              {{2, 1, 4, 2, 64}, {1, 7, 2, 2, 64}, {2, 65, 4, 1, 64}, {1, 128, 2, 2, 64}, {1, 200, 6, 2, 64},
+               {1, 333, 2, 1, 64}, {2, 100, 4, 2, 64, 1.0, true}, {1, 150, 2, 1, 64, 4.0}, {2, 1000, 4, 1, 64}});
 }
 
 // The default D = 64 forward is wide; its narrow kernel (and the narrow backward) stays tested.
 TEST_F(OpsAttentionCuda, NarrowTilesMatchTheReference) {
-  constexpr Case::Tiles kNarrow = Case::Tiles::kNarrow;
-  uint64_t seed = 7500;
-  for (const Case& c : {Case{2, 1, 4, 2, 64, 1.0, false, kNarrow}, Case{2, 65, 4, 1, 64, 1.0, false, kNarrow},
-                        Case{1, 333, 2, 1, 64, 1.0, false, kNarrow}, Case{2, 100, 4, 2, 64, 1.0, true, kNarrow},
-                        Case{1, 150, 2, 1, 64, 4.0, false, kNarrow}, Case{2, 1000, 4, 1, 64, 1.0, false, kNarrow}}) {
-    check_case(c, seed += 10);
-    if (HasFatalFailure()) return;
-  }
+  check_cases(Case::Tiles::kNarrow, 7500,
+              {{2, 1, 4, 2, 64}, {2, 65, 4, 1, 64}, {1, 333, 2, 1, 64}, {2, 100, 4, 2, 64, 1.0, true},
+               {1, 150, 2, 1, 64, 4.0}, {2, 1000, 4, 1, 64}});
 }
 
 // The warpgroup-MMA forward and backward (Hopper): D 64 and 128, ragged T (not a multiple of 64 or 32), one
 // query tile, GQA groups, strided fused views, scores that saturate the softmax, many key blocks.
 TEST_F(OpsAttentionCuda, WgmmaKernelsMatchTheReference) {
   if (!attention_wgmma_available()) GTEST_SKIP() << "needs an sm_90a build on a compute 9.0 GPU";
-  constexpr Case::Tiles kWg = Case::Tiles::kWgmma;
-  uint64_t seed = 8000;
-  for (const Case& c : {Case{2, 1, 4, 2, 64, 1.0, false, kWg}, Case{1, 7, 2, 2, 128, 1.0, false, kWg},
-                        Case{2, 65, 4, 1, 64, 1.0, false, kWg}, Case{1, 128, 2, 2, 64, 1.0, false, kWg},
-                        Case{1, 200, 6, 2, 128, 1.0, false, kWg}, Case{1, 333, 2, 1, 64, 1.0, false, kWg},
-                        Case{2, 100, 4, 2, 64, 1.0, true, kWg}, Case{1, 77, 2, 1, 128, 1.0, true, kWg},
-                        Case{1, 150, 2, 1, 64, 4.0, false, kWg}, Case{1, 90, 2, 2, 128, 4.0, false, kWg},
-                        Case{2, 1000, 4, 1, 64, 1.0, false, kWg}, Case{3, 777, 4, 2, 128, 1.0, false, kWg}}) {
-    check_case(c, seed += 10);
-    if (HasFatalFailure()) return;
-  }
+  check_cases(Case::Tiles::kWgmma, 8000,
+              {{2, 1, 4, 2, 64}, {1, 7, 2, 2, 128}, {2, 65, 4, 1, 64}, {1, 128, 2, 2, 64}, {1, 200, 6, 2, 128},
+               {1, 333, 2, 1, 64}, {2, 100, 4, 2, 64, 1.0, true}, {1, 77, 2, 1, 128, 1.0, true},
+               {1, 150, 2, 1, 64, 4.0}, {1, 90, 2, 2, 128, 4.0}, {2, 1000, 4, 1, 64}, {3, 777, 4, 2, 128}});
 }
 
 TEST_F(OpsAttentionCuda, FusedQkvStridedViews) {

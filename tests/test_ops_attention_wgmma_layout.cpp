@@ -44,32 +44,23 @@ uint32_t stored_address(int row, int col) {
   return kTileBase + swizzled_offset<kRows>(row, col / 8) + 2 * (uint32_t)(col % 8);
 }
 
-// A tile [kRows, D] read K-major (rows = M or N, the D columns = the reduction): D / 16 k-steps.
-// Returns the number of mismatching elements.
+// Mismatching elements when a [kRows, D] tile is read through the descriptors make(tile, kk):
+// K-major (rows = M or N, the D columns = the reduction: D / 16 k-steps) or MN-major (the kRows
+// rows = the reduction: kRows / 16 k-steps, the D columns = N).
+enum class Major { kK, kMN };
 template <int kRows, int D>
-int k_major_mismatches(uint64_t (*make)(uint32_t, int)) {
+int mismatches(Major major, uint64_t (*make)(uint32_t, int)) {
+  const bool k = major == Major::kK;
+  const int k_steps = k ? D / 16 : kRows / 16, mn_extent = k ? kRows : D;
   int bad = 0;
-  for (int kk = 0; kk < D / 16; ++kk) {
+  for (int kk = 0; kk < k_steps; ++kk) {
     const Decoded d = decode(make(kTileBase, kk));
     EXPECT_EQ(d.swizzle_mode, 1u);
     EXPECT_EQ(d.base_offset, 0u);
-    for (int mn = 0; mn < kRows; ++mn)
-      for (int k = 0; k < 16; ++k) bad += k_major_address(d, mn, k) != stored_address<kRows>(mn, 16 * kk + k);
-  }
-  return bad;
-}
-
-// A tile [kRows, D] read MN-major (the kRows rows = the reduction, the D columns = N): kRows / 16
-// k-steps.
-template <int kRows, int D>
-int mn_major_mismatches(uint64_t (*make)(uint32_t, int)) {
-  int bad = 0;
-  for (int kk = 0; kk < kRows / 16; ++kk) {
-    const Decoded d = decode(make(kTileBase, kk));
-    EXPECT_EQ(d.swizzle_mode, 1u);
-    EXPECT_EQ(d.base_offset, 0u);
-    for (int mn = 0; mn < D; ++mn)
-      for (int k = 0; k < 16; ++k) bad += mn_major_address(d, mn, k) != stored_address<kRows>(16 * kk + k, mn);
+    for (int mn = 0; mn < mn_extent; ++mn)
+      for (int e = 0; e < 16; ++e)
+        bad += k ? k_major_address(d, mn, e) != stored_address<kRows>(mn, 16 * kk + e)
+                 : mn_major_address(d, mn, e) != stored_address<kRows>(16 * kk + e, mn);
   }
   return bad;
 }
@@ -77,24 +68,24 @@ int mn_major_mismatches(uint64_t (*make)(uint32_t, int)) {
 // dK/dV, D 64: K and V (A, 64 keys), Q and dO (B of S^T and dP^T, 64 queries) K-major; dO and Q
 // (B of dV and dK, N = D) MN-major.
 TEST(OpsAttentionWgmmaLayout, DkdvHeadDim64) {
-  EXPECT_EQ((k_major_mismatches<64, 64>(k_major<64>)), 0);
-  EXPECT_EQ((mn_major_mismatches<64, 64>(mn_major<64>)), 0);
+  EXPECT_EQ((mismatches<64, 64>(Major::kK, k_major<64>)), 0);
+  EXPECT_EQ((mismatches<64, 64>(Major::kMN, mn_major<64>)), 0);
 }
 
 // dK/dV, D 128: two 64-column panels; 32-query tiles.
 TEST(OpsAttentionWgmmaLayout, DkdvHeadDim128) {
-  EXPECT_EQ((k_major_mismatches<64, 128>(k_major<64>)), 0);
-  EXPECT_EQ((k_major_mismatches<32, 128>(k_major<32>)), 0);
-  EXPECT_EQ((mn_major_mismatches<32, 128>(mn_major<32>)), 0);
+  EXPECT_EQ((mismatches<64, 128>(Major::kK, k_major<64>)), 0);
+  EXPECT_EQ((mismatches<32, 128>(Major::kK, k_major<32>)), 0);
+  EXPECT_EQ((mismatches<32, 128>(Major::kMN, mn_major<32>)), 0);
 }
 
 // dQ and the forward: Q, dO (A) and K, V (B of S and dP) K-major over 64 rows; K (B of dQ) and V
 // (B of O) MN-major with N = D.
 TEST(OpsAttentionWgmmaLayout, DqAndForward) {
-  EXPECT_EQ((k_major_mismatches<64, 64>(k_major<64>)), 0);
-  EXPECT_EQ((mn_major_mismatches<64, 64>(mn_major<64>)), 0);
-  EXPECT_EQ((k_major_mismatches<64, 128>(k_major<64>)), 0);
-  EXPECT_EQ((mn_major_mismatches<64, 128>(mn_major<64>)), 0);
+  EXPECT_EQ((mismatches<64, 64>(Major::kK, k_major<64>)), 0);
+  EXPECT_EQ((mismatches<64, 64>(Major::kMN, mn_major<64>)), 0);
+  EXPECT_EQ((mismatches<64, 128>(Major::kK, k_major<64>)), 0);
+  EXPECT_EQ((mismatches<64, 128>(Major::kMN, mn_major<64>)), 0);
 }
 
 // The check can fail: LBO and SBO swapped, or a k-step offset of one 16-byte chunk instead of two,
@@ -104,8 +95,8 @@ uint64_t short_k_step(uint32_t tile, int kk) {
   return descriptor(tile + (uint32_t)((kk >> 2) * 64 * 128 + (kk & 3) * 16), 16, 1024);
 }
 TEST(OpsAttentionWgmmaLayout, WrongDescriptorsAreCaught) {
-  EXPECT_GT((mn_major_mismatches<64, 128>(swapped_strides)), 0);
-  EXPECT_GT((k_major_mismatches<64, 64>(short_k_step)), 0);
+  EXPECT_GT((mismatches<64, 128>(Major::kMN, swapped_strides)), 0);
+  EXPECT_GT((mismatches<64, 64>(Major::kK, short_k_step)), 0);
 }
 
 }  // namespace
