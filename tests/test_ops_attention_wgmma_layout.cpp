@@ -3,7 +3,7 @@
 // through its descriptor, by the PTX ISA's canonical 128-byte-swizzle layouts ("Shared Memory Matrix
 // Layout": K-major ((8,m),(T,2k)):((8T,SBO),(1,T)), MN-major ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO)),
 // T = 8 bf16 elements, then Swizzle<3,4,3> on the byte address), must be the element that
-// load_tile_swizzled stored at that address. A wrong stride, a swapped LBO/SBO or a wrong k-step
+// the swizzled load_tile stored at that address. A wrong stride, a swapped LBO/SBO or a wrong k-step
 // offset reads another element and fails here without a GPU.
 #include "ops/attention_wgmma.cuh"
 
@@ -38,7 +38,7 @@ uint32_t mn_major_address(const Decoded& d, int mn, int k) {
   return swizzle128(d.start + 2 * elems + (uint32_t)(mn / 64) * d.lbo + (uint32_t)(k / 8) * d.sbo);
 }
 
-// Where load_tile_swizzled put element (row, col) of a [kRows, D] tile.
+// Where the swizzled load_tile (attention_kernels.cu) put element (row, col) of a [kRows, D] tile.
 template <int kRows>
 uint32_t stored_address(int row, int col) {
   return kTileBase + swizzled_offset<kRows>(row, col / 8) + 2 * (uint32_t)(col % 8);

@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(128) probe_kernel(const uint16_t* a, const uin
   for (int kk = 0; kk < 4; ++kk) wg::mma_ss<N>(acc, wg::k_major<64>(base + kA, kk), wg::k_major<N>(base + kBnk, kk), kk > 0);
   wg::wgmma_commit();
   wg::wgmma_wait<0>();
-  wg::accumulators_fence(acc);
+  wg::registers_fence(acc);
   store_acc<N>(acc, d_ss);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(128) probe_kernel(const uint16_t* a, const uin
   for (int kc = 0; kc < 4; ++kc) wg::mma_rs<N>(acc, frag[kc], wg::mn_major<64>(base + kBkn, kc));
   wg::wgmma_commit();
   wg::wgmma_wait<0>();
-  wg::accumulators_fence(acc);
+  wg::registers_fence(acc);
   store_acc<N>(acc, d_rs);
 }
 

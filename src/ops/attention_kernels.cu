@@ -869,15 +869,6 @@ __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
   return raw + (((a + kSmemAlign - 1) & ~uint32_t(kSmemAlign - 1)) - a);
 }
 
-// Keeps registers that an in-flight wgmma reads alive (unmoved) until after its wait.
-template <int KC>
-__device__ __forceinline__ void operands_fence(uint32_t (&a)[KC][4]) {
-#pragma unroll
-  for (int k = 0; k < KC; ++k)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[k][e])::"memory");
-}
-
 // acc[64 x N] (=) A B^T over the D reduction columns: A and B swizzled [kRowsA, D] / [N, D] tiles,
 // both read K-major; the first k-step overwrites acc. Issues the wgmmas only (no fence or commit).
 template <int D, int N, int kRowsA>
@@ -972,7 +963,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
     // P^T = exp(S^T - lse) where query >= key and query < T, else 0 (while dP^T runs).
     const bool edge = q0 < n0 + kKeys || q0 + kQ > T;
     wgmma::wgmma_wait<1>();
-    wgmma::accumulators_fence(st);
+    wgmma::registers_fence(st);
 #pragma unroll
     for (int nb = 0; nb < kQ / 8; ++nb)
 #pragma unroll
@@ -994,7 +985,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
 
     // dS^T = P^T (dP^T - D).
     wgmma::wgmma_wait<1>();
-    wgmma::accumulators_fence(dpt);
+    wgmma::registers_fence(dpt);
 #pragma unroll
     for (int nb = 0; nb < kQ / 8; ++nb)
 #pragma unroll
@@ -1006,10 +997,10 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
     issue_regs_tile(dk, dsa, qt);
     wgmma::wgmma_commit();
     wgmma::wgmma_wait<0>();
-    wgmma::accumulators_fence(dv);
-    wgmma::accumulators_fence(dk);
-    operands_fence(pa);
-    operands_fence(dsa);
+    wgmma::registers_fence(dv);
+    wgmma::registers_fence(dk);
+    wgmma::registers_fence(pa);
+    wgmma::registers_fence(dsa);
     __syncthreads();  // before this buffer is refilled
   }
 
@@ -1092,7 +1083,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
     // P = exp(S - lse) where key <= query < T, else 0 (while dP runs).
     const bool edge = j * kKeys + kKeys - 1 > m0 || m0 + kRows > T;
     wgmma::wgmma_wait<1>();
-    wgmma::accumulators_fence(s);
+    wgmma::registers_fence(s);
 #pragma unroll
     for (int nb = 0; nb < kKeys / 8; ++nb)
 #pragma unroll
@@ -1106,7 +1097,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
       }
     // dS = P (dP - D), then dQ += dS K.
     wgmma::wgmma_wait<0>();
-    wgmma::accumulators_fence(dp);
+    wgmma::registers_fence(dp);
 #pragma unroll
     for (int nb = 0; nb < kKeys / 8; ++nb)
 #pragma unroll
@@ -1117,8 +1108,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
     issue_regs_tile(dq, dsa, kt);
     wgmma::wgmma_commit();
     wgmma::wgmma_wait<0>();
-    wgmma::accumulators_fence(dq);
-    operands_fence(dsa);
+    wgmma::registers_fence(dq);
+    wgmma::registers_fence(dsa);
     __syncthreads();  // before this buffer is refilled
   }
 
@@ -1188,7 +1179,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
     issue_tile_ss<D, kKeys, kRows>(s, q_s, kt);
     wgmma::wgmma_commit();
     wgmma::wgmma_wait<0>();
-    wgmma::accumulators_fence(s);
+    wgmma::registers_fence(s);
     if (j * kKeys + kKeys - 1 > warp_q0) {  // a tile on this warp's diagonal: key > query is masked
 #pragma unroll
       for (int nb = 0; nb < kKeys / 8; ++nb)
@@ -1205,8 +1196,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
     issue_regs_tile(o, pa, vt);
     wgmma::wgmma_commit();
     wgmma::wgmma_wait<0>();
-    wgmma::accumulators_fence(o);
-    operands_fence(pa);
+    wgmma::registers_fence(o);
+    wgmma::registers_fence(pa);
     __syncthreads();  // before this buffer is refilled
   }
 

@@ -25,18 +25,19 @@
 // Ordering rules the callers follow: wgmma_fence() before the first wgmma that reads registers
 // written by ordinary instructions (accumulators, A operands); wgmma_commit() closes a group;
 // wgmma_wait<N>() waits until at most N groups are pending, after which the accumulators may be
-// read (accumulators_fence() keeps the compiler from moving their uses above the wait). Shared
+// read (registers_fence() keeps the compiler from moving their uses above the wait). Shared
 // memory written by ordinary or cp.async stores is made visible to wgmma (the async proxy) by
 // fence_proxy_async() in the writing thread before the CTA barrier.
 //
 // The layout functions are host-callable too: tests/test_ops_attention_wgmma_layout.cpp checks on
 // the CPU that every descriptor addresses, through the PTX ISA's canonical layouts, exactly the
-// element that load_tile_swizzled stored there.
+// element that the swizzled load_tile (attention_kernels.cu) stored there.
 #pragma once
 
 #include "core/hd.h"
 
 #include <cstdint>
+#include <type_traits>
 
 namespace fourbit::ops::kernels::wgmma {
 
@@ -94,13 +95,17 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// Pins accumulator registers in place across a wait (no moves of their uses above it).
-template <int NB>
-__device__ __forceinline__ void accumulators_fence(float (&d)[NB][4]) {
+// Pins registers in place across a wait: accumulators (float; no use moved above the wait) and
+// register A operands (uint32_t; not reused while an in-flight wgmma reads them).
+template <typename R, int NB>
+__device__ __forceinline__ void registers_fence(R (&r)[NB][4]) {
 #pragma unroll
   for (int j = 0; j < NB; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (std::is_same_v<R, float>) asm volatile("" : "+f"(r[j][e])::"memory");
+      else asm volatile("" : "+r"(r[j][e])::"memory");
+    }
 }
 
 #if FOURBIT_WGMMA_AVAILABLE
