@@ -878,13 +878,19 @@ __device__ __forceinline__ void issue_tile_ss(float (&acc)[N / 8][4], uint32_t a
     wgmma::mma_ss<N>(acc, wgmma::k_major<kRowsA>(a_tile, kk), wgmma::k_major<N>(b_tile, kk), kk > 0);
 }
 
-// acc[64 x 8 NB] += A B over KC k-steps: A in registers (pack_a), B a swizzled [16 KC, 8 NB] tile
-// read MN-major. Issues the wgmmas only.
+// acc[64 x 8 NB] += P B as one commit group: P's FP32 accumulators (C layout, 16 KC columns) are
+// rounded into the register A operands a (which must stay untouched until the group's wait), B is
+// a swizzled [16 KC, 8 NB] tile read MN-major. The fence also covers acc's own updates by ordinary
+// instructions (the forward's rescaling).
 template <int NB, int KC>
-__device__ __forceinline__ void issue_regs_tile(float (&acc)[NB][4], const uint32_t (&a)[KC][4],
-                                                uint32_t b_tile) {
+__device__ __forceinline__ void issue_regs_group(float (&acc)[NB][4], uint32_t (&a)[KC][4], const float (&p)[2 * KC][4],
+                                                 uint32_t b_tile) {
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) pack_a(a[kc], p, kc);
+  wgmma::wgmma_fence();
 #pragma unroll
   for (int kc = 0; kc < KC; ++kc) wgmma::mma_rs<8 * NB>(acc, a[kc], wgmma::mn_major<16 * KC>(b_tile, kc));
+  wgmma::wgmma_commit();
 }
 
 template <int D, bool kRope>
@@ -976,12 +982,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
         }
         st[nb][e] = p;
       }
-#pragma unroll
-    for (int kc = 0; kc < kQ / 16; ++kc) pack_a(pa[kc], st, kc);
-    // dV += P^T dO (while dS^T is computed).
-    wgmma::wgmma_fence();
-    issue_regs_tile(dv, pa, dot);
-    wgmma::wgmma_commit();
+    issue_regs_group(dv, pa, st, dot);  // dV += P^T dO (while dS^T is computed)
 
     // dS^T = P^T (dP^T - D).
     wgmma::wgmma_wait<1>();
@@ -990,12 +991,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
     for (int nb = 0; nb < kQ / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dpt[nb][e] = st[nb][e] * (dpt[nb][e] - delta_t[nb * 8 + 2 * t + (e & 1)]);
-#pragma unroll
-    for (int kc = 0; kc < kQ / 16; ++kc) pack_a(dsa[kc], dpt, kc);
-    // dK += dS^T Q.
-    wgmma::wgmma_fence();
-    issue_regs_tile(dk, dsa, qt);
-    wgmma::wgmma_commit();
+    issue_regs_group(dk, dsa, dpt, qt);  // dK += dS^T Q
     wgmma::wgmma_wait<0>();
     wgmma::registers_fence(dv);
     wgmma::registers_fence(dk);
@@ -1102,11 +1098,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
     for (int nb = 0; nb < kKeys / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[nb][e] = s[nb][e] * (dp[nb][e] - dlt[e >> 1]);
-#pragma unroll
-    for (int kc = 0; kc < kKeys / 16; ++kc) pack_a(dsa[kc], dp, kc);
-    wgmma::wgmma_fence();
-    issue_regs_tile(dq, dsa, kt);
-    wgmma::wgmma_commit();
+    issue_regs_group(dq, dsa, dp, kt);
     wgmma::wgmma_wait<0>();
     wgmma::registers_fence(dq);
     wgmma::registers_fence(dsa);
@@ -1190,11 +1182,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
         }
     }
     online_softmax_step<D>(s, o, row_max, row_sum, sl2);
-#pragma unroll
-    for (int kc = 0; kc < kKeys / 16; ++kc) pack_a(pa[kc], s, kc);
-    wgmma::wgmma_fence();  // o was rescaled by ordinary instructions
-    issue_regs_tile(o, pa, vt);
-    wgmma::wgmma_commit();
+    issue_regs_group(o, pa, s, vt);  // O += P V (o was rescaled by ordinary instructions: fenced)
     wgmma::wgmma_wait<0>();
     wgmma::registers_fence(o);
     wgmma::registers_fence(pa);
