@@ -1,7 +1,7 @@
 // ops attention (gpu): single wgmma products through the wrappers of src/ops/attention_wgmma.cuh,
 // on small-integer bf16 matrices (every product and FP32 sum exact, so the comparison is exact):
-// D = A B^T with both operands K-major from swizzled shared memory, and D = A B with A from
-// registers and B MN-major, for N = 32, 64 and 128. This pins down what the attention kernels
+// D = A B^T with both operands K-major from swizzled shared memory (N = 32, 64, 128), and D = A B
+// with A from registers and B MN-major (N = 64, 128: the attention kernels' N = D). This pins down what the attention kernels
 // assume beyond the shared-memory layout (tested on the CPU by test_ops_attention_wgmma_layout):
 // the accumulator and register-A fragment layouts are mma.m16n8k16's per warp. A failure here
 // points at the instruction's use; a failure only in WgmmaKernelsMatchTheReference, at the
@@ -54,7 +54,7 @@ TEST(OpsAttentionWgmmaCuda, SingleProductsMatchExactly) {
         }
         const int idx = i * n + j;
         if (ss[(size_t)idx] != want_ss && bad_ss++ == 0) first_ss = idx;
-        if (rs[(size_t)idx] != want_rs && bad_rs++ == 0) first_rs = idx;
+        if (n >= 64 && rs[(size_t)idx] != want_rs && bad_rs++ == 0) first_rs = idx;
       }
     EXPECT_EQ(bad_ss, 0) << "A B^T (both K-major): first wrong element at row " << first_ss / n << ", column "
                          << first_ss % n;

@@ -6,7 +6,9 @@
 // One CTA of one warpgroup. A [64, 64] and B tiles are stored into 128-byte-swizzled shared memory
 // with swizzled_offset (the attention loaders' layout), then:
 //   ss: D[64, N] = A B^T, A and B [N, 64] both K-major (4 k-steps; N = 32, 64, 128);
-//   rs: D[64, N] = A B,   A from registers in the mma.m16n8k16 A layout per warp, B [64, N] MN-major.
+//   rs: D[64, N] = A B,   A from registers in the mma.m16n8k16 A layout per warp, B [64, N] MN-major
+//       (N = 64, 128 only: a 128-byte-swizzled MN-major tile is made of 64-column panels, and the
+//       attention kernels use register-A products only with N = D; for N = 32 d_rs is not written).
 // D is written back assuming the mma.m16n8k16 C layout per warp (warp w: rows 16 w ..).
 #include "wgmma_probe_kernels.h"
 
@@ -39,6 +41,9 @@ __device__ void store_acc(const float (&acc)[N / 8][4], float* d) {
     for (int e = 0; e < 4; ++e) d[(16 * warp + g + 8 * (e >> 1)) * N + 8 * j + 2 * t + (e & 1)] = acc[j][e];
 }
 
+template <int N>
+constexpr bool kRegisterA = N >= 64;
+
 // a: [64, 64]; b_nk: [N, 64]; b_kn: [64, N]; d_ss, d_rs: [64, N] f32.
 template <int N>
 __global__ void __launch_bounds__(128) probe_kernel(const uint16_t* a, const uint16_t* b_nk, const uint16_t* b_kn,
@@ -50,7 +55,7 @@ __global__ void __launch_bounds__(128) probe_kernel(const uint16_t* a, const uin
   constexpr uint32_t kA = 0, kBnk = 64 * 64 * 2, kBkn = kBnk + N * 64 * 2;
   store_swizzled<64>(smem, kA, a, 64);
   store_swizzled<N>(smem, kBnk, b_nk, 64);
-  store_swizzled<64>(smem, kBkn, b_kn, N);
+  if constexpr (kRegisterA<N>) store_swizzled<64>(smem, kBkn, b_kn, N);
   wg::fence_proxy_async();
   __syncthreads();
 
@@ -62,6 +67,7 @@ __global__ void __launch_bounds__(128) probe_kernel(const uint16_t* a, const uin
   wg::wgmma_wait<0>();
   wg::registers_fence(acc);
   store_acc<N>(acc, d_ss);
+  if constexpr (!kRegisterA<N>) return;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int r0 = 16 * warp + g, r1 = r0 + 8;
@@ -85,7 +91,7 @@ __global__ void __launch_bounds__(128) probe_kernel(const uint16_t* a, const uin
 
 template <int N>
 void launch(const uint16_t* a, const uint16_t* b_nk, const uint16_t* b_kn, float* d_ss, float* d_rs) {
-  const int smem = kAlign + 64 * 64 * 2 + 2 * N * 64 * 2;
+  const int smem = kAlign + 64 * 64 * 2 + N * 64 * 2 + (kRegisterA<N> ? N * 64 * 2 : 0);
   cudaFuncSetAttribute(probe_kernel<N>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   probe_kernel<N><<<1, 128, smem>>>(a, b_nk, b_kn, d_ss, d_rs);
 }

@@ -105,14 +105,14 @@ std::vector<AttentionBenchRow> run_attention_bench(const AttentionBenchOptions& 
     const double bwd = median_ms(o.reps, [&] { attention_backward(dout, q, k, v, out, lse, dq, dk, dv); });
     std::vector<std::tuple<const char*, double, double>> timed = {{"forward", fwd, fwd_flops},
                                                                   {"backward", bwd, 2.5 * fwd_flops}};
-    if (attention_wgmma_available()) {  // the Hopper warpgroup-MMA kernels, whatever the defaults
-      AttentionOptions wg;
-      wg.wgmma_forward = wg.wgmma_backward = true;
-      const double wg_fwd = median_ms(o.reps, [&] { attention_forward(q, k, v, out, lse, wg); });
-      const double wg_bwd =
-          median_ms(o.reps, [&] { attention_backward(dout, q, k, v, out, lse, dq, dk, dv, wg); });
-      timed.emplace_back("forward (wgmma)", wg_fwd, fwd_flops);
-      timed.emplace_back("backward (wgmma)", wg_bwd, 2.5 * fwd_flops);
+    if (attention_wgmma_available()) {  // the default there is wgmma; A/B against the mma.sync kernels
+      AttentionOptions ms;
+      ms.wgmma_forward = ms.wgmma_backward = false;
+      const double ms_fwd = median_ms(o.reps, [&] { attention_forward(q, k, v, out, lse, ms); });
+      const double ms_bwd =
+          median_ms(o.reps, [&] { attention_backward(dout, q, k, v, out, lse, dq, dk, dv, ms); });
+      timed.emplace_back("forward (mma.sync)", ms_fwd, fwd_flops);
+      timed.emplace_back("backward (mma.sync)", ms_bwd, 2.5 * fwd_flops);
     }
     for (const auto& [op, ms, flops] : timed) {
       AttentionBenchRow r;

@@ -3,9 +3,10 @@
 // FlashAttention accounting; our backward does 3.5x the forward's math because of its separate
 // dq pass) and their ratio to the measured cuBLASLt BF16 ceiling; decode rows report GB/s of
 // key/value cache read and the ratio to the measured copy bandwidth (../shared/docs/BENCHMARKS.md).
-// Where attention_wgmma_available(), every training shape also gets "forward (wgmma)" and
-// "backward (wgmma)" rows (AttentionOptions::wgmma_*), so each run is an A/B of the two kernel
-// families (FOURBIT_ATTENTION_WGMMA* set in the environment override both rows alike).
+// "forward" and "backward" time the default kernels (wgmma where attention_wgmma_available()).
+// There, every training shape also gets "forward (mma.sync)" and "backward (mma.sync)" rows
+// (AttentionOptions::wgmma_* off), so each run is an A/B of the two kernel families
+// (FOURBIT_ATTENTION_WGMMA* set in the environment override both rows alike).
 // Needs a CUDA build and a GPU.
 #pragma once
 
@@ -22,7 +23,7 @@ struct AttentionBenchOptions {
 
 struct AttentionBenchRow {
   std::string shape;  // e.g. "gpt2-124m (B 32, T 1024, H 12/12, D 64)"
-  std::string op;     // forward, backward, forward (wgmma), backward (wgmma), decode
+  std::string op;     // forward, backward, forward (mma.sync), backward (mma.sync), decode
   double ms = 0;
   double tflops = 0;  // training rows
   double gbps = 0;    // decode rows
