@@ -5,8 +5,9 @@
 // key/value cache read and the ratio to the measured copy bandwidth (../shared/docs/BENCHMARKS.md).
 // "forward" and "backward" time the default kernels (wgmma where attention_wgmma_available()).
 // There, every training shape also gets "forward (mma.sync)" and "backward (mma.sync)" rows
-// (AttentionOptions::wgmma_* off), so each run is an A/B of the two kernel families
-// (FOURBIT_ATTENTION_WGMMA* set in the environment override both rows alike).
+// (AttentionOptions::wgmma_* off) and "forward (wgmma overlap)" / "backward (wgmma overlap)" rows
+// (AttentionOptions::wgmma_overlap), so each run is an A/B of the kernel variants
+// (FOURBIT_ATTENTION_WGMMA* set in the environment override every row alike).
 // Needs a CUDA build and a GPU.
 #pragma once
 
@@ -23,7 +24,7 @@ struct AttentionBenchOptions {
 
 struct AttentionBenchRow {
   std::string shape;  // e.g. "gpt2-124m (B 32, T 1024, H 12/12, D 64)"
-  std::string op;     // forward, backward, forward (mma.sync), backward (mma.sync), decode
+  std::string op;     // forward, backward, forward (mma.sync), ..., decode
   double ms = 0;
   double tflops = 0;  // training rows
   double gbps = 0;    // decode rows

@@ -345,6 +345,44 @@ __device__ __forceinline__ void store_grad_rows(float (&acc)[D / 8][4], float sc
 // Online-softmax step for one warp's 16-row block and a 64-key tile: rows g (r = 0) and g + 8
 // (r = 1), a row's 64 scores in the 4 threads of a quad. s becomes P (unnormalized, FP32), o is
 // rescaled; row_sum holds this thread's columns only (reduced in finish_softmax_rows).
+// online_softmax_step in two halves, for kernels whose O is still being written by an
+// asynchronous product while the next scores are exponentiated: softmax_probabilities makes s into
+// P and updates row_max / row_sum, leaving each row's rescaling factor in alpha; rescale_rows then
+// multiplies O by it. Together, the same operations in the same order as online_softmax_step.
+__device__ __forceinline__ void softmax_probabilities(float (&s)[kTile / 8][4], float (&row_max)[2],
+                                                      float (&row_sum)[2], float (&alpha)[2], float sl2) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = row_max[r];
+#pragma unroll
+    for (int nb = 0; nb < kTile / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_scaled = mx == -INFINITY ? 0.0f : mx * sl2;
+    alpha[r] = exp2f(row_max[r] * sl2 - m_scaled);
+    row_max[r] = mx;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nb = 0; nb < kTile / 8; ++nb) {
+      s[nb][2 * r] = exp2f(fmaf(s[nb][2 * r], sl2, -m_scaled));
+      s[nb][2 * r + 1] = exp2f(fmaf(s[nb][2 * r + 1], sl2, -m_scaled));
+      sum += s[nb][2 * r] + s[nb][2 * r + 1];
+    }
+    row_sum[r] = row_sum[r] * alpha[r] + sum;
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void rescale_rows(float (&o)[D / 8][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) {
+      o[nd][2 * r] *= alpha[r];
+      o[nd][2 * r + 1] *= alpha[r];
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void online_softmax_step(float (&s)[kTile / 8][4], float (&o)[D / 8][4],
                                                     float (&row_max)[2], float (&row_sum)[2],
@@ -893,7 +931,11 @@ __device__ __forceinline__ void issue_regs_group(float (&acc)[NB][4], uint32_t (
   wgmma::wgmma_commit();
 }
 
-template <int D, bool kRope>
+// kOverlap: dK += dS^T Q of iteration it runs on while iteration it + 1 starts (S^T and dP^T are
+// issued behind it); query tile it + 1 is loaded only once that product has read buffer it - 1, so
+// its load overlaps half an iteration instead of a whole one. The same products in the same order
+// on every accumulator: the same bits.
+template <int D, bool kRope, bool kOverlap>
 __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const AttentionBackwardArgs a,
                                                                         const float* delta) {
   constexpr int kKeys = kTile;
@@ -944,9 +986,14 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
     for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
   uint32_t pa[kQ / 16][4], dsa[kQ / 16][4];
 
-  for (int it = 0; it < total; ++it) {
+  // A do-while: the loop runs at least once (total >= 1), and the compiler sees it (a path that
+  // skips the loop would join the wgmmas still in flight after it, which serializes them).
+  int it = 0;
+  do {
     const int buf = it & 1;
-    if (it + 1 < total) {
+    if constexpr (kOverlap) {
+      cp_async_wait<0>();
+    } else if (it + 1 < total) {
       issue(it + 1, buf ^ 1);
       cp_async_wait<1>();
     } else {
@@ -970,6 +1017,15 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
     const bool edge = q0 < n0 + kKeys || q0 + kQ > T;
     wgmma::wgmma_wait<1>();
     wgmma::registers_fence(st);
+    if constexpr (kOverlap) {
+      // The previous iteration's dV and dK products are done too (groups complete in order).
+      wgmma::registers_fence(dv);
+      wgmma::registers_fence(dk);
+      wgmma::registers_fence(pa);
+      wgmma::registers_fence(dsa);
+      __syncthreads();  // every warp is past them: buffer buf ^ 1 may be refilled
+      if (it + 1 < total) issue(it + 1, buf ^ 1);
+    }
 #pragma unroll
     for (int nb = 0; nb < kQ / 8; ++nb)
 #pragma unroll
@@ -992,12 +1048,22 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
 #pragma unroll
       for (int e = 0; e < 4; ++e) dpt[nb][e] = st[nb][e] * (dpt[nb][e] - delta_t[nb * 8 + 2 * t + (e & 1)]);
     issue_regs_group(dk, dsa, dpt, qt);  // dK += dS^T Q
+    if constexpr (!kOverlap) {
+      wgmma::wgmma_wait<0>();
+      wgmma::registers_fence(dv);
+      wgmma::registers_fence(dk);
+      wgmma::registers_fence(pa);
+      wgmma::registers_fence(dsa);
+      __syncthreads();  // before this buffer is refilled
+    }
+  } while (++it < total);
+  if constexpr (kOverlap) {
     wgmma::wgmma_wait<0>();
     wgmma::registers_fence(dv);
     wgmma::registers_fence(dk);
     wgmma::registers_fence(pa);
     wgmma::registers_fence(dsa);
-    __syncthreads();  // before this buffer is refilled
+    __syncthreads();  // every product has read its buffers: they may become the stage
   }
 
   // Every product is done and the loop ended on a barrier: the query buffers are the stage, 16
@@ -1011,7 +1077,10 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
   store_rows<D>(dv, 1.0f, stage, lane, a.dv + b * a.dv_stride.b + hk * a.dv_stride.h, a.dv_stride.t, row0, T);
 }
 
-template <int D, bool kRope>
+// kOverlap: dQ += dS K of tile j runs on while tile j + 1's S and dP are issued behind it; tile
+// j + 1 is loaded once that product has read buffer j - 1 (after the first wait of iteration j).
+// The same products in the same order on dq: the same bits.
+template <int D, bool kRope, bool kOverlap>
 __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const AttentionBackwardArgs a,
                                                                       const float* delta) {
   constexpr int kRows = kTile;   // queries of the CTA
@@ -1064,9 +1133,16 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
 
   // Key tiles 0 .. the one holding key min(m0 + kRows, T) - 1.
   const int n_tiles = (min(m0 + kRows, T) - 1) / kKeys + 1;
-  for (int j = 0; j < n_tiles; ++j) {
+  int j = 0;
+  do {  // at least once (n_tiles >= 1): a do-while, as in the dK/dV kernel
     const int buf = j & 1;
-    advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
+    if constexpr (kOverlap) {
+      cp_async_wait<0>();
+      wgmma::fence_proxy_async();
+      __syncthreads();
+    } else {
+      advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
+    }
     const uint32_t kt = k_s + buf * kTileBytes, vt = v_s + buf * kTileBytes;
 
     // S = Q K^T, then dP = dO V^T: two groups.
@@ -1080,6 +1156,17 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
     const bool edge = j * kKeys + kKeys - 1 > m0 || m0 + kRows > T;
     wgmma::wgmma_wait<1>();
     wgmma::registers_fence(s);
+    if constexpr (kOverlap) {
+      // The previous tile's dQ product is done too (groups complete in order).
+      wgmma::registers_fence(dq);
+      wgmma::registers_fence(dsa);
+      __syncthreads();  // every warp is past it: buffer buf ^ 1 may be refilled
+      if (j + 1 < n_tiles) {
+        load_tile<D, kKeys>(k_s + (buf ^ 1) * kTileBytes, k_base, a.k_stride.t, (j + 1) * kKeys, T, tid);
+        load_tile<D, kKeys>(v_s + (buf ^ 1) * kTileBytes, v_base, a.v_stride.t, (j + 1) * kKeys, T, tid);
+        cp_async_commit();
+      }
+    }
 #pragma unroll
     for (int nb = 0; nb < kKeys / 8; ++nb)
 #pragma unroll
@@ -1099,10 +1186,18 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[nb][e] = s[nb][e] * (dp[nb][e] - dlt[e >> 1]);
     issue_regs_group(dq, dsa, dp, kt);
+    if constexpr (!kOverlap) {
+      wgmma::wgmma_wait<0>();
+      wgmma::registers_fence(dq);
+      wgmma::registers_fence(dsa);
+      __syncthreads();  // before this buffer is refilled
+    }
+  } while (++j < n_tiles);
+  if constexpr (kOverlap) {
     wgmma::wgmma_wait<0>();
     wgmma::registers_fence(dq);
     wgmma::registers_fence(dsa);
-    __syncthreads();  // before this buffer is refilled
+    __syncthreads();  // every product has read its buffers: they may become the stage
   }
 
   // The loop ended on a barrier after its last product: the key buffers are the stage.
@@ -1122,7 +1217,13 @@ constexpr int wg_forward_smem_bytes() {  // Q, 2 x K, 2 x V + alignment slack
 // 2-stage cp.async pipeline; S = Q K^T with Q and K from swizzled shared memory, the online softmax
 // of the mma.sync kernel on the accumulators (the same layout), then O += P V with P from registers
 // and V read MN-major.
-template <int D>
+//
+// kOverlap (software pipelining, as FlashAttention-3's intra-warpgroup overlap): S of tile j + 1 is
+// issued together with O += P V of tile j, and the exponentials of tile j + 1 are computed while
+// that product runs; only the rescaling of O waits for it. K and V tiles then move through separate
+// double buffers: at iteration j (after O += P V of tile j - 1 is done), K of tile j + 2 and V of
+// tile j + 1 are loaded. The same arithmetic in the same order: the same bits.
+template <int D, bool kOverlap>
 __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const AttentionForwardArgs a) {
   constexpr int kRows = kTile;  // queries of the CTA
   constexpr int kKeys = kTile;  // keys of a tile
@@ -1146,8 +1247,14 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
 
   const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
   const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
+  // Key tiles 0 .. the one holding key min(m0 + kRows, T) - 1.
+  const int n_tiles = (min(m0 + kRows, T) - 1) / kKeys + 1;
   load_tile<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
   load_tile<D, kKeys>(k_s, k_base, a.k_stride.t, 0, T, tid);
+  if constexpr (kOverlap) {  // two groups: {Q, K 0}, then {K 1, V 0}
+    cp_async_commit();
+    if (n_tiles > 1) load_tile<D, kKeys>(k_s + kTileBytes, k_base, a.k_stride.t, kKeys, T, tid);
+  }
   load_tile<D, kKeys>(v_s, v_base, a.v_stride.t, 0, T, tid);
   cp_async_commit();
 
@@ -1160,8 +1267,77 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
   for (int i = 0; i < kKeys / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
   uint32_t pa[kKeys / 16][4];
 
-  // Key tiles 0 .. the one holding key min(m0 + kRows, T) - 1.
-  const int n_tiles = (min(m0 + kRows, T) - 1) / kKeys + 1;
+  if constexpr (kOverlap) {
+    cp_async_wait<1>();  // Q and K 0
+    wgmma::fence_proxy_async();
+    __syncthreads();
+    wgmma::wgmma_fence();
+    issue_tile_ss<D, kKeys, kRows>(s, q_s, k_s);
+    wgmma::wgmma_commit();
+    wgmma::wgmma_wait<0>();
+    wgmma::registers_fence(s);
+    float s_next[kKeys / 8][4];
+    // Tile j (its scores in s); kNext: tile j + 1 exists, and its S is issued with O += P V. The
+    // last tile's step is separate (and waits for its product) so that the number of wgmma groups
+    // in flight never depends on a runtime condition (else ptxas serializes the wgmmas).
+    auto step = [&](int j, auto next) {
+      constexpr bool kNext = decltype(next)::value;
+      const int buf = j & 1;
+      if (j * kKeys + kKeys - 1 > warp_q0) {  // as in the kernel without kOverlap
+#pragma unroll
+        for (int nb = 0; nb < kKeys / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qi = warp_q0 + g + (e >> 1) * 8, key = j * kKeys + nb * 8 + 2 * t + (e & 1);
+            if (key > qi) s[nb][e] = -INFINITY;
+          }
+      }
+      float alpha[2];
+      softmax_probabilities(s, row_max, row_sum, alpha, sl2);  // while O += P V of tile j - 1 runs
+      wgmma::wgmma_wait<0>();
+      wgmma::registers_fence(o);
+      wgmma::registers_fence(pa);
+      rescale_rows<D>(o, alpha);
+      if constexpr (kNext) {
+        __syncthreads();  // every warp is past tile j - 1's product: K buffer buf and V buffer buf ^ 1 are free
+        if (j + 2 < n_tiles) load_tile<D, kKeys>(k_s + buf * kTileBytes, k_base, a.k_stride.t, (j + 2) * kKeys, T, tid);
+        load_tile<D, kKeys>(v_s + (buf ^ 1) * kTileBytes, v_base, a.v_stride.t, (j + 1) * kKeys, T, tid);
+        cp_async_commit();
+        cp_async_wait<1>();  // K of tile j + 1 and V of tile j
+      } else {
+        cp_async_wait<0>();  // V of tile j
+      }
+      wgmma::fence_proxy_async();
+      __syncthreads();
+      wgmma::wgmma_fence();
+      if constexpr (kNext) {
+        issue_tile_ss<D, kKeys, kRows>(s_next, q_s, k_s + (buf ^ 1) * kTileBytes);
+        wgmma::wgmma_commit();
+      }
+      issue_regs_group(o, pa, s, v_s + buf * kTileBytes);  // O += P V
+      if constexpr (kNext) {
+        wgmma::wgmma_wait<1>();  // S of tile j + 1 (O += P V may still run)
+        wgmma::registers_fence(s_next);
+#pragma unroll
+        for (int nb = 0; nb < kKeys / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[nb][e] = s_next[nb][e];
+      } else {
+        wgmma::wgmma_wait<0>();
+      }
+    };
+    if (n_tiles > 1) {
+      int j = 0;
+      do step(j, std::true_type{});  // a do-while: no path skips the loop (see the dK/dV kernel)
+      while (++j < n_tiles - 1);
+    }
+    step(n_tiles - 1, std::false_type{});
+    wgmma::wgmma_wait<0>();
+    wgmma::registers_fence(o);
+    wgmma::registers_fence(pa);
+    cp_async_wait<0>();
+    __syncthreads();  // every product and load is done: the key buffers may become the stage
+  } else {
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
     advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
@@ -1187,6 +1363,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
     wgmma::registers_fence(o);
     wgmma::registers_fence(pa);
     __syncthreads();  // before this buffer is refilled
+  }
   }
 
   finish_softmax_rows<D>(o, row_max, row_sum, sl2, a.lse + ((int64_t)b * d.heads + h) * T, warp_q0, T, g, t);
@@ -1487,8 +1664,13 @@ void forward_d(const AttentionForwardArgs& a, cudaStream_t stream) {
   if (a.wgmma) {
     const dim3 grid((a.dims.seq + kTile - 1) / kTile, a.dims.heads, a.dims.batch);
     constexpr int smem = wg_forward_smem_bytes<D>();
-    set_smem(attention_forward_wgmma_kernel<D>, smem);
-    attention_forward_wgmma_kernel<D><<<grid, kThreads, smem, stream>>>(a);
+    if (a.wgmma_overlap) {
+      set_smem(attention_forward_wgmma_kernel<D, true>, smem);
+      attention_forward_wgmma_kernel<D, true><<<grid, kThreads, smem, stream>>>(a);
+    } else {
+      set_smem(attention_forward_wgmma_kernel<D, false>, smem);
+      attention_forward_wgmma_kernel<D, false><<<grid, kThreads, smem, stream>>>(a);
+    }
     FOURBIT_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -1534,19 +1716,26 @@ void dkdv_dq(const AttentionBackwardArgs& a, const float* delta, cudaStream_t st
 }
 
 // The warpgroup-MMA dK/dV and dQ kernels, with or without RoPE's backward in the stores.
-template <int D, bool kRope>
-void dkdv_dq_wgmma_rope(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
+template <int D, bool kRope, bool kOverlap>
+void dkdv_dq_wgmma_variant(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
   const AttentionDims& d = a.dims;
   const int n_blocks = (d.seq + kTile - 1) / kTile;
   constexpr int dkdv_smem = wg_dkdv_smem_bytes<D>();
-  set_smem(attention_dkdv_wgmma_kernel<D, kRope>, dkdv_smem);
-  attention_dkdv_wgmma_kernel<D, kRope><<<dim3(n_blocks, d.kv_heads, d.batch), kThreads, dkdv_smem, stream>>>(
-      a, delta);
+  set_smem(attention_dkdv_wgmma_kernel<D, kRope, kOverlap>, dkdv_smem);
+  attention_dkdv_wgmma_kernel<D, kRope, kOverlap>
+      <<<dim3(n_blocks, d.kv_heads, d.batch), kThreads, dkdv_smem, stream>>>(a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
   constexpr int dq_smem = wg_dq_smem_bytes<D>();
-  set_smem(attention_dq_wgmma_kernel<D, kRope>, dq_smem);
-  attention_dq_wgmma_kernel<D, kRope><<<dim3(n_blocks, d.heads, d.batch), kThreads, dq_smem, stream>>>(a, delta);
+  set_smem(attention_dq_wgmma_kernel<D, kRope, kOverlap>, dq_smem);
+  attention_dq_wgmma_kernel<D, kRope, kOverlap>
+      <<<dim3(n_blocks, d.heads, d.batch), kThreads, dq_smem, stream>>>(a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+template <int D, bool kRope>
+void dkdv_dq_wgmma_rope(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
+  if (a.wgmma_overlap) return dkdv_dq_wgmma_variant<D, kRope, true>(a, delta, stream);
+  dkdv_dq_wgmma_variant<D, kRope, false>(a, delta, stream);
 }
 
 template <int D>

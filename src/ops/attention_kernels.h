@@ -34,6 +34,9 @@ struct AttentionForwardArgs {
   bool wide = false;
   // The warpgroup-MMA kernel (any D; only where attention_wgmma_available()); wins over wide.
   bool wgmma = false;
+  // With wgmma: the software-pipelined variant (O += P V of one key tile runs while the next
+  // tile's scores are exponentiated); the same bits (attention_kernels.cu).
+  bool wgmma_overlap = false;
 };
 
 // RoPE's backward rotation folded into the dq and dk stores (attention.h
@@ -61,6 +64,9 @@ struct AttentionBackwardArgs {
   bool wide_dq = false;
   // dK/dV and dQ by the warpgroup-MMA kernels (any D; only where attention_wgmma_available()).
   bool wgmma = false;
+  // With wgmma: the variants whose last product of an iteration (dK += dS^T Q; dQ += dS K) runs
+  // while the next iteration starts; the same bits (attention_kernels.cu).
+  bool wgmma_overlap = false;
   AttentionRopeBackward rope;
 };
 
