@@ -408,7 +408,6 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   a.lse = lse.ptr<float>();
   a.wide = resolve_tiles(options).wide_forward;
   a.wgmma = resolve_wgmma_forward(options);
-  a.wgmma_overlap = a.wgmma && resolve_wgmma_overlap(options);
   kernels::launch_attention_forward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;

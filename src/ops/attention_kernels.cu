@@ -342,48 +342,29 @@ __device__ __forceinline__ void store_grad_rows(float (&acc)[D / 8][4], float sc
 
 // --- pieces shared by the forward and backward kernels ------------------------------------------
 
+// 2^x by one MUFU.EX2 (ex2.approx.ftz: the instruction exp2f also uses, 2 ulp), without
+// exp2f's scaling around it for subnormal results: those become 0 (an attention probability below
+// 2^-126 adds nothing to a sum of them that includes the row's maximum, 1). The wgmma kernels use
+// it; in session 23's profile (ncu, dK/dV at gpt2-124m) exp2f's extra instructions were most of the
+// 148 non-fused FP32 instructions a warp issued per key tile, in a kernel bound by issue slots.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// exp2f, or exp2_ftz where kFtz.
+template <bool kFtz>
+__device__ __forceinline__ float softmax_exp2(float x) {
+  if constexpr (kFtz) return exp2_ftz(x);
+  else return exp2f(x);
+}
+
 // Online-softmax step for one warp's 16-row block and a 64-key tile: rows g (r = 0) and g + 8
 // (r = 1), a row's 64 scores in the 4 threads of a quad. s becomes P (unnormalized, FP32), o is
-// rescaled; row_sum holds this thread's columns only (reduced in finish_softmax_rows).
-// online_softmax_step in two halves, for kernels whose O is still being written by an
-// asynchronous product while the next scores are exponentiated: softmax_probabilities makes s into
-// P and updates row_max / row_sum, leaving each row's rescaling factor in alpha; rescale_rows then
-// multiplies O by it. Together, the same operations in the same order as online_softmax_step.
-__device__ __forceinline__ void softmax_probabilities(float (&s)[kTile / 8][4], float (&row_max)[2],
-                                                      float (&row_sum)[2], float (&alpha)[2], float sl2) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = row_max[r];
-#pragma unroll
-    for (int nb = 0; nb < kTile / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_scaled = mx == -INFINITY ? 0.0f : mx * sl2;
-    alpha[r] = exp2f(row_max[r] * sl2 - m_scaled);
-    row_max[r] = mx;
-    float sum = 0.0f;
-#pragma unroll
-    for (int nb = 0; nb < kTile / 8; ++nb) {
-      s[nb][2 * r] = exp2f(fmaf(s[nb][2 * r], sl2, -m_scaled));
-      s[nb][2 * r + 1] = exp2f(fmaf(s[nb][2 * r + 1], sl2, -m_scaled));
-      sum += s[nb][2 * r] + s[nb][2 * r + 1];
-    }
-    row_sum[r] = row_sum[r] * alpha[r] + sum;
-  }
-}
-
-template <int D>
-__device__ __forceinline__ void rescale_rows(float (&o)[D / 8][4], const float (&alpha)[2]) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd) {
-      o[nd][2 * r] *= alpha[r];
-      o[nd][2 * r + 1] *= alpha[r];
-    }
-}
-
-template <int D>
+// rescaled; row_sum holds this thread's columns only (reduced in finish_softmax_rows). kFtz: the
+// exponentials by exp2_ftz (the wgmma forward).
+template <int D, bool kFtz = false>
 __device__ __forceinline__ void online_softmax_step(float (&s)[kTile / 8][4], float (&o)[D / 8][4],
                                                     float (&row_max)[2], float (&row_sum)[2],
                                                     float sl2) {
@@ -395,13 +376,13 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[kTile / 8][4], fl
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_scaled = mx == -INFINITY ? 0.0f : mx * sl2;
-    const float alpha = exp2f(row_max[r] * sl2 - m_scaled);
+    const float alpha = softmax_exp2<kFtz>(row_max[r] * sl2 - m_scaled);
     row_max[r] = mx;
     float sum = 0.0f;
 #pragma unroll
     for (int nb = 0; nb < kTile / 8; ++nb) {
-      s[nb][2 * r] = exp2f(fmaf(s[nb][2 * r], sl2, -m_scaled));
-      s[nb][2 * r + 1] = exp2f(fmaf(s[nb][2 * r + 1], sl2, -m_scaled));
+      s[nb][2 * r] = softmax_exp2<kFtz>(fmaf(s[nb][2 * r], sl2, -m_scaled));
+      s[nb][2 * r + 1] = softmax_exp2<kFtz>(fmaf(s[nb][2 * r + 1], sl2, -m_scaled));
       sum += s[nb][2 * r] + s[nb][2 * r + 1];
     }
     row_sum[r] = row_sum[r] * alpha + sum;
@@ -1031,7 +1012,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int ql = nb * 8 + 2 * t + (e & 1);
-        float p = exp2f(fmaf(st[nb][e], sl2, -lse_t[ql] * kLog2e));
+        float p = exp2_ftz(fmaf(st[nb][e], sl2, -lse_t[ql] * kLog2e));
         if (edge) {
           const int qi = q0 + ql, key = key_lo + (e >> 1) * 8;
           if (!(qi >= key && qi < T)) p = 0.0f;
@@ -1171,7 +1152,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
     for (int nb = 0; nb < kKeys / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float p = exp2f(fmaf(s[nb][e], sl2, -lse2[e >> 1]));
+        float p = exp2_ftz(fmaf(s[nb][e], sl2, -lse2[e >> 1]));
         if (edge) {
           const int qi = q_lo + (e >> 1) * 8, key = j * kKeys + nb * 8 + 2 * t + (e & 1);
           if (!(key <= qi && qi < T)) p = 0.0f;
@@ -1218,12 +1199,11 @@ constexpr int wg_forward_smem_bytes() {  // Q, 2 x K, 2 x V + alignment slack
 // of the mma.sync kernel on the accumulators (the same layout), then O += P V with P from registers
 // and V read MN-major.
 //
-// kOverlap (software pipelining, as FlashAttention-3's intra-warpgroup overlap): S of tile j + 1 is
-// issued together with O += P V of tile j, and the exponentials of tile j + 1 are computed while
-// that product runs; only the rescaling of O waits for it. K and V tiles then move through separate
-// double buffers: at iteration j (after O += P V of tile j - 1 is done), K of tile j + 2 and V of
-// tile j + 1 are loaded. The same arithmetic in the same order: the same bits.
-template <int D, bool kOverlap>
+// (A software-pipelined variant, FlashAttention-3's intra-warpgroup overlap, was measured in
+// session 23: S of the next tile issued with O += P V and exponentiated while that runs. It needed
+// 162 registers instead of 126 at D 64, so 3 CTAs an SM instead of 4, and was slower: H200, gpt2-124m
+// B 32, 0.226 vs 0.217 ms; 1.3b 0.258 vs 0.259. Removed.)
+template <int D>
 __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const AttentionForwardArgs a) {
   constexpr int kRows = kTile;  // queries of the CTA
   constexpr int kKeys = kTile;  // keys of a tile
@@ -1251,10 +1231,6 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
   const int n_tiles = (min(m0 + kRows, T) - 1) / kKeys + 1;
   load_tile<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
   load_tile<D, kKeys>(k_s, k_base, a.k_stride.t, 0, T, tid);
-  if constexpr (kOverlap) {  // two groups: {Q, K 0}, then {K 1, V 0}
-    cp_async_commit();
-    if (n_tiles > 1) load_tile<D, kKeys>(k_s + kTileBytes, k_base, a.k_stride.t, kKeys, T, tid);
-  }
   load_tile<D, kKeys>(v_s, v_base, a.v_stride.t, 0, T, tid);
   cp_async_commit();
 
@@ -1267,77 +1243,6 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
   for (int i = 0; i < kKeys / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
   uint32_t pa[kKeys / 16][4];
 
-  if constexpr (kOverlap) {
-    cp_async_wait<1>();  // Q and K 0
-    wgmma::fence_proxy_async();
-    __syncthreads();
-    wgmma::wgmma_fence();
-    issue_tile_ss<D, kKeys, kRows>(s, q_s, k_s);
-    wgmma::wgmma_commit();
-    wgmma::wgmma_wait<0>();
-    wgmma::registers_fence(s);
-    float s_next[kKeys / 8][4];
-    // Tile j (its scores in s); kNext: tile j + 1 exists, and its S is issued with O += P V. The
-    // last tile's step is separate (and waits for its product) so that the number of wgmma groups
-    // in flight never depends on a runtime condition (else ptxas serializes the wgmmas).
-    auto step = [&](int j, auto next) {
-      constexpr bool kNext = decltype(next)::value;
-      const int buf = j & 1;
-      if (j * kKeys + kKeys - 1 > warp_q0) {  // as in the kernel without kOverlap
-#pragma unroll
-        for (int nb = 0; nb < kKeys / 8; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int qi = warp_q0 + g + (e >> 1) * 8, key = j * kKeys + nb * 8 + 2 * t + (e & 1);
-            if (key > qi) s[nb][e] = -INFINITY;
-          }
-      }
-      float alpha[2];
-      softmax_probabilities(s, row_max, row_sum, alpha, sl2);  // while O += P V of tile j - 1 runs
-      wgmma::wgmma_wait<0>();
-      wgmma::registers_fence(o);
-      wgmma::registers_fence(pa);
-      rescale_rows<D>(o, alpha);
-      if constexpr (kNext) {
-        __syncthreads();  // every warp is past tile j - 1's product: K buffer buf and V buffer buf ^ 1 are free
-        if (j + 2 < n_tiles) load_tile<D, kKeys>(k_s + buf * kTileBytes, k_base, a.k_stride.t, (j + 2) * kKeys, T, tid);
-        load_tile<D, kKeys>(v_s + (buf ^ 1) * kTileBytes, v_base, a.v_stride.t, (j + 1) * kKeys, T, tid);
-        cp_async_commit();
-        cp_async_wait<1>();  // K of tile j + 1 and V of tile j
-      } else {
-        cp_async_wait<0>();  // V of tile j
-      }
-      wgmma::fence_proxy_async();
-      __syncthreads();
-      wgmma::wgmma_fence();
-      if constexpr (kNext) {
-        issue_tile_ss<D, kKeys, kRows>(s_next, q_s, k_s + (buf ^ 1) * kTileBytes);
-        wgmma::wgmma_commit();
-      }
-      issue_regs_group(o, pa, s, v_s + buf * kTileBytes);  // O += P V
-      if constexpr (kNext) {
-        wgmma::wgmma_wait<1>();  // S of tile j + 1 (O += P V may still run)
-        wgmma::registers_fence(s_next);
-#pragma unroll
-        for (int nb = 0; nb < kKeys / 8; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[nb][e] = s_next[nb][e];
-      } else {
-        wgmma::wgmma_wait<0>();
-      }
-    };
-    if (n_tiles > 1) {
-      int j = 0;
-      do step(j, std::true_type{});  // a do-while: no path skips the loop (see the dK/dV kernel)
-      while (++j < n_tiles - 1);
-    }
-    step(n_tiles - 1, std::false_type{});
-    wgmma::wgmma_wait<0>();
-    wgmma::registers_fence(o);
-    wgmma::registers_fence(pa);
-    cp_async_wait<0>();
-    __syncthreads();  // every product and load is done: the key buffers may become the stage
-  } else {
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
     advance_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, j, n_tiles, T, tid);
@@ -1357,13 +1262,12 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
           if (key > qi) s[nb][e] = -INFINITY;
         }
     }
-    online_softmax_step<D>(s, o, row_max, row_sum, sl2);
+    online_softmax_step<D, true>(s, o, row_max, row_sum, sl2);
     issue_regs_group(o, pa, s, vt);  // O += P V (o was rescaled by ordinary instructions: fenced)
     wgmma::wgmma_wait<0>();
     wgmma::registers_fence(o);
     wgmma::registers_fence(pa);
     __syncthreads();  // before this buffer is refilled
-  }
   }
 
   finish_softmax_rows<D>(o, row_max, row_sum, sl2, a.lse + ((int64_t)b * d.heads + h) * T, warp_q0, T, g, t);
@@ -1664,13 +1568,8 @@ void forward_d(const AttentionForwardArgs& a, cudaStream_t stream) {
   if (a.wgmma) {
     const dim3 grid((a.dims.seq + kTile - 1) / kTile, a.dims.heads, a.dims.batch);
     constexpr int smem = wg_forward_smem_bytes<D>();
-    if (a.wgmma_overlap) {
-      set_smem(attention_forward_wgmma_kernel<D, true>, smem);
-      attention_forward_wgmma_kernel<D, true><<<grid, kThreads, smem, stream>>>(a);
-    } else {
-      set_smem(attention_forward_wgmma_kernel<D, false>, smem);
-      attention_forward_wgmma_kernel<D, false><<<grid, kThreads, smem, stream>>>(a);
-    }
+    set_smem(attention_forward_wgmma_kernel<D>, smem);
+    attention_forward_wgmma_kernel<D><<<grid, kThreads, smem, stream>>>(a);
     FOURBIT_CUDA_CHECK_LAUNCH();
     return;
   }

@@ -34,9 +34,6 @@ struct AttentionForwardArgs {
   bool wide = false;
   // The warpgroup-MMA kernel (any D; only where attention_wgmma_available()); wins over wide.
   bool wgmma = false;
-  // With wgmma: the software-pipelined variant (O += P V of one key tile runs while the next
-  // tile's scores are exponentiated); the same bits (attention_kernels.cu).
-  bool wgmma_overlap = false;
 };
 
 // RoPE's backward rotation folded into the dq and dk stores (attention.h
