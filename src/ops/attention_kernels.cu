@@ -342,29 +342,10 @@ __device__ __forceinline__ void store_grad_rows(float (&acc)[D / 8][4], float sc
 
 // --- pieces shared by the forward and backward kernels ------------------------------------------
 
-// 2^x by one MUFU.EX2 (ex2.approx.ftz: the instruction exp2f also uses, 2 ulp), without
-// exp2f's scaling around it for subnormal results: those become 0 (an attention probability below
-// 2^-126 adds nothing to a sum of them that includes the row's maximum, 1). The wgmma kernels use
-// it; in session 23's profile (ncu, dK/dV at gpt2-124m) exp2f's extra instructions were most of the
-// 148 non-fused FP32 instructions a warp issued per key tile, in a kernel bound by issue slots.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// exp2f, or exp2_ftz where kFtz.
-template <bool kFtz>
-__device__ __forceinline__ float softmax_exp2(float x) {
-  if constexpr (kFtz) return exp2_ftz(x);
-  else return exp2f(x);
-}
-
 // Online-softmax step for one warp's 16-row block and a 64-key tile: rows g (r = 0) and g + 8
 // (r = 1), a row's 64 scores in the 4 threads of a quad. s becomes P (unnormalized, FP32), o is
-// rescaled; row_sum holds this thread's columns only (reduced in finish_softmax_rows). kFtz: the
-// exponentials by exp2_ftz (the wgmma forward).
-template <int D, bool kFtz = false>
+// rescaled; row_sum holds this thread's columns only (reduced in finish_softmax_rows).
+template <int D>
 __device__ __forceinline__ void online_softmax_step(float (&s)[kTile / 8][4], float (&o)[D / 8][4],
                                                     float (&row_max)[2], float (&row_sum)[2],
                                                     float sl2) {
@@ -376,13 +357,13 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[kTile / 8][4], fl
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_scaled = mx == -INFINITY ? 0.0f : mx * sl2;
-    const float alpha = softmax_exp2<kFtz>(row_max[r] * sl2 - m_scaled);
+    const float alpha = exp2f(row_max[r] * sl2 - m_scaled);
     row_max[r] = mx;
     float sum = 0.0f;
 #pragma unroll
     for (int nb = 0; nb < kTile / 8; ++nb) {
-      s[nb][2 * r] = softmax_exp2<kFtz>(fmaf(s[nb][2 * r], sl2, -m_scaled));
-      s[nb][2 * r + 1] = softmax_exp2<kFtz>(fmaf(s[nb][2 * r + 1], sl2, -m_scaled));
+      s[nb][2 * r] = exp2f(fmaf(s[nb][2 * r], sl2, -m_scaled));
+      s[nb][2 * r + 1] = exp2f(fmaf(s[nb][2 * r + 1], sl2, -m_scaled));
       sum += s[nb][2 * r] + s[nb][2 * r + 1];
     }
     row_sum[r] = row_sum[r] * alpha + sum;
@@ -1012,7 +993,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int ql = nb * 8 + 2 * t + (e & 1);
-        float p = exp2_ftz(fmaf(st[nb][e], sl2, -lse_t[ql] * kLog2e));
+        float p = exp2f(fmaf(st[nb][e], sl2, -lse_t[ql] * kLog2e));
         if (edge) {
           const int qi = q0 + ql, key = key_lo + (e >> 1) * 8;
           if (!(qi >= key && qi < T)) p = 0.0f;
@@ -1152,7 +1133,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
     for (int nb = 0; nb < kKeys / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float p = exp2_ftz(fmaf(s[nb][e], sl2, -lse2[e >> 1]));
+        float p = exp2f(fmaf(s[nb][e], sl2, -lse2[e >> 1]));
         if (edge) {
           const int qi = q_lo + (e >> 1) * 8, key = j * kKeys + nb * 8 + 2 * t + (e & 1);
           if (!(key <= qi && qi < T)) p = 0.0f;
@@ -1262,7 +1243,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
           if (key > qi) s[nb][e] = -INFINITY;
         }
     }
-    online_softmax_step<D, true>(s, o, row_max, row_sum, sl2);
+    online_softmax_step<D>(s, o, row_max, row_sum, sl2);
     issue_regs_group(o, pa, s, vt);  // O += P V (o was rescaled by ordinary instructions: fenced)
     wgmma::wgmma_wait<0>();
     wgmma::registers_fence(o);
