@@ -54,9 +54,10 @@ struct Case {
   bool fused = false;  // q, k, v (and dq, dk, dv) as strided slices of one fused buffer
   // D = 64 kernel shapes (AttentionOptions::tiles): the defaults, every kernel narrow (16 rows a
   // warp) or every kernel wide (32 rows a warp).
-  // kWgmma: the warpgroup-MMA forward and backward kernels (any D); kWgmmaOverlap: with the
-  // software-pipelined backward (AttentionOptions::wgmma_overlap).
-  enum class Tiles { kDefault, kNarrow, kWide, kWgmma, kWgmmaOverlap } tiles = Tiles::kDefault;
+  // kWgmma: the warpgroup-MMA forward and backward kernels (any D), without the pipelined
+  // backward; kWgmmaOverlap: with it (AttentionOptions::wgmma_overlap); kWgmmaLean: pipelined and
+  // lean (AttentionOptions::wgmma_lean).
+  enum class Tiles { kDefault, kNarrow, kWide, kWgmma, kWgmmaOverlap, kWgmmaLean } tiles = Tiles::kDefault;
 };
 
 AttentionTiles tiles_of(const Case& c) {
@@ -65,7 +66,8 @@ AttentionTiles tiles_of(const Case& c) {
     case Case::Tiles::kWide: return AttentionTiles{true, true, true};
     case Case::Tiles::kDefault:
     case Case::Tiles::kWgmma:
-    case Case::Tiles::kWgmmaOverlap: break;
+    case Case::Tiles::kWgmmaOverlap:
+    case Case::Tiles::kWgmmaLean: break;
   }
   return AttentionTiles{};
 }
@@ -73,9 +75,11 @@ AttentionTiles tiles_of(const Case& c) {
 AttentionOptions options_of(const Case& c) {
   AttentionOptions o;
   o.tiles = tiles_of(c);
-  const bool overlap = c.tiles == Case::Tiles::kWgmmaOverlap;
+  const bool lean = c.tiles == Case::Tiles::kWgmmaLean;
+  const bool overlap = c.tiles == Case::Tiles::kWgmmaOverlap || lean;
   o.wgmma_backward = o.wgmma_forward = c.tiles == Case::Tiles::kWgmma || overlap;
   o.wgmma_overlap = overlap;
+  o.wgmma_lean = lean;
   return o;
 }
 
@@ -88,6 +92,7 @@ std::string describe(const Case& c) {
           : c.tiles == Case::Tiles::kNarrow ? " all narrow"
           : c.tiles == Case::Tiles::kWgmma  ? " wgmma"
           : c.tiles == Case::Tiles::kWgmmaOverlap ? " wgmma, overlapped backward"
+          : c.tiles == Case::Tiles::kWgmmaLean ? " wgmma lean"
                                             : "");
 }
 
@@ -481,6 +486,16 @@ TEST_F(OpsAttentionCuda, WgmmaOverlapBackwardMatchesTheReferenceAndTheUnpipeline
   }
 }
 
+// The lean wgmma kernels (advanced descriptors, ex2.approx.ftz exponentials): the same cases and
+// tolerances as the other wgmma kernels.
+TEST_F(OpsAttentionCuda, WgmmaLeanKernelsMatchTheReference) {
+  if (!attention_wgmma_available()) GTEST_SKIP() << "needs an sm_90a build on a compute 9.0 GPU";
+  check_cases(Case::Tiles::kWgmmaLean, 9000,
+              {{2, 1, 4, 2, 64}, {1, 7, 2, 2, 128}, {2, 65, 4, 1, 64}, {1, 128, 2, 2, 64}, {1, 200, 6, 2, 128},
+               {1, 333, 2, 1, 64}, {2, 100, 4, 2, 64, 1.0, true}, {1, 77, 2, 1, 128, 1.0, true},
+               {1, 150, 2, 1, 64, 4.0}, {1, 90, 2, 2, 128, 4.0}, {2, 1000, 4, 1, 64}, {3, 777, 4, 2, 128}});
+}
+
 TEST_F(OpsAttentionCuda, FusedQkvStridedViews) {
   check_case(Case{2, 100, 4, 2, 64, 1.0, true}, 3000);
   if (HasFatalFailure()) return;
@@ -512,12 +527,14 @@ TEST_F(OpsAttentionCuda, RopeBackwardInTheEpiloguesEqualsTheSeparatePass) {
       {2, 130, 2, 2, 64, 1.0, true, Case::Tiles::kNarrow},   {2, 90, 4, 2, 128, 1.0, false, Case::Tiles::kDefault},
       {1, 77, 2, 1, 128, 1.0, true, Case::Tiles::kDefault},
       {2, 100, 4, 2, 64, 1.0, false, Case::Tiles::kWgmma},  {1, 77, 2, 1, 128, 1.0, true, Case::Tiles::kWgmma},
+      {2, 100, 4, 2, 64, 1.0, false, Case::Tiles::kWgmmaLean}, {1, 77, 2, 1, 128, 1.0, true, Case::Tiles::kWgmmaLean},
   };
   uint64_t seed = 7000;
   for (const Case& c : cases) {
     SCOPED_TRACE(describe(c));
     seed += 10;
-    if (c.tiles == Case::Tiles::kWgmma && !attention_wgmma_available()) continue;
+    if ((c.tiles == Case::Tiles::kWgmma || c.tiles == Case::Tiles::kWgmmaLean) && !attention_wgmma_available())
+      continue;
     const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.T * c.Hkv * c.D, N = c.B * c.T;
     std::vector<int32_t> pos = random_ints(N, -50, 4000, seed + 4);
     pos[0] = 200000;  // angle up to 2e5 rad: sincosf's slow path

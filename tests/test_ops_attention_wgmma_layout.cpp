@@ -99,5 +99,32 @@ TEST(OpsAttentionWgmmaLayout, WrongDescriptorsAreCaught) {
   EXPECT_GT((mismatches<64, 64>(Major::kK, short_k_step)), 0);
 }
 
+// The lean kernels' descriptors (one a tile, advanced by a constant per k-step) are the same 64 bits
+// as the ones built per k-step, for every tile shape the kernels use at every 1024-aligned address
+// where the tile fits in an SM's 228 KB of shared memory. Past 2^18 bytes the address field would
+// carry into the next one: the check sees that.
+template <int kRows, int D>
+int advanced_mismatches(uint32_t tile) {
+  int bad = 0;
+  for (int kk = 0; kk < D / 16; ++kk)
+    bad += advance(k_major<kRows>(tile, 0), k_major_step<kRows>(kk)) != k_major<kRows>(tile, kk);
+  for (int kk = 0; kk < kRows / 16; ++kk)
+    bad += advance(mn_major<kRows>(tile, 0), mn_major_step(kk)) != mn_major<kRows>(tile, kk);
+  return bad;
+}
+template <int kRows, int D>
+int advanced_mismatches_everywhere() {
+  constexpr uint32_t kSmem = 228 * 1024, kTileBytes = kRows * D * 2;
+  int bad = 0;
+  for (uint32_t tile = 0; tile + kTileBytes <= kSmem; tile += 1024) bad += advanced_mismatches<kRows, D>(tile);
+  return bad;
+}
+TEST(OpsAttentionWgmmaLayout, AdvancedDescriptorsEqualTheDirectOnes) {
+  EXPECT_EQ((advanced_mismatches_everywhere<64, 64>()), 0);
+  EXPECT_EQ((advanced_mismatches_everywhere<64, 128>()), 0);
+  EXPECT_EQ((advanced_mismatches_everywhere<32, 128>()), 0);
+  EXPECT_GT((advanced_mismatches<64, 128>((1u << 18) - 1024)), 0);
+}
+
 }  // namespace
 }  // namespace fourbit::ops::kernels::wgmma

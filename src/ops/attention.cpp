@@ -356,6 +356,10 @@ void check_cuda_heads(std::string_view op,
   static const int forced = env_switch("FOURBIT_ATTENTION_WGMMA_OVERLAP");
   return forced == -1 ? options.wgmma_overlap : forced == 1;
 }
+[[maybe_unused]] bool resolve_wgmma_lean(const AttentionOptions& options) {
+  static const int forced = env_switch("FOURBIT_ATTENTION_WGMMA_LEAN");
+  return forced == -1 ? options.wgmma_lean : forced == 1;
+}
 [[maybe_unused]] bool resolve_wgmma_forward(const AttentionOptions& options) {
   static const int forced = env_switch("FOURBIT_ATTENTION_WGMMA_FORWARD");
   return resolve_wgmma(options.wgmma_forward, "FOURBIT_ATTENTION_WGMMA_FORWARD", forced);
@@ -408,6 +412,7 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   a.lse = lse.ptr<float>();
   a.wide = resolve_tiles(options).wide_forward;
   a.wgmma = resolve_wgmma_forward(options);
+  a.wgmma_lean = a.wgmma && resolve_wgmma_lean(options);
   kernels::launch_attention_forward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;
@@ -482,6 +487,7 @@ void attention_backward(const TensorView& dout, const TensorView& q, const Tenso
   a.wide_dq = tiles.wide_dq;
   a.wgmma = resolve_wgmma_backward(options);
   a.wgmma_overlap = a.wgmma && resolve_wgmma_overlap(options);
+  a.wgmma_lean = a.wgmma_overlap && resolve_wgmma_lean(options);
   if (const auto& r = options.rope_backward) {
     static_assert(kernels::kAttentionRopeMaxPairs * 2 >= 128, "D <= 128 on CUDA");
     a.rope.positions = r->positions.ptr<const int32_t>();

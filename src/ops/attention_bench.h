@@ -5,8 +5,9 @@
 // key/value cache read and the ratio to the measured copy bandwidth (../shared/docs/BENCHMARKS.md).
 // "forward" and "backward" time the default kernels (wgmma where attention_wgmma_available()).
 // There, every training shape also gets "forward (mma.sync)" and "backward (mma.sync)" rows
-// (AttentionOptions::wgmma_* off) and a "backward (wgmma, no overlap)" row
-// (AttentionOptions::wgmma_overlap off), so each run is an A/B of the kernel variants
+// (AttentionOptions::wgmma_* off), a "backward (wgmma, no overlap)" row
+// (AttentionOptions::wgmma_overlap off) and "forward / backward (wgmma lean)" rows
+// (AttentionOptions::wgmma_lean), so each run is an A/B of the kernel variants
 // (FOURBIT_ATTENTION_WGMMA* set in the environment override every row alike).
 // Needs a CUDA build and a GPU.
 #pragma once

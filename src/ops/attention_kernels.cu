@@ -342,10 +342,27 @@ __device__ __forceinline__ void store_grad_rows(float (&acc)[D / 8][4], float sc
 
 // --- pieces shared by the forward and backward kernels ------------------------------------------
 
+// 2^x: exp2f, or with kFtz one MUFU.EX2 (ex2.approx.ftz, the instruction exp2f is built on, 2 ulp)
+// without exp2f's scaling around it for subnormal results, which become 0 (a probability below
+// 2^-126 adds nothing to a row sum that includes the row's maximum, 1). The wgmma kernels' lean
+// variant takes kFtz: in session 23's ncu profile of the dK/dV kernel (issue-bound) exp2f's extra
+// instructions were most of the 148 non-fused FP32 instructions a warp issued per tile pair.
+template <bool kFtz>
+__device__ __forceinline__ float softmax_exp2(float x) {
+  if constexpr (kFtz) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  } else {
+    return exp2f(x);
+  }
+}
+
 // Online-softmax step for one warp's 16-row block and a 64-key tile: rows g (r = 0) and g + 8
 // (r = 1), a row's 64 scores in the 4 threads of a quad. s becomes P (unnormalized, FP32), o is
-// rescaled; row_sum holds this thread's columns only (reduced in finish_softmax_rows).
-template <int D>
+// rescaled; row_sum holds this thread's columns only (reduced in finish_softmax_rows). kFtz: the
+// exponentials by softmax_exp2<true>.
+template <int D, bool kFtz = false>
 __device__ __forceinline__ void online_softmax_step(float (&s)[kTile / 8][4], float (&o)[D / 8][4],
                                                     float (&row_max)[2], float (&row_sum)[2],
                                                     float sl2) {
@@ -357,13 +374,13 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[kTile / 8][4], fl
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_scaled = mx == -INFINITY ? 0.0f : mx * sl2;
-    const float alpha = exp2f(row_max[r] * sl2 - m_scaled);
+    const float alpha = softmax_exp2<kFtz>(row_max[r] * sl2 - m_scaled);
     row_max[r] = mx;
     float sum = 0.0f;
 #pragma unroll
     for (int nb = 0; nb < kTile / 8; ++nb) {
-      s[nb][2 * r] = exp2f(fmaf(s[nb][2 * r], sl2, -m_scaled));
-      s[nb][2 * r + 1] = exp2f(fmaf(s[nb][2 * r + 1], sl2, -m_scaled));
+      s[nb][2 * r] = softmax_exp2<kFtz>(fmaf(s[nb][2 * r], sl2, -m_scaled));
+      s[nb][2 * r + 1] = softmax_exp2<kFtz>(fmaf(s[nb][2 * r + 1], sl2, -m_scaled));
       sum += s[nb][2 * r] + s[nb][2 * r + 1];
     }
     row_sum[r] = row_sum[r] * alpha + sum;
@@ -871,25 +888,41 @@ __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
 
 // acc[64 x N] (=) A B^T over the D reduction columns: A and B swizzled [kRowsA, D] / [N, D] tiles,
 // both read K-major; the first k-step overwrites acc. Issues the wgmmas only (no fence or commit).
-template <int D, int N, int kRowsA>
+// kLean: one descriptor a tile, advanced per k-step by a constant (wgmma::advance: the same bits
+// as building each, for any address in shared memory).
+template <int D, int N, int kRowsA, bool kLean = false>
 __device__ __forceinline__ void issue_tile_ss(float (&acc)[N / 8][4], uint32_t a_tile, uint32_t b_tile) {
+  if constexpr (kLean) {
+    const uint64_t da = wgmma::k_major<kRowsA>(a_tile, 0), db = wgmma::k_major<N>(b_tile, 0);
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-    wgmma::mma_ss<N>(acc, wgmma::k_major<kRowsA>(a_tile, kk), wgmma::k_major<N>(b_tile, kk), kk > 0);
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma::mma_ss<N>(acc, wgmma::advance(da, wgmma::k_major_step<kRowsA>(kk)),
+                       wgmma::advance(db, wgmma::k_major_step<N>(kk)), kk > 0);
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma::mma_ss<N>(acc, wgmma::k_major<kRowsA>(a_tile, kk), wgmma::k_major<N>(b_tile, kk), kk > 0);
+  }
 }
 
 // acc[64 x 8 NB] += P B as one commit group: P's FP32 accumulators (C layout, 16 KC columns) are
 // rounded into the register A operands a (which must stay untouched until the group's wait), B is
 // a swizzled [16 KC, 8 NB] tile read MN-major. The fence also covers acc's own updates by ordinary
 // instructions (the forward's rescaling).
-template <int NB, int KC>
+template <int NB, int KC, bool kLean = false>
 __device__ __forceinline__ void issue_regs_group(float (&acc)[NB][4], uint32_t (&a)[KC][4], const float (&p)[2 * KC][4],
                                                  uint32_t b_tile) {
 #pragma unroll
   for (int kc = 0; kc < KC; ++kc) pack_a(a[kc], p, kc);
   wgmma::wgmma_fence();
+  if constexpr (kLean) {
+    const uint64_t db = wgmma::mn_major<16 * KC>(b_tile, 0);
 #pragma unroll
-  for (int kc = 0; kc < KC; ++kc) wgmma::mma_rs<8 * NB>(acc, a[kc], wgmma::mn_major<16 * KC>(b_tile, kc));
+    for (int kc = 0; kc < KC; ++kc) wgmma::mma_rs<8 * NB>(acc, a[kc], wgmma::advance(db, wgmma::mn_major_step(kc)));
+  } else {
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) wgmma::mma_rs<8 * NB>(acc, a[kc], wgmma::mn_major<16 * KC>(b_tile, kc));
+  }
   wgmma::wgmma_commit();
 }
 
@@ -897,7 +930,8 @@ __device__ __forceinline__ void issue_regs_group(float (&acc)[NB][4], uint32_t (
 // issued behind it); query tile it + 1 is loaded only once that product has read buffer it - 1, so
 // its load overlaps half an iteration instead of a whole one. The same products in the same order
 // on every accumulator: the same bits.
-template <int D, bool kRope, bool kOverlap>
+// kLean: descriptors advanced per k-step (issue_tile_ss) and exponentials by softmax_exp2<true>.
+template <int D, bool kRope, bool kOverlap, bool kLean>
 __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const AttentionBackwardArgs a,
                                                                         const float* delta) {
   constexpr int kKeys = kTile;
@@ -970,9 +1004,9 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
 
     // S^T = K Q^T, then dP^T = V dO^T: two groups.
     wgmma::wgmma_fence();
-    issue_tile_ss<D, kQ, kKeys>(st, k_s, qt);
+    issue_tile_ss<D, kQ, kKeys, kLean>(st, k_s, qt);
     wgmma::wgmma_commit();
-    issue_tile_ss<D, kQ, kKeys>(dpt, v_s, dot);
+    issue_tile_ss<D, kQ, kKeys, kLean>(dpt, v_s, dot);
     wgmma::wgmma_commit();
 
     // P^T = exp(S^T - lse) where query >= key and query < T, else 0 (while dP^T runs).
@@ -993,14 +1027,14 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int ql = nb * 8 + 2 * t + (e & 1);
-        float p = exp2f(fmaf(st[nb][e], sl2, -lse_t[ql] * kLog2e));
+        float p = softmax_exp2<kLean>(fmaf(st[nb][e], sl2, -lse_t[ql] * kLog2e));
         if (edge) {
           const int qi = q0 + ql, key = key_lo + (e >> 1) * 8;
           if (!(qi >= key && qi < T)) p = 0.0f;
         }
         st[nb][e] = p;
       }
-    issue_regs_group(dv, pa, st, dot);  // dV += P^T dO (while dS^T is computed)
+    issue_regs_group<D / 8, kQ / 16, kLean>(dv, pa, st, dot);  // dV += P^T dO (while dS^T is computed)
 
     // dS^T = P^T (dP^T - D).
     wgmma::wgmma_wait<1>();
@@ -1009,7 +1043,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
     for (int nb = 0; nb < kQ / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dpt[nb][e] = st[nb][e] * (dpt[nb][e] - delta_t[nb * 8 + 2 * t + (e & 1)]);
-    issue_regs_group(dk, dsa, dpt, qt);  // dK += dS^T Q
+    issue_regs_group<D / 8, kQ / 16, kLean>(dk, dsa, dpt, qt);  // dK += dS^T Q
     if constexpr (!kOverlap) {
       wgmma::wgmma_wait<0>();
       wgmma::registers_fence(dv);
@@ -1042,7 +1076,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
 // kOverlap: dQ += dS K of tile j runs on while tile j + 1's S and dP are issued behind it; tile
 // j + 1 is loaded once that product has read buffer j - 1 (after the first wait of iteration j).
 // The same products in the same order on dq: the same bits.
-template <int D, bool kRope, bool kOverlap>
+// kLean: as in the dK/dV kernel.
+template <int D, bool kRope, bool kOverlap, bool kLean>
 __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const AttentionBackwardArgs a,
                                                                       const float* delta) {
   constexpr int kRows = kTile;   // queries of the CTA
@@ -1109,9 +1144,9 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
 
     // S = Q K^T, then dP = dO V^T: two groups.
     wgmma::wgmma_fence();
-    issue_tile_ss<D, kKeys, kRows>(s, q_s, kt);
+    issue_tile_ss<D, kKeys, kRows, kLean>(s, q_s, kt);
     wgmma::wgmma_commit();
-    issue_tile_ss<D, kKeys, kRows>(dp, do_s, vt);
+    issue_tile_ss<D, kKeys, kRows, kLean>(dp, do_s, vt);
     wgmma::wgmma_commit();
 
     // P = exp(S - lse) where key <= query < T, else 0 (while dP runs).
@@ -1133,7 +1168,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
     for (int nb = 0; nb < kKeys / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float p = exp2f(fmaf(s[nb][e], sl2, -lse2[e >> 1]));
+        float p = softmax_exp2<kLean>(fmaf(s[nb][e], sl2, -lse2[e >> 1]));
         if (edge) {
           const int qi = q_lo + (e >> 1) * 8, key = j * kKeys + nb * 8 + 2 * t + (e & 1);
           if (!(key <= qi && qi < T)) p = 0.0f;
@@ -1147,7 +1182,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
     for (int nb = 0; nb < kKeys / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[nb][e] = s[nb][e] * (dp[nb][e] - dlt[e >> 1]);
-    issue_regs_group(dq, dsa, dp, kt);
+    issue_regs_group<D / 8, kKeys / 16, kLean>(dq, dsa, dp, kt);
     if constexpr (!kOverlap) {
       wgmma::wgmma_wait<0>();
       wgmma::registers_fence(dq);
@@ -1184,7 +1219,8 @@ constexpr int wg_forward_smem_bytes() {  // Q, 2 x K, 2 x V + alignment slack
 // session 23: S of the next tile issued with O += P V and exponentiated while that runs. It needed
 // 162 registers instead of 126 at D 64, so 3 CTAs an SM instead of 4, and was slower: H200, gpt2-124m
 // B 32, 0.226 vs 0.217 ms; 1.3b 0.258 vs 0.259. Removed.)
-template <int D>
+// kLean: as in the dK/dV kernel.
+template <int D, bool kLean>
 __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const AttentionForwardArgs a) {
   constexpr int kRows = kTile;  // queries of the CTA
   constexpr int kKeys = kTile;  // keys of a tile
@@ -1230,7 +1266,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
     const uint32_t kt = k_s + buf * kTileBytes, vt = v_s + buf * kTileBytes;
 
     wgmma::wgmma_fence();
-    issue_tile_ss<D, kKeys, kRows>(s, q_s, kt);
+    issue_tile_ss<D, kKeys, kRows, kLean>(s, q_s, kt);
     wgmma::wgmma_commit();
     wgmma::wgmma_wait<0>();
     wgmma::registers_fence(s);
@@ -1243,8 +1279,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
           if (key > qi) s[nb][e] = -INFINITY;
         }
     }
-    online_softmax_step<D>(s, o, row_max, row_sum, sl2);
-    issue_regs_group(o, pa, s, vt);  // O += P V (o was rescaled by ordinary instructions: fenced)
+    online_softmax_step<D, kLean>(s, o, row_max, row_sum, sl2);
+    issue_regs_group<D / 8, kKeys / 16, kLean>(o, pa, s, vt);  // O += P V (o was rescaled by ordinary instructions: fenced)
     wgmma::wgmma_wait<0>();
     wgmma::registers_fence(o);
     wgmma::registers_fence(pa);
@@ -1549,8 +1585,13 @@ void forward_d(const AttentionForwardArgs& a, cudaStream_t stream) {
   if (a.wgmma) {
     const dim3 grid((a.dims.seq + kTile - 1) / kTile, a.dims.heads, a.dims.batch);
     constexpr int smem = wg_forward_smem_bytes<D>();
-    set_smem(attention_forward_wgmma_kernel<D>, smem);
-    attention_forward_wgmma_kernel<D><<<grid, kThreads, smem, stream>>>(a);
+    if (a.wgmma_lean) {
+      set_smem(attention_forward_wgmma_kernel<D, true>, smem);
+      attention_forward_wgmma_kernel<D, true><<<grid, kThreads, smem, stream>>>(a);
+    } else {
+      set_smem(attention_forward_wgmma_kernel<D, false>, smem);
+      attention_forward_wgmma_kernel<D, false><<<grid, kThreads, smem, stream>>>(a);
+    }
     FOURBIT_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -1596,26 +1637,28 @@ void dkdv_dq(const AttentionBackwardArgs& a, const float* delta, cudaStream_t st
 }
 
 // The warpgroup-MMA dK/dV and dQ kernels, with or without RoPE's backward in the stores.
-template <int D, bool kRope, bool kOverlap>
+template <int D, bool kRope, bool kOverlap, bool kLean>
 void dkdv_dq_wgmma_variant(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
   const AttentionDims& d = a.dims;
   const int n_blocks = (d.seq + kTile - 1) / kTile;
   constexpr int dkdv_smem = wg_dkdv_smem_bytes<D>();
-  set_smem(attention_dkdv_wgmma_kernel<D, kRope, kOverlap>, dkdv_smem);
-  attention_dkdv_wgmma_kernel<D, kRope, kOverlap>
+  set_smem(attention_dkdv_wgmma_kernel<D, kRope, kOverlap, kLean>, dkdv_smem);
+  attention_dkdv_wgmma_kernel<D, kRope, kOverlap, kLean>
       <<<dim3(n_blocks, d.kv_heads, d.batch), kThreads, dkdv_smem, stream>>>(a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
   constexpr int dq_smem = wg_dq_smem_bytes<D>();
-  set_smem(attention_dq_wgmma_kernel<D, kRope, kOverlap>, dq_smem);
-  attention_dq_wgmma_kernel<D, kRope, kOverlap>
+  set_smem(attention_dq_wgmma_kernel<D, kRope, kOverlap, kLean>, dq_smem);
+  attention_dq_wgmma_kernel<D, kRope, kOverlap, kLean>
       <<<dim3(n_blocks, d.heads, d.batch), kThreads, dq_smem, stream>>>(a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
+// The lean variant exists pipelined only (a.wgmma_lean without a.wgmma_overlap takes the plain one).
 template <int D, bool kRope>
 void dkdv_dq_wgmma_rope(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
-  if (a.wgmma_overlap) return dkdv_dq_wgmma_variant<D, kRope, true>(a, delta, stream);
-  dkdv_dq_wgmma_variant<D, kRope, false>(a, delta, stream);
+  if (a.wgmma_overlap && a.wgmma_lean) return dkdv_dq_wgmma_variant<D, kRope, true, true>(a, delta, stream);
+  if (a.wgmma_overlap) return dkdv_dq_wgmma_variant<D, kRope, true, false>(a, delta, stream);
+  dkdv_dq_wgmma_variant<D, kRope, false, false>(a, delta, stream);
 }
 
 template <int D>

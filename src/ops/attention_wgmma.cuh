@@ -65,6 +65,23 @@ FOURBIT_HD uint64_t mn_major(uint32_t tile_addr, int kk) {
   return descriptor(tile_addr + (uint32_t)(kk * 2048), kRows * 128, 1024);
 }
 
+// The same descriptors as a base plus a constant: k_major<kRows>(tile, kk) ==
+// advance(k_major<kRows>(tile, 0), k_major_step<kRows>(kk)), and likewise for mn_major, whenever
+// the addressed byte lies below 2^18 (all of shared memory): the address field (bits 0-13, the
+// address / 16) then takes the step without a carry into the fields above it. The kernels' lean
+// variant builds one descriptor a tile and advances it per k-step by one 32-bit add on its low
+// word (tests/test_ops_attention_wgmma_layout.cpp checks the equality for every tile the kernels
+// use, at every 1024-aligned shared-memory address).
+template <int kRows>
+FOURBIT_HD constexpr uint32_t k_major_step(int kk) {
+  return (uint32_t)((kk >> 2) * kRows * 128 + (kk & 3) * 32) >> 4;
+}
+FOURBIT_HD constexpr uint32_t mn_major_step(int kk) { return (uint32_t)(kk * 2048) >> 4; }
+FOURBIT_HD uint64_t advance(uint64_t desc, uint32_t step) {
+  const uint32_t lo = (uint32_t)desc + step, hi = (uint32_t)(desc >> 32);
+  return (uint64_t)hi << 32 | lo;
+}
+
 #if defined(__CUDACC__)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
