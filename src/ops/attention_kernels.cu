@@ -33,9 +33,12 @@
 // tiles (dk/dv) do the most work, so they are given the lowest block indices.
 //
 // Hopper (sm_90a) variants of the forward, dK/dV and dQ kernels on warpgroup MMA (wgmma), chosen
-// by AttentionOptions::wgmma_forward / wgmma_backward: same tiling of the work, one warpgroup a
-// CTA, each tile product one wgmma with operands in 128-byte-swizzled shared memory (see the
-// section "backward on Hopper warpgroup MMA" and attention_wgmma.cuh).
+// by AttentionOptions::wgmma_forward / wgmma_backward (the default where they can run): same
+// tiling of the work, one warpgroup a CTA, each tile product one wgmma with operands in
+// 128-byte-swizzled shared memory (see the section "backward on Hopper warpgroup MMA" and
+// attention_wgmma.cuh). The backward ones come pipelined (kOverlap, AttentionOptions::
+// wgmma_overlap: each iteration's last product runs on into the next; the default) and lean
+// (kLean, AttentionOptions::wgmma_lean: descriptors advanced per k-step, ex2.approx.ftz; opt-in).
 //
 // Decode: one CTA per (b, kv head, 16 query rows, cache split); FP32 scalar math on key/value tiles
 // of 64 positions staged in shared memory, online softmax per row. With a workspace, launches of
