@@ -423,14 +423,18 @@ TEST_F(OpsAttentionCuda, NarrowTilesMatchTheReference) {
                {1, 150, 2, 1, 64, 4.0}, {2, 1000, 4, 1, 64}});
 }
 
-// The warpgroup-MMA forward and backward (Hopper): D 64 and 128, ragged T (not a multiple of 64 or 32), one
+// The cases of every wgmma variant: D 64 and 128, ragged T (not a multiple of 64 or 32), one
 // query tile, GQA groups, strided fused views, scores that saturate the softmax, many key blocks.
+std::vector<Case> wgmma_cases() {
+  return {{2, 1, 4, 2, 64}, {1, 7, 2, 2, 128}, {2, 65, 4, 1, 64}, {1, 128, 2, 2, 64}, {1, 200, 6, 2, 128},
+          {1, 333, 2, 1, 64}, {2, 100, 4, 2, 64, 1.0, true}, {1, 77, 2, 1, 128, 1.0, true},
+          {1, 150, 2, 1, 64, 4.0}, {1, 90, 2, 2, 128, 4.0}, {2, 1000, 4, 1, 64}, {3, 777, 4, 2, 128}};
+}
+
+// The warpgroup-MMA forward and backward (Hopper), the backward without the pipelining.
 TEST_F(OpsAttentionCuda, WgmmaKernelsMatchTheReference) {
   if (!attention_wgmma_available()) GTEST_SKIP() << "needs an sm_90a build on a compute 9.0 GPU";
-  check_cases(Case::Tiles::kWgmma, 8000,
-              {{2, 1, 4, 2, 64}, {1, 7, 2, 2, 128}, {2, 65, 4, 1, 64}, {1, 128, 2, 2, 64}, {1, 200, 6, 2, 128},
-               {1, 333, 2, 1, 64}, {2, 100, 4, 2, 64, 1.0, true}, {1, 77, 2, 1, 128, 1.0, true},
-               {1, 150, 2, 1, 64, 4.0}, {1, 90, 2, 2, 128, 4.0}, {2, 1000, 4, 1, 64}, {3, 777, 4, 2, 128}});
+  check_cases(Case::Tiles::kWgmma, 8000, wgmma_cases());
 }
 
 // The software-pipelined warpgroup-MMA backward: the same cases against the reference, then the
@@ -438,11 +442,7 @@ TEST_F(OpsAttentionCuda, WgmmaKernelsMatchTheReference) {
 // without RoPE's backward in the epilogues.
 TEST_F(OpsAttentionCuda, WgmmaOverlapBackwardMatchesTheReferenceAndTheUnpipelinedBits) {
   if (!attention_wgmma_available()) GTEST_SKIP() << "needs an sm_90a build on a compute 9.0 GPU";
-  const std::vector<Case> cases = {{2, 1, 4, 2, 64},        {1, 7, 2, 2, 128},    {2, 65, 4, 1, 64},
-                                   {1, 128, 2, 2, 64},      {1, 200, 6, 2, 128},  {1, 333, 2, 1, 64},
-                                   {2, 100, 4, 2, 64, 1.0, true}, {1, 77, 2, 1, 128, 1.0, true},
-                                   {1, 150, 2, 1, 64, 4.0}, {1, 90, 2, 2, 128, 4.0}, {2, 1000, 4, 1, 64},
-                                   {3, 777, 4, 2, 128}};
+  const std::vector<Case> cases = wgmma_cases();
   check_cases(Case::Tiles::kWgmmaOverlap, 8000, cases);
   if (HasFatalFailure()) return;
   uint64_t seed = 8500;
@@ -490,10 +490,7 @@ TEST_F(OpsAttentionCuda, WgmmaOverlapBackwardMatchesTheReferenceAndTheUnpipeline
 // tolerances as the other wgmma kernels.
 TEST_F(OpsAttentionCuda, WgmmaLeanKernelsMatchTheReference) {
   if (!attention_wgmma_available()) GTEST_SKIP() << "needs an sm_90a build on a compute 9.0 GPU";
-  check_cases(Case::Tiles::kWgmmaLean, 9000,
-              {{2, 1, 4, 2, 64}, {1, 7, 2, 2, 128}, {2, 65, 4, 1, 64}, {1, 128, 2, 2, 64}, {1, 200, 6, 2, 128},
-               {1, 333, 2, 1, 64}, {2, 100, 4, 2, 64, 1.0, true}, {1, 77, 2, 1, 128, 1.0, true},
-               {1, 150, 2, 1, 64, 4.0}, {1, 90, 2, 2, 128, 4.0}, {2, 1000, 4, 1, 64}, {3, 777, 4, 2, 128}});
+  check_cases(Case::Tiles::kWgmmaLean, 9000, wgmma_cases());
 }
 
 TEST_F(OpsAttentionCuda, FusedQkvStridedViews) {
