@@ -55,9 +55,9 @@ struct Case {
   // D = 64 kernel shapes (AttentionOptions::tiles): the defaults, every kernel narrow (16 rows a
   // warp) or every kernel wide (32 rows a warp).
   // kWgmma: the warpgroup-MMA forward and backward kernels (any D), without the pipelined
-  // backward; kWgmmaOverlap: with it (AttentionOptions::wgmma_overlap); kWgmmaLean: pipelined and
-  // lean (AttentionOptions::wgmma_lean).
-  enum class Tiles { kDefault, kNarrow, kWide, kWgmma, kWgmmaOverlap, kWgmmaLean } tiles = Tiles::kDefault;
+  // backward; kWgmmaOverlap: with it (AttentionOptions::wgmma_overlap); kWgmmaFastExp: pipelined
+  // and with ex2.approx.ftz exponentials (AttentionOptions::wgmma_fast_exp).
+  enum class Tiles { kDefault, kNarrow, kWide, kWgmma, kWgmmaOverlap, kWgmmaFastExp } tiles = Tiles::kDefault;
 };
 
 AttentionTiles tiles_of(const Case& c) {
@@ -67,7 +67,7 @@ AttentionTiles tiles_of(const Case& c) {
     case Case::Tiles::kDefault:
     case Case::Tiles::kWgmma:
     case Case::Tiles::kWgmmaOverlap:
-    case Case::Tiles::kWgmmaLean: break;
+    case Case::Tiles::kWgmmaFastExp: break;
   }
   return AttentionTiles{};
 }
@@ -75,11 +75,11 @@ AttentionTiles tiles_of(const Case& c) {
 AttentionOptions options_of(const Case& c) {
   AttentionOptions o;
   o.tiles = tiles_of(c);
-  const bool lean = c.tiles == Case::Tiles::kWgmmaLean;
-  const bool overlap = c.tiles == Case::Tiles::kWgmmaOverlap || lean;
+  const bool fast_exp = c.tiles == Case::Tiles::kWgmmaFastExp;
+  const bool overlap = c.tiles == Case::Tiles::kWgmmaOverlap || fast_exp;
   o.wgmma_backward = o.wgmma_forward = c.tiles == Case::Tiles::kWgmma || overlap;
   o.wgmma_overlap = overlap;
-  o.wgmma_lean = lean;
+  o.wgmma_fast_exp = fast_exp;
   return o;
 }
 
@@ -92,7 +92,7 @@ std::string describe(const Case& c) {
           : c.tiles == Case::Tiles::kNarrow ? " all narrow"
           : c.tiles == Case::Tiles::kWgmma  ? " wgmma"
           : c.tiles == Case::Tiles::kWgmmaOverlap ? " wgmma, overlapped backward"
-          : c.tiles == Case::Tiles::kWgmmaLean ? " wgmma lean"
+          : c.tiles == Case::Tiles::kWgmmaFastExp ? " wgmma fast exp"
                                             : "");
 }
 
@@ -486,11 +486,10 @@ TEST_F(OpsAttentionCuda, WgmmaOverlapBackwardMatchesTheReferenceAndTheUnpipeline
   }
 }
 
-// The lean wgmma kernels (advanced descriptors, ex2.approx.ftz exponentials): the same cases and
-// tolerances as the other wgmma kernels.
-TEST_F(OpsAttentionCuda, WgmmaLeanKernelsMatchTheReference) {
+// The wgmma kernels with ex2.approx.ftz exponentials: the same cases and tolerances as the others.
+TEST_F(OpsAttentionCuda, WgmmaFastExpKernelsMatchTheReference) {
   if (!attention_wgmma_available()) GTEST_SKIP() << "needs an sm_90a build on a compute 9.0 GPU";
-  check_cases(Case::Tiles::kWgmmaLean, 9000, wgmma_cases());
+  check_cases(Case::Tiles::kWgmmaFastExp, 9000, wgmma_cases());
 }
 
 TEST_F(OpsAttentionCuda, FusedQkvStridedViews) {
@@ -524,13 +523,13 @@ TEST_F(OpsAttentionCuda, RopeBackwardInTheEpiloguesEqualsTheSeparatePass) {
       {2, 130, 2, 2, 64, 1.0, true, Case::Tiles::kNarrow},   {2, 90, 4, 2, 128, 1.0, false, Case::Tiles::kDefault},
       {1, 77, 2, 1, 128, 1.0, true, Case::Tiles::kDefault},
       {2, 100, 4, 2, 64, 1.0, false, Case::Tiles::kWgmma},  {1, 77, 2, 1, 128, 1.0, true, Case::Tiles::kWgmma},
-      {2, 100, 4, 2, 64, 1.0, false, Case::Tiles::kWgmmaLean}, {1, 77, 2, 1, 128, 1.0, true, Case::Tiles::kWgmmaLean},
+      {2, 100, 4, 2, 64, 1.0, false, Case::Tiles::kWgmmaFastExp}, {1, 77, 2, 1, 128, 1.0, true, Case::Tiles::kWgmmaFastExp},
   };
   uint64_t seed = 7000;
   for (const Case& c : cases) {
     SCOPED_TRACE(describe(c));
     seed += 10;
-    if ((c.tiles == Case::Tiles::kWgmma || c.tiles == Case::Tiles::kWgmmaLean) && !attention_wgmma_available())
+    if ((c.tiles == Case::Tiles::kWgmma || c.tiles == Case::Tiles::kWgmmaFastExp) && !attention_wgmma_available())
       continue;
     const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.T * c.Hkv * c.D, N = c.B * c.T;
     std::vector<int32_t> pos = random_ints(N, -50, 4000, seed + 4);

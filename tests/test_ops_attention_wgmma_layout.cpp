@@ -99,17 +99,18 @@ TEST(OpsAttentionWgmmaLayout, WrongDescriptorsAreCaught) {
   EXPECT_GT((mismatches<64, 64>(Major::kK, short_k_step)), 0);
 }
 
-// The lean kernels' descriptors (one a tile, advanced by a constant per k-step) are the same 64 bits
-// as the ones built per k-step, for every tile shape the kernels use at every 1024-aligned address
-// where the tile fits in an SM's 228 KB of shared memory. Past 2^18 bytes the address field would
-// carry into the next one: the check sees that.
+// k_major and mn_major build one descriptor a tile and advance it per k-step (wgmma::advance): the
+// same 64 bits as the descriptor of each k-step's own address, for every tile shape the kernels use
+// at every 1024-aligned address where the tile fits in an SM's 228 KB of shared memory. Past 2^18
+// bytes the address field would carry into the next one: the check sees that.
 template <int kRows, int D>
 int advanced_mismatches(uint32_t tile) {
   int bad = 0;
   for (int kk = 0; kk < D / 16; ++kk)
-    bad += advance(k_major<kRows>(tile, 0), k_major_step<kRows>(kk)) != k_major<kRows>(tile, kk);
+    bad += k_major<kRows>(tile, kk) !=
+           descriptor(tile + (uint32_t)((kk >> 2) * kRows * 128 + (kk & 3) * 32), 16, 1024);
   for (int kk = 0; kk < kRows / 16; ++kk)
-    bad += advance(mn_major<kRows>(tile, 0), mn_major_step(kk)) != mn_major<kRows>(tile, kk);
+    bad += mn_major<kRows>(tile, kk) != descriptor(tile + (uint32_t)(kk * 2048), kRows * 128, 1024);
   return bad;
 }
 template <int kRows, int D>

@@ -67,26 +67,27 @@ __global__ void __launch_bounds__(128) probe_kernel(const uint16_t* a, const uin
   wg::wgmma_wait<0>();
   wg::registers_fence(acc);
   store_acc<N>(acc, d_ss);
-  if constexpr (!kRegisterA<N>) return;
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int r0 = 16 * warp + g, r1 = r0 + 8;
-  auto pair = [&](int r, int c) { return (uint32_t)a[r * 64 + c] | ((uint32_t)a[r * 64 + c + 1] << 16); };
-  uint32_t frag[4][4];
-  for (int kc = 0; kc < 4; ++kc) {
-    const int c = 16 * kc + 2 * t;
-    frag[kc][0] = pair(r0, c);
-    frag[kc][1] = pair(r1, c);
-    frag[kc][2] = pair(r0, c + 8);
-    frag[kc][3] = pair(r1, c + 8);
+  if constexpr (kRegisterA<N>) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = 16 * warp + g, r1 = r0 + 8;
+    auto pair = [&](int r, int c) { return (uint32_t)a[r * 64 + c] | ((uint32_t)a[r * 64 + c + 1] << 16); };
+    uint32_t frag[4][4];
+    for (int kc = 0; kc < 4; ++kc) {
+      const int c = 16 * kc + 2 * t;
+      frag[kc][0] = pair(r0, c);
+      frag[kc][1] = pair(r1, c);
+      frag[kc][2] = pair(r0, c + 8);
+      frag[kc][3] = pair(r1, c + 8);
+    }
+    for (int j = 0; j < N / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    wg::wgmma_fence();
+    for (int kc = 0; kc < 4; ++kc) wg::mma_rs<N>(acc, frag[kc], wg::mn_major<64>(base + kBkn, kc));
+    wg::wgmma_commit();
+    wg::wgmma_wait<0>();
+    wg::registers_fence(acc);
+    store_acc<N>(acc, d_rs);
   }
-  for (int j = 0; j < N / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  wg::wgmma_fence();
-  for (int kc = 0; kc < 4; ++kc) wg::mma_rs<N>(acc, frag[kc], wg::mn_major<64>(base + kBkn, kc));
-  wg::wgmma_commit();
-  wg::wgmma_wait<0>();
-  wg::registers_fence(acc);
-  store_acc<N>(acc, d_rs);
 }
 
 template <int N>

@@ -331,11 +331,14 @@ void check_cuda_heads(std::string_view op,
   return tiles_forced().value_or(options.tiles);
 }
 
+// An option, or the environment switch that overrides it (env_switch: 0/1, -1 unset).
+bool overridden(bool option, int forced) { return forced == -1 ? option : forced == 1; }
+
 // AttentionOptions::wgmma_forward / wgmma_backward (`wanted`), or the switch `variable` (0/1)
 // when set; true only where the kernels can run (an explicit 1 where they cannot is an error).
 [[maybe_unused]] bool resolve_wgmma(bool wanted, const char* variable, int forced) {
 #if defined(FOURBIT_WITH_CUDA)
-  if (!(forced == -1 ? wanted : forced == 1)) return false;
+  if (!overridden(wanted, forced)) return false;
   const bool available = kernels::attention_wgmma_available();
   FOURBIT_CHECK(available || forced != 1,
                 "{}=1: the warpgroup-MMA attention kernels need a build with sm_90a code "
@@ -354,11 +357,11 @@ void check_cuda_heads(std::string_view op,
 }
 [[maybe_unused]] bool resolve_wgmma_overlap(const AttentionOptions& options) {
   static const int forced = env_switch("FOURBIT_ATTENTION_WGMMA_OVERLAP");
-  return forced == -1 ? options.wgmma_overlap : forced == 1;
+  return overridden(options.wgmma_overlap, forced);
 }
-[[maybe_unused]] bool resolve_wgmma_lean(const AttentionOptions& options) {
-  static const int forced = env_switch("FOURBIT_ATTENTION_WGMMA_LEAN");
-  return forced == -1 ? options.wgmma_lean : forced == 1;
+[[maybe_unused]] bool resolve_wgmma_fast_exp(const AttentionOptions& options) {
+  static const int forced = env_switch("FOURBIT_ATTENTION_WGMMA_FAST_EXP");
+  return overridden(options.wgmma_fast_exp, forced);
 }
 [[maybe_unused]] bool resolve_wgmma_forward(const AttentionOptions& options) {
   static const int forced = env_switch("FOURBIT_ATTENTION_WGMMA_FORWARD");
@@ -412,7 +415,7 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   a.lse = lse.ptr<float>();
   a.wide = resolve_tiles(options).wide_forward;
   a.wgmma = resolve_wgmma_forward(options);
-  a.wgmma_lean = a.wgmma && resolve_wgmma_lean(options);
+  a.wgmma_fast_exp = a.wgmma && resolve_wgmma_fast_exp(options);
   kernels::launch_attention_forward(a, static_cast<cudaStream_t>(stream));
 #else
   (void)stream;
@@ -487,7 +490,7 @@ void attention_backward(const TensorView& dout, const TensorView& q, const Tenso
   a.wide_dq = tiles.wide_dq;
   a.wgmma = resolve_wgmma_backward(options);
   a.wgmma_overlap = a.wgmma && resolve_wgmma_overlap(options);
-  a.wgmma_lean = a.wgmma_overlap && resolve_wgmma_lean(options);
+  a.wgmma_fast_exp = a.wgmma && resolve_wgmma_fast_exp(options);
   if (const auto& r = options.rope_backward) {
     static_assert(kernels::kAttentionRopeMaxPairs * 2 >= 128, "D <= 128 on CUDA");
     a.rope.positions = r->positions.ptr<const int32_t>();

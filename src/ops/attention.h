@@ -80,12 +80,11 @@ struct AttentionOptions {
   // attention: backward 0.650 -> 0.639 ms at gpt2-124m B 32, 0.772 -> 0.735 ms at 1.3b B 16,
   // 5.09 -> 4.92 ms at gqa-32/8 T 4096).
   bool wgmma_overlap = true;
-  // With the wgmma kernels (the backward's only when pipelined): the lean variants, which build one
-  // shared-memory descriptor a tile and advance it per k-step (the same descriptor bits: tested on
-  // the CPU) and take the exponentials by ex2.approx.ftz instead of exp2f (probabilities below
-  // 2^-126 become 0). FOURBIT_ATTENTION_WGMMA_LEAN=0/1 overrides. Off by default: written in
-  // session 23 from an ncu profile (the dK/dV kernel issue-bound), not yet run on a GPU.
-  bool wgmma_lean = false;
+  // With the wgmma kernels: the exponentials by ex2.approx.ftz instead of exp2f (probabilities
+  // below 2^-126 become 0; fewer instructions in kernels that ncu showed issue-bound).
+  // FOURBIT_ATTENTION_WGMMA_FAST_EXP=0/1 overrides. Off by default: written in session 23, not yet
+  // run on a GPU.
+  bool wgmma_fast_exp = false;
   // attention_backward only: q and k came out of rope_forward with these positions and theta, and
   // dq, dk are wanted w.r.t. its inputs. Then dq and dk are rotated back as rope_backward does, with
   // the same bits as attention_backward followed by rope_backward_inplace on dq and dk (CUDA: in

@@ -6,8 +6,8 @@
 // "forward" and "backward" time the default kernels (wgmma where attention_wgmma_available()).
 // There, every training shape also gets "forward (mma.sync)" and "backward (mma.sync)" rows
 // (AttentionOptions::wgmma_* off), a "backward (wgmma, no overlap)" row
-// (AttentionOptions::wgmma_overlap off) and "forward / backward (wgmma lean)" rows
-// (AttentionOptions::wgmma_lean), so each run is an A/B of the kernel variants
+// (AttentionOptions::wgmma_overlap off) and "forward / backward (wgmma fast exp)" rows
+// (AttentionOptions::wgmma_fast_exp), so each run is an A/B of the kernel variants
 // (FOURBIT_ATTENTION_WGMMA* set in the environment override every row alike).
 // Needs a CUDA build and a GPU.
 #pragma once

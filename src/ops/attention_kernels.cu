@@ -37,8 +37,8 @@
 // tiling of the work, one warpgroup a CTA, each tile product one wgmma with operands in
 // 128-byte-swizzled shared memory (see the section "backward on Hopper warpgroup MMA" and
 // attention_wgmma.cuh). The backward ones come pipelined (kOverlap, AttentionOptions::
-// wgmma_overlap: each iteration's last product runs on into the next; the default) and lean
-// (kLean, AttentionOptions::wgmma_lean: descriptors advanced per k-step, ex2.approx.ftz; opt-in).
+// wgmma_overlap: each iteration's last product runs on into the next; the default), and all
+// three with fast exponentials (kFastExp, AttentionOptions::wgmma_fast_exp: ex2.approx.ftz; opt-in).
 //
 // Decode: one CTA per (b, kv head, 16 query rows, cache split); FP32 scalar math on key/value tiles
 // of 64 positions staged in shared memory, online softmax per row. With a workspace, launches of
@@ -347,8 +347,8 @@ __device__ __forceinline__ void store_grad_rows(float (&acc)[D / 8][4], float sc
 
 // 2^x: exp2f, or with kFtz one MUFU.EX2 (ex2.approx.ftz, the instruction exp2f is built on, 2 ulp)
 // without exp2f's scaling around it for subnormal results, which become 0 (a probability below
-// 2^-126 adds nothing to a row sum that includes the row's maximum, 1). The wgmma kernels' lean
-// variant takes kFtz: in session 23's ncu profile of the dK/dV kernel (issue-bound) exp2f's extra
+// 2^-126 adds nothing to a row sum that includes the row's maximum, 1). The wgmma kernels take
+// it with kFastExp: in session 23's ncu profile of the dK/dV kernel (issue-bound) exp2f's extra
 // instructions were most of the 148 non-fused FP32 instructions a warp issued per tile pair.
 template <bool kFtz>
 __device__ __forceinline__ float softmax_exp2(float x) {
@@ -443,6 +443,16 @@ __device__ __forceinline__ void load_query_tile(Tile q_dst, Tile do_dst, float* 
   cp_async_commit();
 }
 
+// Async-loads key and value rows [row0, row0 + kTile) of one kv head into k_dst / v_dst (padded or
+// swizzled) and commits them, with any earlier uncommitted loads, as one cp.async group.
+template <int D, typename Tile>
+__device__ __forceinline__ void load_kv_tiles(Tile k_dst, Tile v_dst, const uint16_t* k_base, const uint16_t* v_base,
+                                              int64_t k_stride, int64_t v_stride, int row0, int T, int tid) {
+  load_tile<D, kTile>(k_dst, k_base, k_stride, row0, T, tid);
+  load_tile<D, kTile>(v_dst, v_base, v_stride, row0, T, tid);
+  cp_async_commit();
+}
+
 // Forward and dQ kernels: the key/value tile pipeline. Before key tile j is used (buffer j & 1 of
 // k_s / v_s, kTile rows each, padded or swizzled), tile j + 1 is issued into the other buffer,
 // tile j is waited for (and, swizzled, made visible to wgmma's async proxy), and the CTA
@@ -454,9 +464,8 @@ __device__ __forceinline__ void advance_kv_tiles(Tile k_s, Tile v_s, const uint1
   constexpr int kStep = tile_step<D, kTile, Tile>();
   const int buf = j & 1;
   if (j + 1 < n_tiles) {
-    load_tile<D, kTile>(k_s + (buf ^ 1) * kStep, k_base, k_stride, (j + 1) * kTile, T, tid);
-    load_tile<D, kTile>(v_s + (buf ^ 1) * kStep, v_base, v_stride, (j + 1) * kTile, T, tid);
-    cp_async_commit();
+    load_kv_tiles<D>(k_s + (buf ^ 1) * kStep, v_s + (buf ^ 1) * kStep, k_base, v_base, k_stride, v_stride,
+                     (j + 1) * kTile, T, tid);
     cp_async_wait<1>();
   } else {
     cp_async_wait<0>();
@@ -497,9 +506,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const Atten
   const uint16_t* k_base = a.k + b * a.k_stride.b + hk * a.k_stride.h;
   const uint16_t* v_base = a.v + b * a.v_stride.b + hk * a.v_stride.h;
   load_tile<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
-  load_tile<D, kTile>(k_s, k_base, a.k_stride.t, 0, T, tid);
-  load_tile<D, kTile>(v_s, v_base, a.v_stride.t, 0, T, tid);
-  cp_async_commit();
+  load_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, 0, T, tid);
 
   const float sl2 = d.scale * kLog2e;
   float o[kM][D / 8][4];
@@ -778,9 +785,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionB
   load_tile<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
   load_tile<D, kRows>(do_s, a.dout + b * a.dout_stride.b + h * a.dout_stride.h, a.dout_stride.t, m0, T,
                       tid);
-  load_tile<D, kTile>(k_s, k_base, a.k_stride.t, 0, T, tid);
-  load_tile<D, kTile>(v_s, v_base, a.v_stride.t, 0, T, tid);
-  cp_async_commit();
+  load_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, 0, T, tid);
 
   // This thread's rows (g and g + 8 of each of its warp's m-blocks): lse (times log2 e) and D_i.
   float lse2[kM][2], dlt[kM][2];
@@ -891,50 +896,43 @@ __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
 
 // acc[64 x N] (=) A B^T over the D reduction columns: A and B swizzled [kRowsA, D] / [N, D] tiles,
 // both read K-major; the first k-step overwrites acc. Issues the wgmmas only (no fence or commit).
-// kLean: one descriptor a tile, advanced per k-step by a constant (wgmma::advance: the same bits
-// as building each, for any address in shared memory).
-template <int D, int N, int kRowsA, bool kLean = false>
+template <int D, int N, int kRowsA>
 __device__ __forceinline__ void issue_tile_ss(float (&acc)[N / 8][4], uint32_t a_tile, uint32_t b_tile) {
-  if constexpr (kLean) {
-    const uint64_t da = wgmma::k_major<kRowsA>(a_tile, 0), db = wgmma::k_major<N>(b_tile, 0);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma::mma_ss<N>(acc, wgmma::advance(da, wgmma::k_major_step<kRowsA>(kk)),
-                       wgmma::advance(db, wgmma::k_major_step<N>(kk)), kk > 0);
-  } else {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma::mma_ss<N>(acc, wgmma::k_major<kRowsA>(a_tile, kk), wgmma::k_major<N>(b_tile, kk), kk > 0);
-  }
+  for (int kk = 0; kk < D / 16; ++kk)
+    wgmma::mma_ss<N>(acc, wgmma::k_major<kRowsA>(a_tile, kk), wgmma::k_major<N>(b_tile, kk), kk > 0);
 }
 
 // acc[64 x 8 NB] += P B as one commit group: P's FP32 accumulators (C layout, 16 KC columns) are
 // rounded into the register A operands a (which must stay untouched until the group's wait), B is
 // a swizzled [16 KC, 8 NB] tile read MN-major. The fence also covers acc's own updates by ordinary
 // instructions (the forward's rescaling).
-template <int NB, int KC, bool kLean = false>
+template <int NB, int KC>
 __device__ __forceinline__ void issue_regs_group(float (&acc)[NB][4], uint32_t (&a)[KC][4], const float (&p)[2 * KC][4],
                                                  uint32_t b_tile) {
 #pragma unroll
   for (int kc = 0; kc < KC; ++kc) pack_a(a[kc], p, kc);
   wgmma::wgmma_fence();
-  if constexpr (kLean) {
-    const uint64_t db = wgmma::mn_major<16 * KC>(b_tile, 0);
 #pragma unroll
-    for (int kc = 0; kc < KC; ++kc) wgmma::mma_rs<8 * NB>(acc, a[kc], wgmma::advance(db, wgmma::mn_major_step(kc)));
-  } else {
-#pragma unroll
-    for (int kc = 0; kc < KC; ++kc) wgmma::mma_rs<8 * NB>(acc, a[kc], wgmma::mn_major<16 * KC>(b_tile, kc));
-  }
+  for (int kc = 0; kc < KC; ++kc) wgmma::mma_rs<8 * NB>(acc, a[kc], wgmma::mn_major<16 * KC>(b_tile, kc));
   wgmma::wgmma_commit();
+}
+
+// Waits for every product in flight, pins the registers they wrote or read, then the CTA barrier:
+// after it, the shared-memory tiles those products read may be refilled or reused.
+template <typename... R>
+__device__ __forceinline__ void finish_products(R&... r) {
+  wgmma::wgmma_wait<0>();
+  wgmma::registers_fence(r...);
+  __syncthreads();
 }
 
 // kOverlap: dK += dS^T Q of iteration it runs on while iteration it + 1 starts (S^T and dP^T are
 // issued behind it); query tile it + 1 is loaded only once that product has read buffer it - 1, so
 // its load overlaps half an iteration instead of a whole one. The same products in the same order
 // on every accumulator: the same bits.
-// kLean: descriptors advanced per k-step (issue_tile_ss) and exponentials by softmax_exp2<true>.
-template <int D, bool kRope, bool kOverlap, bool kLean>
+// kFastExp: the exponentials by softmax_exp2<true> (ex2.approx.ftz).
+template <int D, bool kRope, bool kOverlap, bool kFastExp>
 __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const AttentionBackwardArgs a,
                                                                         const float* delta) {
   constexpr int kKeys = kTile;
@@ -1007,9 +1005,9 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
 
     // S^T = K Q^T, then dP^T = V dO^T: two groups.
     wgmma::wgmma_fence();
-    issue_tile_ss<D, kQ, kKeys, kLean>(st, k_s, qt);
+    issue_tile_ss<D, kQ, kKeys>(st, k_s, qt);
     wgmma::wgmma_commit();
-    issue_tile_ss<D, kQ, kKeys, kLean>(dpt, v_s, dot);
+    issue_tile_ss<D, kQ, kKeys>(dpt, v_s, dot);
     wgmma::wgmma_commit();
 
     // P^T = exp(S^T - lse) where query >= key and query < T, else 0 (while dP^T runs).
@@ -1018,10 +1016,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
     wgmma::registers_fence(st);
     if constexpr (kOverlap) {
       // The previous iteration's dV and dK products are done too (groups complete in order).
-      wgmma::registers_fence(dv);
-      wgmma::registers_fence(dk);
-      wgmma::registers_fence(pa);
-      wgmma::registers_fence(dsa);
+      wgmma::registers_fence(dv, dk, pa, dsa);
       __syncthreads();  // every warp is past them: buffer buf ^ 1 may be refilled
       if (it + 1 < total) issue(it + 1, buf ^ 1);
     }
@@ -1030,14 +1025,14 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int ql = nb * 8 + 2 * t + (e & 1);
-        float p = softmax_exp2<kLean>(fmaf(st[nb][e], sl2, -lse_t[ql] * kLog2e));
+        float p = softmax_exp2<kFastExp>(fmaf(st[nb][e], sl2, -lse_t[ql] * kLog2e));
         if (edge) {
           const int qi = q0 + ql, key = key_lo + (e >> 1) * 8;
           if (!(qi >= key && qi < T)) p = 0.0f;
         }
         st[nb][e] = p;
       }
-    issue_regs_group<D / 8, kQ / 16, kLean>(dv, pa, st, dot);  // dV += P^T dO (while dS^T is computed)
+    issue_regs_group(dv, pa, st, dot);  // dV += P^T dO (while dS^T is computed)
 
     // dS^T = P^T (dP^T - D).
     wgmma::wgmma_wait<1>();
@@ -1046,24 +1041,10 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
     for (int nb = 0; nb < kQ / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dpt[nb][e] = st[nb][e] * (dpt[nb][e] - delta_t[nb * 8 + 2 * t + (e & 1)]);
-    issue_regs_group<D / 8, kQ / 16, kLean>(dk, dsa, dpt, qt);  // dK += dS^T Q
-    if constexpr (!kOverlap) {
-      wgmma::wgmma_wait<0>();
-      wgmma::registers_fence(dv);
-      wgmma::registers_fence(dk);
-      wgmma::registers_fence(pa);
-      wgmma::registers_fence(dsa);
-      __syncthreads();  // before this buffer is refilled
-    }
+    issue_regs_group(dk, dsa, dpt, qt);  // dK += dS^T Q
+    if constexpr (!kOverlap) finish_products(dv, dk, pa, dsa);  // before this buffer is refilled
   } while (++it < total);
-  if constexpr (kOverlap) {
-    wgmma::wgmma_wait<0>();
-    wgmma::registers_fence(dv);
-    wgmma::registers_fence(dk);
-    wgmma::registers_fence(pa);
-    wgmma::registers_fence(dsa);
-    __syncthreads();  // every product has read its buffers: they may become the stage
-  }
+  if constexpr (kOverlap) finish_products(dv, dk, pa, dsa);  // the buffers may become the stage
 
   // Every product is done and the loop ended on a barrier: the query buffers are the stage, 16
   // padded rows a warp.
@@ -1079,8 +1060,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_wgmma_kernel(const At
 // kOverlap: dQ += dS K of tile j runs on while tile j + 1's S and dP are issued behind it; tile
 // j + 1 is loaded once that product has read buffer j - 1 (after the first wait of iteration j).
 // The same products in the same order on dq: the same bits.
-// kLean: as in the dK/dV kernel.
-template <int D, bool kRope, bool kOverlap, bool kLean>
+// kFastExp: as in the dK/dV kernel.
+template <int D, bool kRope, bool kOverlap, bool kFastExp>
 __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const AttentionBackwardArgs a,
                                                                       const float* delta) {
   constexpr int kRows = kTile;   // queries of the CTA
@@ -1108,9 +1089,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
   load_tile<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
   load_tile<D, kRows>(do_s, a.dout + b * a.dout_stride.b + h * a.dout_stride.h, a.dout_stride.t,
                                m0, T, tid);
-  load_tile<D, kKeys>(k_s, k_base, a.k_stride.t, 0, T, tid);
-  load_tile<D, kKeys>(v_s, v_base, a.v_stride.t, 0, T, tid);
-  cp_async_commit();
+  load_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, 0, T, tid);
 
   float lse2[2], dlt[2];
 #pragma unroll
@@ -1147,9 +1126,9 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
 
     // S = Q K^T, then dP = dO V^T: two groups.
     wgmma::wgmma_fence();
-    issue_tile_ss<D, kKeys, kRows, kLean>(s, q_s, kt);
+    issue_tile_ss<D, kKeys, kRows>(s, q_s, kt);
     wgmma::wgmma_commit();
-    issue_tile_ss<D, kKeys, kRows, kLean>(dp, do_s, vt);
+    issue_tile_ss<D, kKeys, kRows>(dp, do_s, vt);
     wgmma::wgmma_commit();
 
     // P = exp(S - lse) where key <= query < T, else 0 (while dP runs).
@@ -1158,20 +1137,17 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
     wgmma::registers_fence(s);
     if constexpr (kOverlap) {
       // The previous tile's dQ product is done too (groups complete in order).
-      wgmma::registers_fence(dq);
-      wgmma::registers_fence(dsa);
+      wgmma::registers_fence(dq, dsa);
       __syncthreads();  // every warp is past it: buffer buf ^ 1 may be refilled
-      if (j + 1 < n_tiles) {
-        load_tile<D, kKeys>(k_s + (buf ^ 1) * kTileBytes, k_base, a.k_stride.t, (j + 1) * kKeys, T, tid);
-        load_tile<D, kKeys>(v_s + (buf ^ 1) * kTileBytes, v_base, a.v_stride.t, (j + 1) * kKeys, T, tid);
-        cp_async_commit();
-      }
+      if (j + 1 < n_tiles)
+        load_kv_tiles<D>(k_s + (buf ^ 1) * kTileBytes, v_s + (buf ^ 1) * kTileBytes, k_base, v_base, a.k_stride.t,
+                         a.v_stride.t, (j + 1) * kKeys, T, tid);
     }
 #pragma unroll
     for (int nb = 0; nb < kKeys / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float p = softmax_exp2<kLean>(fmaf(s[nb][e], sl2, -lse2[e >> 1]));
+        float p = softmax_exp2<kFastExp>(fmaf(s[nb][e], sl2, -lse2[e >> 1]));
         if (edge) {
           const int qi = q_lo + (e >> 1) * 8, key = j * kKeys + nb * 8 + 2 * t + (e & 1);
           if (!(key <= qi && qi < T)) p = 0.0f;
@@ -1185,20 +1161,10 @@ __global__ void __launch_bounds__(kThreads) attention_dq_wgmma_kernel(const Atte
     for (int nb = 0; nb < kKeys / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[nb][e] = s[nb][e] * (dp[nb][e] - dlt[e >> 1]);
-    issue_regs_group<D / 8, kKeys / 16, kLean>(dq, dsa, dp, kt);
-    if constexpr (!kOverlap) {
-      wgmma::wgmma_wait<0>();
-      wgmma::registers_fence(dq);
-      wgmma::registers_fence(dsa);
-      __syncthreads();  // before this buffer is refilled
-    }
+    issue_regs_group(dq, dsa, dp, kt);
+    if constexpr (!kOverlap) finish_products(dq, dsa);  // before this buffer is refilled
   } while (++j < n_tiles);
-  if constexpr (kOverlap) {
-    wgmma::wgmma_wait<0>();
-    wgmma::registers_fence(dq);
-    wgmma::registers_fence(dsa);
-    __syncthreads();  // every product has read its buffers: they may become the stage
-  }
+  if constexpr (kOverlap) finish_products(dq, dsa);  // the buffers may become the stage
 
   // The loop ended on a barrier after its last product: the key buffers are the stage.
   constexpr int S = TileLayout<D>::kStride;
@@ -1222,8 +1188,8 @@ constexpr int wg_forward_smem_bytes() {  // Q, 2 x K, 2 x V + alignment slack
 // session 23: S of the next tile issued with O += P V and exponentiated while that runs. It needed
 // 162 registers instead of 126 at D 64, so 3 CTAs an SM instead of 4, and was slower: H200, gpt2-124m
 // B 32, 0.226 vs 0.217 ms; 1.3b 0.258 vs 0.259. Removed.)
-// kLean: as in the dK/dV kernel.
-template <int D, bool kLean>
+// kFastExp: as in the dK/dV kernel.
+template <int D, bool kFastExp>
 __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const AttentionForwardArgs a) {
   constexpr int kRows = kTile;  // queries of the CTA
   constexpr int kKeys = kTile;  // keys of a tile
@@ -1250,9 +1216,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
   // Key tiles 0 .. the one holding key min(m0 + kRows, T) - 1.
   const int n_tiles = (min(m0 + kRows, T) - 1) / kKeys + 1;
   load_tile<D, kRows>(q_s, a.q + b * a.q_stride.b + h * a.q_stride.h, a.q_stride.t, m0, T, tid);
-  load_tile<D, kKeys>(k_s, k_base, a.k_stride.t, 0, T, tid);
-  load_tile<D, kKeys>(v_s, v_base, a.v_stride.t, 0, T, tid);
-  cp_async_commit();
+  load_kv_tiles<D>(k_s, v_s, k_base, v_base, a.k_stride.t, a.v_stride.t, 0, T, tid);
 
   const float sl2 = d.scale * kLog2e;
   float o[D / 8][4], s[kKeys / 8][4];
@@ -1269,7 +1233,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
     const uint32_t kt = k_s + buf * kTileBytes, vt = v_s + buf * kTileBytes;
 
     wgmma::wgmma_fence();
-    issue_tile_ss<D, kKeys, kRows, kLean>(s, q_s, kt);
+    issue_tile_ss<D, kKeys, kRows>(s, q_s, kt);
     wgmma::wgmma_commit();
     wgmma::wgmma_wait<0>();
     wgmma::registers_fence(s);
@@ -1282,12 +1246,9 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma_kernel(const
           if (key > qi) s[nb][e] = -INFINITY;
         }
     }
-    online_softmax_step<D, kLean>(s, o, row_max, row_sum, sl2);
-    issue_regs_group<D / 8, kKeys / 16, kLean>(o, pa, s, vt);  // O += P V (o was rescaled by ordinary instructions: fenced)
-    wgmma::wgmma_wait<0>();
-    wgmma::registers_fence(o);
-    wgmma::registers_fence(pa);
-    __syncthreads();  // before this buffer is refilled
+    online_softmax_step<D, kFastExp>(s, o, row_max, row_sum, sl2);
+    issue_regs_group(o, pa, s, vt);  // O += P V (o was rescaled by ordinary instructions: fenced)
+    finish_products(o, pa);          // before this buffer is refilled
   }
 
   finish_softmax_rows<D>(o, row_max, row_sum, sl2, a.lse + ((int64_t)b * d.heads + h) * T, warp_q0, T, g, t);
@@ -1588,13 +1549,9 @@ void forward_d(const AttentionForwardArgs& a, cudaStream_t stream) {
   if (a.wgmma) {
     const dim3 grid((a.dims.seq + kTile - 1) / kTile, a.dims.heads, a.dims.batch);
     constexpr int smem = wg_forward_smem_bytes<D>();
-    if (a.wgmma_lean) {
-      set_smem(attention_forward_wgmma_kernel<D, true>, smem);
-      attention_forward_wgmma_kernel<D, true><<<grid, kThreads, smem, stream>>>(a);
-    } else {
-      set_smem(attention_forward_wgmma_kernel<D, false>, smem);
-      attention_forward_wgmma_kernel<D, false><<<grid, kThreads, smem, stream>>>(a);
-    }
+    const auto kernel = a.wgmma_fast_exp ? attention_forward_wgmma_kernel<D, true> : attention_forward_wgmma_kernel<D, false>;
+    set_smem(kernel, smem);
+    kernel<<<grid, kThreads, smem, stream>>>(a);
     FOURBIT_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -1640,28 +1597,32 @@ void dkdv_dq(const AttentionBackwardArgs& a, const float* delta, cudaStream_t st
 }
 
 // The warpgroup-MMA dK/dV and dQ kernels, with or without RoPE's backward in the stores.
-template <int D, bool kRope, bool kOverlap, bool kLean>
+template <int D, bool kRope, bool kOverlap, bool kFastExp>
 void dkdv_dq_wgmma_variant(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
   const AttentionDims& d = a.dims;
   const int n_blocks = (d.seq + kTile - 1) / kTile;
   constexpr int dkdv_smem = wg_dkdv_smem_bytes<D>();
-  set_smem(attention_dkdv_wgmma_kernel<D, kRope, kOverlap, kLean>, dkdv_smem);
-  attention_dkdv_wgmma_kernel<D, kRope, kOverlap, kLean>
+  set_smem(attention_dkdv_wgmma_kernel<D, kRope, kOverlap, kFastExp>, dkdv_smem);
+  attention_dkdv_wgmma_kernel<D, kRope, kOverlap, kFastExp>
       <<<dim3(n_blocks, d.kv_heads, d.batch), kThreads, dkdv_smem, stream>>>(a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
   constexpr int dq_smem = wg_dq_smem_bytes<D>();
-  set_smem(attention_dq_wgmma_kernel<D, kRope, kOverlap, kLean>, dq_smem);
-  attention_dq_wgmma_kernel<D, kRope, kOverlap, kLean>
+  set_smem(attention_dq_wgmma_kernel<D, kRope, kOverlap, kFastExp>, dq_smem);
+  attention_dq_wgmma_kernel<D, kRope, kOverlap, kFastExp>
       <<<dim3(n_blocks, d.heads, d.batch), kThreads, dq_smem, stream>>>(a, delta);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
-// The lean variant exists pipelined only (a.wgmma_lean without a.wgmma_overlap takes the plain one).
+template <int D, bool kRope, bool kOverlap>
+void dkdv_dq_wgmma_overlap(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
+  if (a.wgmma_fast_exp) return dkdv_dq_wgmma_variant<D, kRope, kOverlap, true>(a, delta, stream);
+  dkdv_dq_wgmma_variant<D, kRope, kOverlap, false>(a, delta, stream);
+}
+
 template <int D, bool kRope>
 void dkdv_dq_wgmma_rope(const AttentionBackwardArgs& a, const float* delta, cudaStream_t stream) {
-  if (a.wgmma_overlap && a.wgmma_lean) return dkdv_dq_wgmma_variant<D, kRope, true, true>(a, delta, stream);
-  if (a.wgmma_overlap) return dkdv_dq_wgmma_variant<D, kRope, true, false>(a, delta, stream);
-  dkdv_dq_wgmma_variant<D, kRope, false, false>(a, delta, stream);
+  if (a.wgmma_overlap) return dkdv_dq_wgmma_overlap<D, kRope, true>(a, delta, stream);
+  dkdv_dq_wgmma_overlap<D, kRope, false>(a, delta, stream);
 }
 
 template <int D>

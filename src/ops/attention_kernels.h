@@ -34,8 +34,8 @@ struct AttentionForwardArgs {
   bool wide = false;
   // The warpgroup-MMA kernel (any D; only where attention_wgmma_available()); wins over wide.
   bool wgmma = false;
-  // With wgmma: the lean variant (descriptors advanced per k-step, ex2.approx.ftz exponentials).
-  bool wgmma_lean = false;
+  // With wgmma: the exponentials by ex2.approx.ftz (AttentionOptions::wgmma_fast_exp).
+  bool wgmma_fast_exp = false;
 };
 
 // RoPE's backward rotation folded into the dq and dk stores (attention.h
@@ -66,8 +66,8 @@ struct AttentionBackwardArgs {
   // With wgmma: the variants whose last product of an iteration (dK += dS^T Q; dQ += dS K) runs
   // while the next iteration starts; the same bits (attention_kernels.cu).
   bool wgmma_overlap = false;
-  // With wgmma_overlap: the lean variant (as AttentionForwardArgs::wgmma_lean).
-  bool wgmma_lean = false;
+  // With wgmma: the exponentials by ex2.approx.ftz (AttentionOptions::wgmma_fast_exp).
+  bool wgmma_fast_exp = false;
   AttentionRopeBackward rope;
 };
 

@@ -53,33 +53,28 @@ FOURBIT_HD uint64_t descriptor(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t 
          ((uint64_t)((sbo_bytes & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
 }
 
-// K-major operand: k-step kk (16 reduction columns) of a swizzled tile of kRows rows at tile_addr.
-template <int kRows>
-FOURBIT_HD uint64_t k_major(uint32_t tile_addr, int kk) {
-  return descriptor(tile_addr + (uint32_t)((kk >> 2) * kRows * 128 + (kk & 3) * 32), 16, 1024);
-}
-
-// MN-major operand: k-step kk (16 reduction rows) of a swizzled tile of kRows rows at tile_addr.
-template <int kRows>
-FOURBIT_HD uint64_t mn_major(uint32_t tile_addr, int kk) {
-  return descriptor(tile_addr + (uint32_t)(kk * 2048), kRows * 128, 1024);
-}
-
-// The same descriptors as a base plus a constant: k_major<kRows>(tile, kk) ==
-// advance(k_major<kRows>(tile, 0), k_major_step<kRows>(kk)), and likewise for mn_major, whenever
-// the addressed byte lies below 2^18 (all of shared memory): the address field (bits 0-13, the
-// address / 16) then takes the step without a carry into the fields above it. The kernels' lean
-// variant builds one descriptor a tile and advances it per k-step by one 32-bit add on its low
-// word (tests/test_ops_attention_wgmma_layout.cpp checks the equality for every tile the kernels
-// use, at every 1024-aligned shared-memory address).
-template <int kRows>
-FOURBIT_HD constexpr uint32_t k_major_step(int kk) {
-  return (uint32_t)((kk >> 2) * kRows * 128 + (kk & 3) * 32) >> 4;
-}
-FOURBIT_HD constexpr uint32_t mn_major_step(int kk) { return (uint32_t)(kk * 2048) >> 4; }
+// A descriptor plus a byte offset / 16 on its address field (bits 0-13). The same 64 bits as
+// building the descriptor of the offset address whenever that address lies below 2^18 (all of
+// shared memory): the field then takes the step without a carry into the fields above it. One
+// 32-bit add on the low word, so a tile's k-steps share one descriptor and add constants
+// (tests/test_ops_attention_wgmma_layout.cpp checks the equality at every 1024-aligned address).
 FOURBIT_HD uint64_t advance(uint64_t desc, uint32_t step) {
   const uint32_t lo = (uint32_t)desc + step, hi = (uint32_t)(desc >> 32);
   return (uint64_t)hi << 32 | lo;
+}
+
+// K-major operand: k-step kk (16 reduction columns) of a swizzled tile of kRows rows at tile_addr:
+// +32 bytes a k-step within a 64-column panel, panels kRows * 128 bytes apart.
+template <int kRows>
+FOURBIT_HD uint64_t k_major(uint32_t tile_addr, int kk) {
+  return advance(descriptor(tile_addr, 16, 1024), (uint32_t)((kk >> 2) * kRows * 128 + (kk & 3) * 32) >> 4);
+}
+
+// MN-major operand: k-step kk (16 reduction rows) of a swizzled tile of kRows rows at tile_addr:
+// +2048 bytes (16 rows) a k-step; 64-column panels kRows * 128 bytes apart (LBO).
+template <int kRows>
+FOURBIT_HD uint64_t mn_major(uint32_t tile_addr, int kk) {
+  return advance(descriptor(tile_addr, kRows * 128, 1024), (uint32_t)(kk * 2048) >> 4);
 }
 
 #if defined(__CUDACC__)
@@ -113,9 +108,10 @@ __device__ __forceinline__ void fence_proxy_async() {
 }
 
 // Pins registers in place across a wait: accumulators (float; no use moved above the wait) and
-// register A operands (uint32_t; not reused while an in-flight wgmma reads them).
-template <typename R, int NB>
-__device__ __forceinline__ void registers_fence(R (&r)[NB][4]) {
+// register A operands (uint32_t; not reused while an in-flight wgmma reads them). Takes any number
+// of [NB][4] arrays.
+template <typename R, int NB, typename... More>
+__device__ __forceinline__ void registers_fence(R (&r)[NB][4], More&... more) {
 #pragma unroll
   for (int j = 0; j < NB; ++j)
 #pragma unroll
@@ -123,99 +119,75 @@ __device__ __forceinline__ void registers_fence(R (&r)[NB][4]) {
       if constexpr (std::is_same_v<R, float>) asm volatile("" : "+f"(r[j][e])::"memory");
       else asm volatile("" : "+r"(r[j][e])::"memory");
     }
+  if constexpr (sizeof...(More) > 0) registers_fence(more...);
 }
 
 #if FOURBIT_WGMMA_AVAILABLE
-// D[64 x 32] (+)= A[64 x 16] B[16 x 32], A and B from shared memory, both K-major.
-__device__ __forceinline__ void wgmma_ss_n32(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b,
-                                          int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+// The operand lists of the wgmma wrappers: accumulator row-blocks d[i] (4 floats each) as "+f"
+// constraints, and the matching "%n" register lists of the instruction text.
+#define FOURBIT_WGMMA_D4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define FOURBIT_WGMMA_D16(i) FOURBIT_WGMMA_D4(i), FOURBIT_WGMMA_D4(i + 1), FOURBIT_WGMMA_D4(i + 2), FOURBIT_WGMMA_D4(i + 3)
+#define FOURBIT_WGMMA_D32 FOURBIT_WGMMA_D16(0), FOURBIT_WGMMA_D16(4)
+#define FOURBIT_WGMMA_D64 FOURBIT_WGMMA_D32, FOURBIT_WGMMA_D16(8), FOURBIT_WGMMA_D16(12)
+#define FOURBIT_WGMMA_R16(a, b, c, d_, e, f, g, h, i, j, k, l, m, n, o, p)                                    \
+  "%" #a ", %" #b ", %" #c ", %" #d_ ", %" #e ", %" #f ", %" #g ", %" #h ", %" #i ", %" #j ", %" #k ", %" #l \
+  ", %" #m ", %" #n ", %" #o ", %" #p
+#define FOURBIT_WGMMA_R32                                                                           \
+  FOURBIT_WGMMA_R16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) ", " FOURBIT_WGMMA_R16(   \
+      16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31)
+#define FOURBIT_WGMMA_R64                                                                           \
+  FOURBIT_WGMMA_R32 ", " FOURBIT_WGMMA_R16(32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, \
+                                           46, 47) ", " FOURBIT_WGMMA_R16(48, 49, 50, 51, 52, 53, \
+                                                                          54, 55, 56, 57, 58, 59, \
+                                                                          60, 61, 62, 63)
+
+// D[64 x N] (+)= A[64 x 16] B[16 x N], A and B from shared memory, both K-major; accumulate = 0
+// overwrites D. N = 32, 64, 128 (the shape's accumulator count: N / 2 floats a thread).
+__device__ __forceinline__ void wgmma_ss_n32(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" FOURBIT_WGMMA_R16(
+                   0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+               : FOURBIT_WGMMA_D16(0)
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" FOURBIT_WGMMA_R32
+               "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+               : FOURBIT_WGMMA_D32
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" FOURBIT_WGMMA_R64
+               "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : FOURBIT_WGMMA_D64
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// D[64 x 32] += A[64 x 16] B[16 x 32], A in registers (the mma.m16n8k16 A layout, warp w
-// holding rows 16 w ..), B from shared memory, MN-major.
-__device__ __forceinline__ void wgmma_rs_n32(float (&d)[4][4], const uint32_t (&a)[4],
-                                          uint64_t desc_b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, 1, 1;\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+// D[64 x N] += A[64 x 16] B[16 x N], A in registers (the mma.m16n8k16 A layout, warp w holding
+// rows 16 w ..), B from shared memory, MN-major. N = 64, 128 (the attention kernels' N = D; a
+// 128-byte-swizzled MN-major tile is 64 columns wide).
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" FOURBIT_WGMMA_R32
+               "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+               : FOURBIT_WGMMA_D32
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" FOURBIT_WGMMA_R64
+               "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+               : FOURBIT_WGMMA_D64
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory, both K-major.
-__device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
-                                          int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// D[64 x 64] += A[64 x 16] B[16 x 64], A in registers (the mma.m16n8k16 A layout, warp w
-// holding rows 16 w ..), B from shared memory, MN-major.
-__device__ __forceinline__ void wgmma_rs_n64(float (&d)[8][4], const uint32_t (&a)[4],
-                                          uint64_t desc_b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B from shared memory, both K-major.
-__device__ __forceinline__ void wgmma_ss_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
-                                          int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// D[64 x 128] += A[64 x 16] B[16 x 128], A in registers (the mma.m16n8k16 A layout, warp w
-// holding rows 16 w ..), B from shared memory, MN-major.
-__device__ __forceinline__ void wgmma_rs_n128(float (&d)[16][4], const uint32_t (&a)[4],
-                                          uint64_t desc_b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
+#undef FOURBIT_WGMMA_D4
+#undef FOURBIT_WGMMA_D16
+#undef FOURBIT_WGMMA_D32
+#undef FOURBIT_WGMMA_D64
+#undef FOURBIT_WGMMA_R16
+#undef FOURBIT_WGMMA_R32
+#undef FOURBIT_WGMMA_R64
 #endif  // FOURBIT_WGMMA_AVAILABLE
 
 // D[64 x N] (+)= A B over one k-step, A and B K-major in shared memory; accumulate = 0 overwrites D.
@@ -234,9 +206,9 @@ __device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t desc_a, ui
 // D[64 x N] += A B over one k-step, A in registers, B MN-major in shared memory.
 template <int N>
 __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b) {
+  static_assert(N == 64 || N == 128, "register-A products with N = 64 or 128");
 #if FOURBIT_WGMMA_AVAILABLE
-  if constexpr (N == 32) wgmma_rs_n32(d, a, desc_b);
-  else if constexpr (N == 64) wgmma_rs_n64(d, a, desc_b);
+  if constexpr (N == 64) wgmma_rs_n64(d, a, desc_b);
   else wgmma_rs_n128(d, a, desc_b);
 #else
   (void)d, (void)a, (void)desc_b;
