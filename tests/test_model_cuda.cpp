@@ -264,10 +264,23 @@ TEST_F(ModelCuda, Bf16RecipeMatchesTheCpuReference) {
   }
 }
 
+// Both devices with the separate residual adds and the GPU's loss with expf
+// (ModelOptions::fuse_residual_add and cross_entropy_exp say why; the fused adds and the SFU
+// exponential have their own checks): the emulated recipes then compute what the CPU computes, up
+// to FP32 summation orders.
+ModelOptions reference_arithmetic(ModelOptions o) {
+  o.fuse_residual_add = false;
+  o.cross_entropy_exp = ops::CrossEntropyExp::kExpf;
+  return o;
+}
+
 TEST_F(ModelCuda, QuantizedRecipesMatchTheCpuReference) {
   for (const ModelConfig& c : {gpu_dense(), gpu_moe()}) {
     const int B = kQuantBatch, T = 1;
     const testing::Batch batch = make_batch(B, T, c.vocab, 8, 0);
+    auto options = [](Device device, bool bf16_rounding, int batch, int seq) {
+      return reference_arithmetic(fourbit::model::options(device, bf16_rounding, batch, seq));
+    };
     Model cpu_bf16(c, testing::resolved(c), options(Device::kCpu, true, B, T));
     const StepResult bf16 = run_step(cpu_bf16, batch, nullptr);
     const std::unique_ptr<Tensor> forced = forced_from(bf16, c);

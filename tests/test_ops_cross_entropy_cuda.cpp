@@ -12,7 +12,9 @@
 // expf's 2 ulp); dlogits = (p - onehot) s:
 //   |d dlogits| <= |s| p ((2V + 48) u + 4 u (|x - lse| + |lse|)) + |s| u + 2^-8 |want| if bf16
 // The mean: the sum of N losses in f32 on both sides, (2N + 16) u sum|loss|, plus the losses'
-// own tolerances, over n_valid.
+// own tolerances, over n_valid. Every check runs with both exponentials (CrossEntropyExp): the
+// SFU's ex2.approx of d log2(e) errs by ~2^-22 (4 u, inside the (2V + 48) u) plus the product's
+// rounding, |d| u relative (inside the 4 u |x - lse| term).
 #include "dense_ops_test_util.h"
 #include "ops/cross_entropy.h"
 #include "ops/elementwise.h"
@@ -20,6 +22,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <tuple>
 
 namespace fourbit::ops {
@@ -48,10 +52,14 @@ struct Case {
   int64_t shift_bytes;  // of the logits buffer (0: 16-byte aligned)
 };
 
-void run_case(const Case& cs) {
+constexpr CrossEntropyExp kExps[] = {CrossEntropyExp::kExpf, CrossEntropyExp::kSfu};
+const char* exp_name(CrossEntropyExp e) { return e == CrossEntropyExp::kSfu ? "sfu" : "expf"; }
+
+void run_case(const Case& cs, CrossEntropyExp ex) {
   const int64_t N = cs.N, V = cs.V;
   SCOPED_TRACE(::testing::Message() << "N " << N << " V " << V << " logits " << dtype_name(cs.logits)
-                                    << " dlogits " << dtype_name(cs.dlogits) << " shift " << cs.shift_bytes);
+                                    << " dlogits " << dtype_name(cs.dlogits) << " shift " << cs.shift_bytes
+                                    << " exp " << exp_name(ex));
   const std::vector<double> x = rounded(random_normal(N * V, 1 + V, 4.0), cs.logits);
   std::vector<int32_t> t = random_ints(N, 0, (int32_t)V - 1, 2 + N);
   for (int64_t n = 1; n < N; n += 3) t[(size_t)n] = -1;  // every third token ignored
@@ -98,7 +106,7 @@ void run_case(const Case& cs) {
   std::vector<double> first_l, first_d;
   for (int rep = 0; rep < 2; ++rep) {
     const Guarded gl = Guarded::make({N}, DType::kF32, kPoison), gm = Guarded::make({1}, DType::kF32, kPoison);
-    cross_entropy_forward(gl.view, gm.view, gx.view, dt);
+    cross_entropy_forward(gl.view, gm.view, gx.view, dt, nullptr, nullptr, ex);
     EXPECT_EQ(gl.damaged_guard_bytes(), 0) << "forward wrote outside losses";
     EXPECT_EQ(gm.damaged_guard_bytes(), 0) << "forward wrote outside mean_loss";
     const std::vector<double> got_l = gl.values();
@@ -108,7 +116,7 @@ void run_case(const Case& cs) {
     // Shifted by as many elements as the logits (element-aligned in its own dtype).
     const int64_t d_shift = cs.shift_bytes / dtype_bytes(cs.logits, 1) * dtype_bytes(cs.dlogits, 1);
     const Guarded gd = Guarded::make({N, V}, cs.dlogits, kPoison, d_shift);
-    cross_entropy_backward(gd.view, gx.view, dt, scale);
+    cross_entropy_backward(gd.view, gx.view, dt, scale, nullptr, nullptr, ex);
     EXPECT_EQ(gd.damaged_guard_bytes(), 0) << "backward wrote outside dlogits";
     const std::vector<double> got_d = gd.values();
     EXPECT_TRUE(all_close(got_d, want_d, tol_d, "dlogits"));
@@ -125,7 +133,7 @@ void run_case(const Case& cs) {
   if (cs.dlogits == cs.logits) {
     const Guarded buf = Guarded::copy_of(hx, kPoison, cs.shift_bytes);
     const Guarded gl = Guarded::make({N}, DType::kF32, kPoison), gm = Guarded::make({1}, DType::kF32, kPoison);
-    cross_entropy_forward_backward_inplace(buf.view, gl.view, gm.view, dt, scale);
+    cross_entropy_forward_backward_inplace(buf.view, gl.view, gm.view, dt, scale, nullptr, nullptr, ex);
     EXPECT_EQ(buf.damaged_guard_bytes(), 0) << "fused: wrote outside the logits buffer";
     EXPECT_TRUE(buf.values() == first_d) << "fused in-place dlogits differ from the backward's";
     EXPECT_TRUE(gl.values() == first_l) << "fused in-place losses differ from the forward's";
@@ -134,7 +142,7 @@ void run_case(const Case& cs) {
     const Guarded buf2 = Guarded::copy_of(hx, kPoison, cs.shift_bytes);
     const Guarded gl2 = Guarded::make({N}, DType::kF32, kPoison), gm2 = Guarded::make({1}, DType::kF32, kPoison);
     const Guarded glse = Guarded::make({N}, DType::kF32, kPoison);
-    cross_entropy_forward_saving_lse(gl2.view, gm2.view, glse.view, buf2.view, dt);
+    cross_entropy_forward_saving_lse(gl2.view, gm2.view, glse.view, buf2.view, dt, nullptr, nullptr, ex);
     EXPECT_EQ(glse.damaged_guard_bytes(), 0) << "forward wrote outside lse";
     EXPECT_TRUE(gl2.values() == first_l) << "losses of the lse-saving forward differ";
     const std::vector<double> got_lse = glse.values();
@@ -145,7 +153,7 @@ void run_case(const Case& cs) {
         EXPECT_NEAR(got_lse[(size_t)n], lse[(size_t)n], tol_l[(size_t)n]) << "lse of token " << n;
       }
     }
-    cross_entropy_backward_inplace_from_lse(buf2.view, glse.view, dt, scale);
+    cross_entropy_backward_inplace_from_lse(buf2.view, glse.view, dt, scale, TensorView{}, nullptr, nullptr, ex);
     EXPECT_EQ(buf2.damaged_guard_bytes(), 0) << "backward from lse: wrote outside the logits buffer";
     EXPECT_TRUE(buf2.values() == first_d) << "dlogits from the saved lse differ from the fused variant's";
   }
@@ -164,16 +172,37 @@ TEST_F(OpsCrossEntropyCuda, MatchesReference) {
       {2, 128256, DType::kF32, DType::kBF16, 0},
       {700, 515, DType::kBF16, DType::kBF16, 0},
   };
-  for (const Case& cs : cases) run_case(cs);
+  for (const CrossEntropyExp ex : kExps)
+    for (const Case& cs : cases) run_case(cs, ex);
+}
+
+// The two exponentials are different code: some dlogits bits differ (the choice reaches the
+// kernel). Skipped where FOURBIT_CE_EXP overrides every call.
+TEST_F(OpsCrossEntropyCuda, TheExponentialChoiceReachesTheKernel) {
+  if (std::getenv("FOURBIT_CE_EXP") != nullptr) GTEST_SKIP() << "FOURBIT_CE_EXP overrides the choice";
+  const int64_t N = 8, V = 50257;
+  const Tensor x = host_tensor({N, V}, DType::kF32, random_normal(N * V, 17, 4.0)).to(Device::kCuda);
+  const Tensor t = host_ints({N}, random_ints(N, 0, (int32_t)V - 1, 18)).to(Device::kCuda);
+  std::vector<double> d[2];
+  for (int k = 0; k < 2; ++k) {
+    Tensor g = Tensor::empty({N, V}, DType::kF32, Device::kCuda);
+    cross_entropy_backward(g, x, t, 1.0f / N, nullptr, nullptr, kExps[k]);
+    d[k] = values_of(g);
+  }
+  int64_t differ = 0;
+  for (size_t i = 0; i < d[0].size(); ++i) differ += d[0][i] != d[1][i];
+  std::printf("expf vs sfu: %lld of %lld dlogits differ\n", (long long)differ, (long long)d[0].size());
+  EXPECT_GT(differ, (int64_t)d[0].size() / 100);
 }
 
 // Per-row weights: the kernel against the CPU reference (f32), with negative, zero and ignored
 // rows; tolerance as dlogits above with |s| replaced by |s w_n| (the weight is one more FP32
 // product: one more u).
 TEST_F(OpsCrossEntropyCuda, WeightedRowsMatchReference) {
+  for (const CrossEntropyExp ex : kExps)
   for (const auto& [N, V, dt] : {std::tuple<int64_t, int64_t, DType>{5, 7, DType::kF32},
                                  {37, 515, DType::kBF16}, {4, 50257, DType::kBF16}}) {
-    SCOPED_TRACE(::testing::Message() << "N " << N << " V " << V << " " << dtype_name(dt));
+    SCOPED_TRACE(::testing::Message() << "N " << N << " V " << V << " " << dtype_name(dt) << " exp " << exp_name(ex));
     const std::vector<double> x = rounded(random_normal(N * V, 7 + V, 3.0), dt);
     std::vector<int32_t> t = random_ints(N, 0, (int32_t)V - 1, 3 + N);
     t[1] = -1;
@@ -189,7 +218,7 @@ TEST_F(OpsCrossEntropyCuda, WeightedRowsMatchReference) {
     const Guarded gl = Guarded::make({N}, DType::kF32, kPoison);
     const Tensor dw = host_tensor({N}, DType::kF32, w).to(Device::kCuda);
     cross_entropy_forward_backward_inplace_weighted(buf.view, gl.view, TensorView{}, ht.to(Device::kCuda),
-                                                    dw, scale);
+                                                    dw, scale, nullptr, nullptr, ex);
     EXPECT_EQ(buf.damaged_guard_bytes(), 0);
     const std::vector<double> got = buf.values();
     const double round = dt == DType::kBF16 ? 1.0 / 256 : 0.0;
@@ -204,8 +233,8 @@ TEST_F(OpsCrossEntropyCuda, WeightedRowsMatchReference) {
     // From the forward's saved lse: the same bits as the fused weighted call above.
     const Guarded buf2 = Guarded::copy_of(host_tensor({N, V}, dt, x), kPoison, 0);
     Tensor l2 = Tensor::empty({N}, DType::kF32, Device::kCuda), lse = Tensor::empty({N}, DType::kF32, Device::kCuda);
-    cross_entropy_forward_saving_lse(l2, TensorView{}, lse, buf2.view, ht.to(Device::kCuda));
-    cross_entropy_backward_inplace_from_lse(buf2.view, lse, ht.to(Device::kCuda), scale, dw);
+    cross_entropy_forward_saving_lse(l2, TensorView{}, lse, buf2.view, ht.to(Device::kCuda), nullptr, nullptr, ex);
+    cross_entropy_backward_inplace_from_lse(buf2.view, lse, ht.to(Device::kCuda), scale, dw, nullptr, nullptr, ex);
     EXPECT_EQ(buf2.damaged_guard_bytes(), 0);
     EXPECT_TRUE(buf2.values() == got) << "weighted dlogits from the saved lse differ from the fused call's";
     EXPECT_TRUE(values_of(l2) == gl.values()) << "losses of the lse-saving forward differ";

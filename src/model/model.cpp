@@ -1264,11 +1264,12 @@ LossInfo Model::forward(const TensorView& tokens, const TensorView& targets, con
       // the same bits as the saved-lse path below followed by the backward's pass.
       const double scale = n_valid > 0 ? *o.loss_gradient_scale / (double)n_valid : 0.0;
       ops::cross_entropy_forward_backward_inplace(a.logits, a.losses, a.mean_loss, a.targets, (float)scale,
-                                                  im.flag(), st);
+                                                  im.flag(), st, options_.cross_entropy_exp);
       im.bf16(a.logits);
     } else {
       // The lse of every row is kept for the backward's one-pass gradient (no second softmax).
-      ops::cross_entropy_forward_saving_lse(a.losses, a.mean_loss, a.lse, a.logits, a.targets, im.flag(), st);
+      ops::cross_entropy_forward_saving_lse(a.losses, a.mean_loss, a.lse, a.logits, a.targets, im.flag(), st,
+                                            options_.cross_entropy_exp);
     }
   }
   im.record("final_norm", a.lnf);
@@ -1345,12 +1346,12 @@ void Model::backward(const BackwardOptions& o) {
       Tensor weights = Tensor::empty({N}, stat_dtype_, options_.device);
       detail::copy_to_device(weights.view(), host, st);
       ops::cross_entropy_backward_inplace_from_lse(a.logits, a.lse, a.targets, (float)o.loss_scale,
-                                                   weights.view(), im.flag(), st);
+                                                   weights.view(), im.flag(), st, options_.cross_entropy_exp);
       detail::sync_stream(options_.device, st);  // `weights` dies here
     } else {
       const double scale = im.n_valid > 0 ? o.loss_scale / (double)im.n_valid : 0.0;
       ops::cross_entropy_backward_inplace_from_lse(a.logits, a.lse, a.targets, (float)scale,
-                                                   TensorView{}, im.flag(), st);
+                                                   TensorView{}, im.flag(), st, options_.cross_entropy_exp);
     }
     im.bf16(a.logits);
   }

@@ -23,21 +23,17 @@ using detail::present;
 constexpr int32_t kIgnored = -1;
 
 #if defined(FOURBIT_WITH_CUDA)
-// The CUDA kernels' exponential: expf (default) or FOURBIT_CE_EXP=sfu (ex2.approx on the
-// special-function unit, see cross_entropy_kernels.cu). sfu is faster (H100, session 21:
-// gpt2-124m bf16 B 32 step 69.64 / 69.92 -> 68.95 / 68.78 ms) but its ~1e-6 relative error in
-// dlogits, amplified by the NVFP4 quantizers downstream (a moved per-tensor amax rescales a whole
-// tensor), put the GPU's nvfp4 gradients 7e-2 from the CPU reference's in
-// ModelCuda.QuantizedRecipesMatchTheCpuReference (bound 3.6e-2; expf passes). Read once per process.
-bool cuda_sfu_exp() {
-  static const bool sfu = [] {
+// The CUDA kernels' exponential: the call's choice, or FOURBIT_CE_EXP (read once per process)
+// where it is set.
+bool cuda_sfu_exp(CrossEntropyExp exp) {
+  static const int from_env = [] {
     const char* v = std::getenv("FOURBIT_CE_EXP");
     const std::string s = v != nullptr ? v : "";
     FOURBIT_CHECK(s.empty() || s == "expf" || s == "sfu",
                   "FOURBIT_CE_EXP must be 'expf' or 'sfu' (the cross-entropy kernels' exponential); got '{}'", s);
-    return s == "sfu";
+    return s.empty() ? -1 : s == "sfu" ? 1 : 0;
   }();
-  return sfu;
+  return from_env < 0 ? exp == CrossEntropyExp::kSfu : from_env == 1;
 }
 #endif
 
@@ -105,7 +101,7 @@ kernels::FloatType float_type(const TensorView& t) {
 // lse_out: the forward also writes each row's lse; lse_in: the backward takes them (no forward).
 void run(std::string_view op, const TensorView& losses, const TensorView& mean_loss,
          const TensorView& dlogits, const TensorView& logits, const TensorView& targets,
-         float dloss_scale, int* error_flag, void* stream,
+         float dloss_scale, int* error_flag, void* stream, CrossEntropyExp exp,
          const TensorView& row_weights = TensorView{}, const TensorView& lse_out = TensorView{},
          const TensorView& lse_in = TensorView{}) {
   const Device dev = detail::common_device(op, {{"logits", &logits},
@@ -190,7 +186,7 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
   a.row_weights = present(row_weights) ? row_weights.ptr<const float>() : nullptr;
   a.lse_out = present(lse_out) ? lse_out.ptr<float>() : nullptr;
   a.lse_in = present(lse_in) ? lse_in.ptr<const float>() : nullptr;
-  a.sfu_exp = cuda_sfu_exp();
+  a.sfu_exp = cuda_sfu_exp(exp);
   detail::DeviceFlag flag(error_flag, stream);
   a.error_flag = flag.get();
   kernels::launch_cross_entropy(a, static_cast<cudaStream_t>(stream));
@@ -202,6 +198,7 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
 #else
   (void)stream;
   (void)error_flag;
+  (void)exp;
   detail::no_cuda_build(op);
 #endif
 }
@@ -210,52 +207,53 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
 
 void cross_entropy_forward(const TensorView& losses, const TensorView& mean_loss,
                            const TensorView& logits, const TensorView& targets, int* error_flag,
-                           void* stream) {
+                           void* stream, CrossEntropyExp exp) {
   FOURBIT_CHECK(present(losses), "cross_entropy_forward: losses is required");
   run("cross_entropy_forward", losses, mean_loss, TensorView{}, logits, targets, 0.0f, error_flag,
-      stream);
+      stream, exp);
 }
 
 void cross_entropy_forward_saving_lse(const TensorView& losses, const TensorView& mean_loss,
                                       const TensorView& lse, const TensorView& logits,
-                                      const TensorView& targets, int* error_flag, void* stream) {
+                                      const TensorView& targets, int* error_flag, void* stream,
+                                      CrossEntropyExp exp) {
   constexpr std::string_view op = "cross_entropy_forward_saving_lse";
   FOURBIT_CHECK(present(losses), "{}: losses is required", op);
   FOURBIT_CHECK(present(lse), "{}: lse is required (use cross_entropy_forward without it)", op);
   FOURBIT_CHECK(lse.is_contiguous(), "{}: lse must be contiguous, got {}", op, lse.describe());
-  run(op, losses, mean_loss, TensorView{}, logits, targets, 0.0f, error_flag, stream, TensorView{},
-      lse);
+  run(op, losses, mean_loss, TensorView{}, logits, targets, 0.0f, error_flag, stream, exp,
+      TensorView{}, lse);
 }
 
 void cross_entropy_backward_inplace_from_lse(const TensorView& logits_to_dlogits,
                                              const TensorView& lse, const TensorView& targets,
                                              float dloss_scale, const TensorView& row_weights,
-                                             int* error_flag, void* stream) {
+                                             int* error_flag, void* stream, CrossEntropyExp exp) {
   constexpr std::string_view op = "cross_entropy_backward_inplace_from_lse";
   FOURBIT_CHECK(present(lse), "{}: lse (from cross_entropy_forward_saving_lse) is required", op);
   FOURBIT_CHECK(lse.is_contiguous(), "{}: lse must be contiguous, got {}", op, lse.describe());
   run(op, TensorView{}, TensorView{}, logits_to_dlogits, logits_to_dlogits, targets, dloss_scale,
-      error_flag, stream, row_weights, TensorView{}, lse);
+      error_flag, stream, exp, row_weights, TensorView{}, lse);
 }
 
 void cross_entropy_backward(const TensorView& dlogits, const TensorView& logits,
                             const TensorView& targets, float dloss_scale, int* error_flag,
-                            void* stream) {
+                            void* stream, CrossEntropyExp exp) {
   FOURBIT_CHECK(present(dlogits), "cross_entropy_backward: dlogits is required");
   FOURBIT_CHECK(detail::distinct(dlogits, logits),
                 "cross_entropy_backward: dlogits aliases logits; use "
                 "cross_entropy_forward_backward_inplace to overwrite the logits");
   run("cross_entropy_backward", TensorView{}, TensorView{}, dlogits, logits, targets, dloss_scale,
-      error_flag, stream);
+      error_flag, stream, exp);
 }
 
 void cross_entropy_forward_backward_inplace(const TensorView& logits_to_dlogits,
                                             const TensorView& losses, const TensorView& mean_loss,
                                             const TensorView& targets, float dloss_scale,
-                                            int* error_flag, void* stream) {
+                                            int* error_flag, void* stream, CrossEntropyExp exp) {
   FOURBIT_CHECK(present(losses), "cross_entropy_forward_backward_inplace: losses is required");
   run("cross_entropy_forward_backward_inplace", losses, mean_loss, logits_to_dlogits,
-      logits_to_dlogits, targets, dloss_scale, error_flag, stream);
+      logits_to_dlogits, targets, dloss_scale, error_flag, stream, exp);
 }
 
 void cross_entropy_forward_backward_inplace_weighted(const TensorView& logits_to_dlogits,
@@ -264,13 +262,13 @@ void cross_entropy_forward_backward_inplace_weighted(const TensorView& logits_to
                                                      const TensorView& targets,
                                                      const TensorView& row_weights,
                                                      float dloss_scale, int* error_flag,
-                                                     void* stream) {
+                                                     void* stream, CrossEntropyExp exp) {
   constexpr std::string_view op = "cross_entropy_forward_backward_inplace_weighted";
   FOURBIT_CHECK(present(losses), "{}: losses is required", op);
   FOURBIT_CHECK(present(row_weights), "{}: row_weights is required (use the unweighted entry point "
                 "for weight 1)", op);
   run(op, losses, mean_loss, logits_to_dlogits, logits_to_dlogits, targets, dloss_scale, error_flag,
-      stream, row_weights);
+      stream, exp, row_weights);
 }
 
 }  // namespace fourbit::ops

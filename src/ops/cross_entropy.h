@@ -19,8 +19,7 @@
 //
 // Dtypes. CPU reference: logits, losses, mean_loss, dlogits all f32 or all f64 (naive two-pass
 // softmax in the scalar type). CUDA: logits bf16 or f32, dlogits bf16 or f32, losses and
-// mean_loss f32; all math FP32 (expf, logf; FOURBIT_CE_EXP=sfu takes ex2.approx of d log2(e) on the
-// special-function unit instead: faster, relative error ~2^-22 plus the product's rounding).
+// mean_loss f32; all math FP32 (logf, and the exponential each call picks: CrossEntropyExp).
 // targets i32. Contiguous tensors.
 //
 // Invalid targets. CPU: an error naming the token. CUDA: the kernel cannot throw; it sets
@@ -44,20 +43,30 @@
 
 namespace fourbit::ops {
 
+// The CUDA kernels' exponential (the CPU reference always uses std::exp). The environment
+// variable FOURBIT_CE_EXP=expf|sfu, when set, overrides every call's choice (A/B runs).
+enum class CrossEntropyExp : uint8_t {
+  kExpf,  // expf: within 2 ulp
+  kSfu,   // ex2.approx.ftz of d log2(e) on the special-function unit: fewer instructions (the
+          // kernels are issue-bound), relative error ~2^-22 plus the product's rounding
+};
+
 // losses:    [N]     overwritten
 // mean_loss: [1]     overwritten; optional (TensorView{}: not computed)
 // logits:    [N, V]
 // targets:   [N] i32
 void cross_entropy_forward(const TensorView& losses, const TensorView& mean_loss,
                            const TensorView& logits, const TensorView& targets,
-                           int* error_flag = nullptr, void* stream = nullptr);
+                           int* error_flag = nullptr, void* stream = nullptr,
+                           CrossEntropyExp exp = CrossEntropyExp::kExpf);
 
 // cross_entropy_forward, also writing each row's log-sum-exp (for the backward below).
 // lse: [N] overwritten: f32 on CUDA, the logits' dtype on the CPU; 0 for an ignored token.
 void cross_entropy_forward_saving_lse(const TensorView& losses, const TensorView& mean_loss,
                                       const TensorView& lse, const TensorView& logits,
                                       const TensorView& targets, int* error_flag = nullptr,
-                                      void* stream = nullptr);
+                                      void* stream = nullptr,
+                                      CrossEntropyExp exp = CrossEntropyExp::kExpf);
 
 // The backward alone, in place, from the lse that cross_entropy_forward_saving_lse wrote for these
 // very logits: one read and one write of each row. dlogits equal, bit for bit, what
@@ -71,7 +80,8 @@ void cross_entropy_backward_inplace_from_lse(const TensorView& logits_to_dlogits
                                              const TensorView& lse, const TensorView& targets,
                                              float dloss_scale,
                                              const TensorView& row_weights = TensorView{},
-                                             int* error_flag = nullptr, void* stream = nullptr);
+                                             int* error_flag = nullptr, void* stream = nullptr,
+                                             CrossEntropyExp exp = CrossEntropyExp::kExpf);
 
 // dlogits: [N, V]  OVERWRITTEN (an activation gradient); must not alias logits (see
 //                  cross_entropy_forward_backward_inplace)
@@ -79,7 +89,8 @@ void cross_entropy_backward_inplace_from_lse(const TensorView& logits_to_dlogits
 // targets: [N] i32
 void cross_entropy_backward(const TensorView& dlogits, const TensorView& logits,
                             const TensorView& targets, float dloss_scale,
-                            int* error_flag = nullptr, void* stream = nullptr);
+                            int* error_flag = nullptr, void* stream = nullptr,
+                            CrossEntropyExp exp = CrossEntropyExp::kExpf);
 
 // Forward and backward in one call, writing dlogits over the logits (the llm.c memory saving:
 // no second [N, V] buffer). Same results as cross_entropy_forward then cross_entropy_backward.
@@ -91,7 +102,8 @@ void cross_entropy_forward_backward_inplace(const TensorView& logits_to_dlogits,
                                             const TensorView& losses,
                                             const TensorView& mean_loss,
                                             const TensorView& targets, float dloss_scale,
-                                            int* error_flag = nullptr, void* stream = nullptr);
+                                            int* error_flag = nullptr, void* stream = nullptr,
+                                            CrossEntropyExp exp = CrossEntropyExp::kExpf);
 
 // The in-place forward and backward with a weight per row (see the top of this file).
 // row_weights: [N] CPU: the dtype of logits (f32 or f64); CUDA: f32. Finite.
@@ -101,6 +113,7 @@ void cross_entropy_forward_backward_inplace_weighted(const TensorView& logits_to
                                                      const TensorView& targets,
                                                      const TensorView& row_weights,
                                                      float dloss_scale, int* error_flag = nullptr,
-                                                     void* stream = nullptr);
+                                                     void* stream = nullptr,
+                                                     CrossEntropyExp exp = CrossEntropyExp::kExpf);
 
 }  // namespace fourbit::ops
