@@ -13,11 +13,18 @@
 // Invariants: the times are GPU durations of each launch (end - start), summed; kernels that ran
 // concurrently are both counted in full, so the total can exceed wall time. CUPTI adds a little
 // time per launch; compare shares, not absolute times, against untraced runs.
+// When: the table is written by an atexit handler registered at CUPTI's first buffer request,
+// which is meant to come with the first recorded activity, after the CUDA runtime registered its
+// own exit handlers, so that it runs (exit handlers go last-registered first) while the contexts
+// still exist; the library's destructor writes it only if that never ran. (Session 24 saw an empty table from the destructor alone, on an H100
+// with driver 580; the cause was not established.) The table's first line counts the activity
+// buffers CUPTI asked for and returned, so an empty table says whether any records came at all.
 #include <cupti.h>
 
 #include <cxxabi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -36,6 +43,10 @@ struct Row {
 std::mutex g_mutex;
 std::map<std::string, Row>* g_rows = nullptr;  // leaked on purpose: used from CUPTI's threads at exit
 bool g_ok = false;
+std::atomic<bool> g_reported{false};
+std::atomic<long> g_buffers_requested{0}, g_buffers_completed{0};
+std::once_flag g_atexit_once;
+void report();
 
 constexpr size_t kBufferBytes = 8 << 20;
 
@@ -69,12 +80,15 @@ void add(const std::string& name, unsigned long long start, unsigned long long e
 }
 
 void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  std::call_once(g_atexit_once, [] { std::atexit(report); });
+  g_buffers_requested.fetch_add(1);
   *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
   *size = kBufferBytes;
   *max_records = 0;
 }
 
 void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  g_buffers_completed.fetch_add(1);
   CUpti_Activity* record = nullptr;
   while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
     switch (record->kind) {
@@ -124,9 +138,10 @@ __attribute__((constructor)) void start() {
   g_ok = true;
 }
 
-__attribute__((destructor)) void finish() {
-  if (!g_ok) return;
-  cuptiActivityFlushAll(1);
+// Flushes CUPTI's buffers and writes the table, once.
+void report() {
+  if (!g_ok || g_reported.exchange(true)) return;
+  const CUptiResult flushed = cuptiActivityFlushAll(1);
   std::vector<std::pair<std::string, Row>> rows;
   double all = 0;
   {
@@ -143,7 +158,11 @@ __attribute__((destructor)) void finish() {
   }
   const long top = env_long("FOURBIT_KTRACE_TOP", 60);
   const size_t width = (size_t)env_long("FOURBIT_KTRACE_WIDTH", 110);
-  std::fprintf(out, "ktrace: %zu kernel names, %.3f ms of GPU time in all\n", rows.size(), all * 1e-6);
+  const char* flush_msg = nullptr;
+  cuptiGetResultString(flushed, &flush_msg);
+  std::fprintf(out, "ktrace: %zu kernel names, %.3f ms of GPU time in all (%ld activity buffers requested, %ld "
+               "returned; flush: %s)\n", rows.size(), all * 1e-6, g_buffers_requested.load(),
+               g_buffers_completed.load(), flush_msg != nullptr ? flush_msg : "?");
   std::fprintf(out, "%10s %10s %10s %7s  %s\n", "total ms", "launches", "mean us", "share", "kernel");
   long shown = 0;
   for (const auto& [name, r] : rows) {
@@ -154,5 +173,7 @@ __attribute__((destructor)) void finish() {
   }
   if (out != stderr) std::fclose(out);
 }
+
+__attribute__((destructor)) void finish() { report(); }
 
 }  // namespace
