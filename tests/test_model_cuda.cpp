@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -275,6 +276,13 @@ ModelOptions reference_arithmetic(ModelOptions o) {
 }
 
 TEST_F(ModelCuda, QuantizedRecipesMatchTheCpuReference) {
+  // The A/B switches override the options for every model of the process: with either fast path
+  // forced on, this comparison is not the one its bounds were set for.
+  for (const auto& [name, fast] : {std::pair{"FOURBIT_FUSE_RESIDUAL", "1"}, std::pair{"FOURBIT_CE_EXP", "sfu"}}) {
+    const char* v = std::getenv(name);
+    if (v != nullptr && std::string(v) == fast)
+      GTEST_SKIP() << name << "=" << fast << " overrides the reference arithmetic this test needs; unset it";
+  }
   for (const ModelConfig& c : {gpu_dense(), gpu_moe()}) {
     const int B = kQuantBatch, T = 1;
     const testing::Batch batch = make_batch(B, T, c.vocab, 8, 0);
