@@ -1066,6 +1066,8 @@ void Model::params_changed() {
 int64_t Model::activation_bytes() const { return arena_->capacity(); }
 int64_t Model::activation_peak_bytes() const { return arena_->peak(); }
 
+bool Model::fuses_residual_add() const { return impl_->fuses_residual_add(); }
+
 int64_t Model::saved_wgrad_input_bytes() const {
   if (!impl_->have_forward) return 0;
   int64_t bytes = 0;

@@ -316,6 +316,10 @@ class Model {
   // Bytes of the quantized Wgrad inputs the last training forward kept outside the arena
   // (ModelOptions::keep_wgrad_inputs); the backward releases each after its Wgrad.
   int64_t saved_wgrad_input_bytes() const;
+  // Whether this model's training forward and backward fuse the residual adds
+  // (ModelOptions::fuse_residual_add, or FOURBIT_FUSE_RESIDUAL where it is set; never under a
+  // GemmObserver).
+  bool fuses_residual_add() const;
 
   // ---- generation ------------------------------------------------------------------------------
   // A cache for `batch` sequences of up to max_len positions (<= config.max_seq), whose forward

@@ -22,20 +22,6 @@ using detail::present;
 
 constexpr int32_t kIgnored = -1;
 
-#if defined(FOURBIT_WITH_CUDA)
-// The CUDA kernels' exponential: the call's choice, or FOURBIT_CE_EXP (read once per process)
-// where it is set.
-bool cuda_sfu_exp(CrossEntropyExp exp) {
-  static const int from_env = [] {
-    const char* v = std::getenv("FOURBIT_CE_EXP");
-    const std::string s = v != nullptr ? v : "";
-    FOURBIT_CHECK(s.empty() || s == "expf" || s == "sfu",
-                  "FOURBIT_CE_EXP must be 'expf' or 'sfu' (the cross-entropy kernels' exponential); got '{}'", s);
-    return s.empty() ? -1 : s == "sfu" ? 1 : 0;
-  }();
-  return from_env < 0 ? exp == CrossEntropyExp::kSfu : from_env == 1;
-}
-#endif
 
 template <typename T>
 T row_lse(const T* row, int64_t V) {
@@ -186,7 +172,7 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
   a.row_weights = present(row_weights) ? row_weights.ptr<const float>() : nullptr;
   a.lse_out = present(lse_out) ? lse_out.ptr<float>() : nullptr;
   a.lse_in = present(lse_in) ? lse_in.ptr<const float>() : nullptr;
-  a.sfu_exp = cuda_sfu_exp(exp);
+  a.sfu_exp = cross_entropy_exp_in_effect(exp) == CrossEntropyExp::kSfu;
   detail::DeviceFlag flag(error_flag, stream);
   a.error_flag = flag.get();
   kernels::launch_cross_entropy(a, static_cast<cudaStream_t>(stream));
@@ -204,6 +190,18 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
 }
 
 }  // namespace
+
+CrossEntropyExp cross_entropy_exp_in_effect(CrossEntropyExp requested) {
+  static const int from_env = [] {
+    const char* v = std::getenv("FOURBIT_CE_EXP");
+    const std::string s = v != nullptr ? v : "";
+    FOURBIT_CHECK(s.empty() || s == "expf" || s == "sfu",
+                  "FOURBIT_CE_EXP must be 'expf' or 'sfu' (the cross-entropy kernels' exponential); got '{}'", s);
+    return s.empty() ? -1 : s == "sfu" ? 1 : 0;
+  }();
+  if (from_env < 0) return requested;
+  return from_env == 1 ? CrossEntropyExp::kSfu : CrossEntropyExp::kExpf;
+}
 
 void cross_entropy_forward(const TensorView& losses, const TensorView& mean_loss,
                            const TensorView& logits, const TensorView& targets, int* error_flag,

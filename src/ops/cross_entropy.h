@@ -51,6 +51,10 @@ enum class CrossEntropyExp : uint8_t {
           // kernels are issue-bound), relative error ~2^-22 plus the product's rounding
 };
 
+// The exponential a call asking for `requested` gets: FOURBIT_CE_EXP where it is set (read once
+// per process; any value other than expf or sfu is an error), else `requested`.
+CrossEntropyExp cross_entropy_exp_in_effect(CrossEntropyExp requested);
+
 // losses:    [N]     overwritten
 // mean_loss: [1]     overwritten; optional (TensorView{}: not computed)
 // logits:    [N, V]

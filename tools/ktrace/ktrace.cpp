@@ -16,9 +16,10 @@
 // When: the table is written by an atexit handler registered at CUPTI's first buffer request,
 // which is meant to come with the first recorded activity, after the CUDA runtime registered its
 // own exit handlers, so that it runs (exit handlers go last-registered first) while the contexts
-// still exist; the library's destructor writes it only if that never ran. (Session 24 saw an empty table from the destructor alone, on an H100
-// with driver 580; the cause was not established.) The table's first line counts the activity
-// buffers CUPTI asked for and returned, so an empty table says whether any records came at all.
+// still exist; the library's destructor writes it only if that never ran. (Session 24 saw an
+// empty table from the destructor alone, on an H100 with driver 580; the cause was not
+// established.) The table's first line counts the activity buffers CUPTI asked for and returned,
+// so an empty table says whether any records came at all.
 #include <cupti.h>
 
 #include <cxxabi.h>
