@@ -148,6 +148,7 @@ struct GemmCase {
   double tol = 0;  // 0: the FP32 accumulation bound for K
   Backend expected = Backend::kAuto;
   bool separate_source = false;  // the beta term reads GemmArgs::c_source (C starts poisoned)
+  Backend backend = Backend::kAuto;  // GemmArgs::backend of the GPU run
 };
 
 // Runs A . B^T on the GPU and on the CPU reference and checks the bound, the guards and the
@@ -177,6 +178,7 @@ void check_gemm(TestOperand& a, TestOperand& b, const GemmCase& gc, const std::s
   args.beta = gc.beta;
   if (gc.separate_source) args.c_source = source.view;
   args.name = "gpu test gemm";
+  args.backend = gc.backend;
   if (gc.expected != Backend::kAuto) {
     EXPECT_EQ(select_backend(args), gc.expected) << backend_name(select_backend(args));
   }
@@ -196,10 +198,12 @@ void check_gemm(TestOperand& a, TestOperand& b, const GemmCase& gc, const std::s
 }
 
 
-std::vector<GemmCase> epilogue_variants(Backend expected, double tol) {
-  return {{1.0f, 0.0f, DType::kF32, tol, expected}, {0.5f, 1.0f, DType::kF32, tol, expected},
-          {1.0f, 0.0f, DType::kBF16, tol, expected}, {-2.0f, 1.0f, DType::kBF16, tol, expected},
-          {1.0f, 1.0f, DType::kBF16, tol, expected, true}, {0.5f, 1.0f, DType::kF32, tol, expected, true}};
+std::vector<GemmCase> epilogue_variants(Backend expected, double tol, Backend forced = Backend::kAuto) {
+  std::vector<GemmCase> v = {{1.0f, 0.0f, DType::kF32, tol, expected}, {0.5f, 1.0f, DType::kF32, tol, expected},
+                             {1.0f, 0.0f, DType::kBF16, tol, expected}, {-2.0f, 1.0f, DType::kBF16, tol, expected},
+                             {1.0f, 1.0f, DType::kBF16, tol, expected, true}, {0.5f, 1.0f, DType::kF32, tol, expected, true}};
+  for (GemmCase& c : v) c.backend = forced;
+  return v;
 }
 
 class GemmCuda : public ::testing::Test {
@@ -244,9 +248,11 @@ TEST_F(GemmCuda, Fp8BlockScaled) {
   struct S { int64_t m, n, k; };
   struct P { const char* name; quant::QuantConfig a, b; };
   for (const P& p : {P{"1x128 x 128x128", one_d, two_d}, P{"1x128 x 1x128", one_d, one_d}, P{"128x128 x 1x128", two_d, one_d}}) {
+    // auto picks the pair's configured kernel for 1x128 x 1x128 (fp8_1x128_pair_backend), else cuBLASLt.
+    const Backend expected = !p.a.block_2d && !p.b.block_2d ? fp8_1x128_pair_backend() : Backend::kCublasFp8;
     for (const S& s : {S{256, 384, 640}, S{128, 128, 576}, S{300, 200, 256}}) {
       TestOperand a = quant_op("x", s.m, s.k, 7, p.a), b = quant_op("w", s.n, s.k, 8, p.b);
-      for (const GemmCase& gc : epilogue_variants(Backend::kCublasFp8, kFp8AccumulationTolerance)) {
+      for (const GemmCase& gc : epilogue_variants(expected, kFp8AccumulationTolerance)) {
         check_gemm(a, b, gc, std::string("fp8 ") + p.name + " " + std::to_string(s.m) + "x" +
                                  std::to_string(s.n) + "x" + std::to_string(s.k));
       }
@@ -257,6 +263,49 @@ TEST_F(GemmCuda, Fp8BlockScaled) {
   expect_error([&] { check_gemm(a, b, {}, "fp8 block M = 37"); }, {"multiple of 4", "x"});
   TestOperand a2 = quant_op("x", 128, 256, 11, two_d);
   expect_error([&] { check_gemm(a2, b, {}, "fp8 2d x 2d"); }, {"128x128 x 128x128", "1x128"});
+}
+
+// fourbit's FP8 kernel for the 1x128 x 1x128 pair (Backend::kWgmmaFp8), forced: shapes with
+// row, column and K tails (zero-filled by TMA), both tile widths (N <= 128: 128; else 256), more
+// K blocks than pipeline stages, several CTAs, every epilogue; cuBLASLt on the same operands for
+// comparison; the Wgrad orientation (column-wise copies); a scale block of zeros and an outlier row.
+TEST_F(GemmCuda, Fp8WgmmaOneByOneTwentyEightPairMatchesTheReference) {
+  const DeviceProperties props = current_device_properties();
+  if (props.sm_major != 9 || props.sm_minor != 0) GTEST_SKIP() << "wgmma-fp8-1x128 runs on sm_90 only";
+  const quant::QuantConfig one_d = config(quant::Format::kFp8Block);
+  struct S { int64_t m, n, k; };
+  for (const S& s : {S{256, 384, 640}, S{128, 128, 576}, S{300, 200, 256}, S{40, 24, 48}, S{520, 1000, 2176},
+                     S{384, 128, 1664}}) {
+    const std::string shape = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k);
+    TestOperand a = quant_op("x", s.m, s.k, 7, one_d), b = quant_op("w", s.n, s.k, 8, one_d);
+    for (const GemmCase& gc : epilogue_variants(Backend::kWgmmaFp8, kFp8AccumulationTolerance, Backend::kWgmmaFp8)) {
+      check_gemm(a, b, gc, "wgmma fp8 1x128 x 1x128 " + shape);
+    }
+    TestOperand dy = quant_op("dy", s.m, s.k, 9, one_d, Copy::kColwise), x = quant_op("x", s.n, s.k, 10, one_d, Copy::kColwise);
+    GemmCase wgrad{1.0f, 1.0f, DType::kF32, kFp8AccumulationTolerance, Backend::kWgmmaFp8};
+    wgrad.backend = Backend::kWgmmaFp8;
+    check_gemm(dy, x, wgrad, "wgmma fp8 wgrad (column-wise copies) " + shape);
+  }
+  {  // A source with an all-zero scale block and one row a million times larger than the rest.
+    Tensor src = random_matrix(256, 384, 11);
+    for (int64_t c = 0; c < 128; ++c) src.ptr<float>()[5 * 384 + 128 + c] = 0.0f;
+    for (int64_t c = 0; c < 384; ++c) src.ptr<float>()[77 * 384 + c] *= 1e6f;
+    TestOperand a;
+    a.name = "x with zeros and an outlier";
+    a.q = std::make_shared<quant::QuantizedTensor>(quant::quantize_reference(src.view(), one_d, {true, false}, {a.name}));
+    TestOperand b = quant_op("w", 192, 384, 12, one_d);
+    GemmCase gc{1.0f, 0.0f, DType::kF32, kFp8AccumulationTolerance, Backend::kWgmmaFp8};
+    gc.backend = Backend::kWgmmaFp8;
+    check_gemm(a, b, gc, "wgmma fp8 zeros and outlier");
+  }
+  // Refusals: a 128x128 operand, rows not a multiple of 4.
+  const quant::QuantConfig two_d = config(quant::Format::kFp8Block, true);
+  TestOperand a = quant_op("x", 64, 256, 13, one_d), w2 = quant_op("w", 64, 256, 14, two_d);
+  GemmCase forced{};
+  forced.backend = Backend::kWgmmaFp8;
+  expect_error([&] { check_gemm(a, w2, forced, "wgmma 1x128 x 128x128"); }, {"wgmma-fp8-1x128", "1x128", "w"});
+  TestOperand a37 = quant_op("x", 37, 256, 15, one_d), b = quant_op("w", 64, 256, 16, one_d);
+  expect_error([&] { check_gemm(a37, b, forced, "wgmma M = 37"); }, {"multiple of 4", "x"});
 }
 
 TEST_F(GemmCuda, EmulatedNvfp4AndMxfp8) {
@@ -367,7 +416,8 @@ TEST_F(GemmCuda, Fp8ScaleLayoutKernelMatchesReference) {
 
 // Grouped GEMMs on the GPU against the CPU reference grouped GEMM.
 void check_grouped(GroupSplit split, const std::vector<int64_t>& sizes, TestOperand& a, std::vector<TestOperand>& bs,
-                   int64_t out_rows, int64_t out_cols, double tol, const std::string& what) {
+                   int64_t out_rows, int64_t out_cols, double tol, const std::string& what,
+                   Backend backend = Backend::kAuto) {
   SCOPED_TRACE(what);
   const int64_t groups = (int64_t)sizes.size();
   const bool rows_split = split == GroupSplit::kRows;
@@ -402,7 +452,7 @@ void check_grouped(GroupSplit split, const std::vector<int64_t>& sizes, TestOper
   args.a = a.device();
   args.b = dev_b;
   args.c = gpu_views;
-  args.backend = Backend::kAuto;
+  args.backend = backend;
   grouped_gemm(args);
   device_synchronize();
   // S per output element, group by group.
@@ -458,7 +508,13 @@ TEST_F(GemmCuda, GroupedReductionSplit) {
     const std::vector<int64_t> sizes = {128, 0, 256};
     TestOperand dy = quant_op("dy", n, 384, 42, config(quant::Format::kFp8Block), Copy::kColwise);
     std::vector<TestOperand> x = {quant_op("x", k, 384, 43, config(quant::Format::kFp8Block), Copy::kColwise)};
-    check_grouped(GroupSplit::kReduction, sizes, dy, x, n, k, kFp8AccumulationTolerance, "reduction split fp8 1x128");
+    check_grouped(GroupSplit::kReduction, sizes, dy, x, n, k, kFp8AccumulationTolerance, "reduction split fp8 1x128",
+                  Backend::kCublasFp8);
+    const DeviceProperties props = current_device_properties();
+    if (props.sm_major == 9 && props.sm_minor == 0) {
+      check_grouped(GroupSplit::kReduction, sizes, dy, x, n, k, kFp8AccumulationTolerance,
+                    "reduction split fp8 1x128 (wgmma)", Backend::kWgmmaFp8);
+    }
   }
   {  // NVFP4 with RHT, groups of multiples of 16 tokens.
     const std::vector<int64_t> sizes = {32, 0, 48, 16};

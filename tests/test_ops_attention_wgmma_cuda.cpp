@@ -1,4 +1,4 @@
-// ops attention (gpu): single wgmma products through the wrappers of src/ops/attention_wgmma.cuh,
+// ops attention (gpu): single wgmma products through the wrappers of src/core/wgmma.cuh,
 // on small-integer bf16 matrices (every product and FP32 sum exact, so the comparison is exact):
 // D = A B^T with both operands K-major from swizzled shared memory (N = 32, 64, 128), and D = A B
 // with A from registers and B MN-major (N = 64, 128: the attention kernels' N = D). This pins down what the attention kernels

@@ -5,14 +5,14 @@
 // T = 8 bf16 elements, then Swizzle<3,4,3> on the byte address), must be the element that
 // the swizzled load_tile stored at that address. A wrong stride, a swapped LBO/SBO or a wrong k-step
 // offset reads another element and fails here without a GPU.
-#include "ops/attention_wgmma.cuh"
+#include "core/wgmma.cuh"
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <string>
 
-namespace fourbit::ops::kernels::wgmma {
+namespace fourbit::wgmma {
 namespace {
 
 constexpr uint32_t kTileBase = 17 * 1024;  // any 1024-byte-aligned shared address
@@ -128,4 +128,4 @@ TEST(OpsAttentionWgmmaLayout, AdvancedDescriptorsEqualTheDirectOnes) {
 }
 
 }  // namespace
-}  // namespace fourbit::ops::kernels::wgmma
+}  // namespace fourbit::wgmma

@@ -1,5 +1,5 @@
 // Kernels of test_ops_attention_wgmma_cuda: single wgmma products on known matrices, so that the
-// wrappers of src/ops/attention_wgmma.cuh and the fragment layouts the attention kernels assume are
+// wrappers of src/core/wgmma.cuh and the fragment layouts the attention kernels assume are
 // checked on their own (if the attention test fails and this passes, the fault is in the attention
 // logic, not in the instruction's use).
 //
@@ -12,14 +12,14 @@
 // D is written back assuming the mma.m16n8k16 C layout per warp (warp w: rows 16 w ..).
 #include "wgmma_probe_kernels.h"
 
-#include "ops/attention_wgmma.cuh"
+#include "core/wgmma.cuh"
 
 #include <cuda_runtime.h>
 
 namespace fourbit::testing {
 namespace {
 
-namespace wg = ops::kernels::wgmma;
+namespace wg = fourbit::wgmma;
 
 constexpr int kAlign = 1024;
 

@@ -8,6 +8,8 @@
 // Quantization as a producer would run it: NVFP4 with its global-amax pass; the emulated formats
 // write only the scaled-domain BF16 copy the GEMM reads (the fused fast path), except for the
 // "packed operands" rows, where the quantizer writes the packed copy and the GEMM dequantizes it.
+// The 1x128 x 1x128 pair runs twice, forced: cuBLASLt's kernel and fourbit's (wgmma-fp8-1x128);
+// the "wgrad" shapes are that pair's shapes in the fp8 recipe's training step.
 #include "gemm/bench.h"
 
 #include "core/check.h"
@@ -47,6 +49,12 @@ std::vector<Shape3> bench_shapes() {
       {"1.3b attn-out", 16384, 2048, 2048},
       {"1.3b mlp-up", 16384, 8192, 2048},
       {"1.3b mlp-down", 16384, 2048, 8192},
+      // The Wgrad products dW [N_out, N_in] = dY^T X of the 1.3B layers (K = the 16 x 1024 tokens),
+      // the shape of the fp8 recipe's 1x128 x 1x128 GEMMs.
+      {"1.3b wgrad qkv", 6144, 2048, 16384},
+      {"1.3b wgrad attn-out", 2048, 2048, 16384},
+      {"1.3b wgrad mlp-up", 8192, 2048, 16384},
+      {"1.3b wgrad mlp-down", 2048, 8192, 16384},
   };
 }
 
@@ -55,6 +63,7 @@ struct BenchCase {
   std::optional<quant::QuantConfig> a, b;
   bool packed_operands = false;  // emulated: the GEMM dequantizes the packed copies itself
   double target_ratio = 0;
+  Backend backend = Backend::kAuto;
 };
 
 std::vector<BenchCase> bench_cases() {
@@ -73,7 +82,8 @@ std::vector<BenchCase> bench_cases() {
       {"bf16", std::nullopt, std::nullopt},
       {"fp8 tensor", fp8_tensor, fp8_tensor},
       {"fp8 1x128 x 128x128", fp8_1d, fp8_2d, false, 1.3},
-      {"fp8 1x128 x 1x128", fp8_1d, fp8_1d, false, 1.3},
+      {"fp8 1x128 x 1x128 (cublaslt)", fp8_1d, fp8_1d, false, 1.3, Backend::kCublasFp8},
+      {"fp8 1x128 x 1x128 (wgmma)", fp8_1d, fp8_1d, false, 1.3, Backend::kWgmmaFp8},
       {"nvfp4 emulated 1x16 x 16x16", nvfp4, nvfp4_2d, false, 0.8},
       {"nvfp4 emulated, packed operands", nvfp4, nvfp4_2d, true},
       {"mxfp8 emulated", mxfp8, mxfp8},
@@ -174,6 +184,7 @@ class ShapeBench {
       args.b = Operand::dense(in.b_src.view(), "b");
     }
     args.c = c_.view();
+    args.backend = bc.backend;
     args.name = "bench gemm";
     args.error_flag = flag_;
     gemm(args);

@@ -8,6 +8,7 @@
 #include "core/device.h"
 #include "core/log.h"
 
+#include <cstdlib>
 #include <mutex>
 #include <numeric>
 #include <set>
@@ -22,6 +23,7 @@ std::string_view backend_name(Backend b) {
     case Backend::kCublasBf16: return "cublaslt-bf16";
     case Backend::kCublasFp8: return "cublaslt-fp8";
     case Backend::kEmulated: return "emulated-bf16";
+    case Backend::kWgmmaFp8: return "wgmma-fp8-1x128";
   }
   return "?";
 }
@@ -38,9 +40,22 @@ bool backend_built(Backend b) {
 #endif
     case Backend::kCublasBf16:
     case Backend::kCublasFp8:
-    case Backend::kEmulated: return built_with_cuda();
+    case Backend::kEmulated:
+    case Backend::kWgmmaFp8: return built_with_cuda();
   }
   return false;
+}
+
+Backend fp8_1x128_pair_backend() {
+  static const Backend chosen = [] {
+    const char* v = std::getenv("FOURBIT_GEMM_FP8_1D");
+    const std::string_view s = v == nullptr ? "" : v;
+    FOURBIT_CHECK(s.empty() || s == "cublas" || s == "wgmma",
+                  "FOURBIT_GEMM_FP8_1D={}: expected cublas or wgmma (the kernel for FP8 GEMMs whose "
+                  "operands both carry 1x128 block scales)", s);
+    return s == "wgmma" ? Backend::kWgmmaFp8 : Backend::kCublasFp8;
+  }();
+  return chosen;
 }
 
 Operand Operand::dense(const TensorView& t, std::string_view name, bool transposed) {
@@ -207,6 +222,11 @@ int cuda_sm() {
   return sm;
 }
 
+// An fp8-block operand with 1x128 scales (not 128x128).
+bool fp8_1x128(const OperandInfo& x) {
+  return x.quantized() && x.format() == quant::Format::kFp8Block && !x.config.block_2d;
+}
+
 Backend auto_backend(const OperandInfo& a, const OperandInfo& b, const TensorView& c,
                      std::string_view gemm_name) {
   if (a.device == Device::kCpu) {
@@ -218,7 +238,9 @@ Backend auto_backend(const OperandInfo& a, const OperandInfo& b, const TensorVie
                 "{}: the operands are on cuda but this fourbit binary was built without CUDA",
                 gemm_name);
   if (!a.quantized() && !b.quantized()) return Backend::kCublasBf16;
-  if (a.fp8_format() || b.fp8_format()) return Backend::kCublasFp8;
+  if (a.fp8_format() || b.fp8_format()) {
+    return fp8_1x128(a) && fp8_1x128(b) ? fp8_1x128_pair_backend() : Backend::kCublasFp8;
+  }
   return Backend::kEmulated;
 }
 
@@ -273,6 +295,17 @@ void check_backend(Backend backend, const OperandInfo& a, const OperandInfo& b,
                     block ? "a Hopper GPU (sm_90)" : "sm_89 or newer",
                     block ? "VEC128_32F / BLK128x128_32F" : "SCALAR_32F", sm,
                     block ? "On Blackwell use MXFP8 instead (no native path exists yet)" : "");
+      break;
+    }
+    case Backend::kWgmmaFp8: {
+      FOURBIT_CHECK(fp8_1x128(a) && fp8_1x128(b),
+                    "{}: backend wgmma-fp8-1x128 multiplies two fp8-block operands with 1x128 "
+                    "scales (the Wgrad pair); A {} is {}, B {} is {}: use backend auto or "
+                    "cublaslt-fp8", gemm_name, a.op->name, a.format_label(), b.op->name, b.format_label());
+      const int sm = cuda_sm();
+      FOURBIT_CHECK(sm == 90,
+                    "{}: backend wgmma-fp8-1x128 runs on Hopper (sm_90a wgmma and TMA); this GPU is "
+                    "sm_{}: use backend auto", gemm_name, sm);
       break;
     }
     case Backend::kEmulated:

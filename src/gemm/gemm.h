@@ -53,8 +53,13 @@ enum class Backend : uint8_t {
   kCublasBf16,    // cuBLASLt BF16 x BF16, FP32 accumulation
   kCublasFp8,     // cuBLASLt FP8 E4M3: per-tensor or 1x128 / 128x128 block scales (Hopper)
   kEmulated,      // exact NVFP4 / MXFP8 emulation: scaled-domain BF16 operands + cuBLASLt BF16
+  kWgmmaFp8,      // fourbit's FP8 E4M3 kernel for 1x128 x 1x128 block scales (Hopper; fp8_wgmma_kernels.h)
 };
 std::string_view backend_name(Backend b);
+// Which kernel backend auto gives an FP8 GEMM whose operands both carry 1x128 block scales (the
+// fp8 recipe's Wgrad): kCublasFp8 or kWgmmaFp8. FOURBIT_GEMM_FP8_1D=cublas|wgmma overrides the
+// default (read once per process).
+Backend fp8_1x128_pair_backend();
 // True when this binary contains the backend (kCpuBlas needs OpenBLAS; the cuBLASLt ones CUDA).
 bool backend_built(Backend b);
 

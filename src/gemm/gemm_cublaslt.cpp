@@ -1,6 +1,8 @@
 // CUDA backends through cuBLASLt: BF16, FP8 (per-tensor and 1x128 / 128x128 block scales) and the
-// exact NVFP4 / MXFP8 emulation; single and grouped GEMMs share one path (cuda_gemm), a list of
-// group GEMMs launched back to back on one stream.
+// exact NVFP4 / MXFP8 emulation; plus fourbit's own FP8 1x128 x 1x128 kernel (kWgmmaFp8,
+// fp8_wgmma_kernels.h), which takes the same operand views and converted scales as cuBLASLt's
+// VEC128_32F mode. Single and grouped GEMMs share one path (cuda_gemm), a list of group GEMMs
+// launched back to back on one stream.
 //
 // Layout. fourbit's row-major TN GEMM C[M, N] = A[M, K] . B[N, K]^T is cuBLASLt's column-major
 // C^T[N, M] = op(B) . op(A): cuBLAS "A" is our B (transa = T for a K-contiguous operand), cuBLAS
@@ -22,6 +24,7 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "gemm/fp8_wgmma_kernels.h"
 #include "gemm/gemm_kernels.h"
 
 #include <cublasLt.h>
@@ -329,7 +332,7 @@ void cuda_gemm(const CudaGemmCall& call) {
   std::lock_guard<std::mutex> lock(lt().mutex());
   const cudaStream_t stream = static_cast<cudaStream_t>(call.stream);
   const bool emulated = call.backend == Backend::kEmulated;
-  const bool fp8 = call.backend == Backend::kCublasFp8;
+  const bool fp8 = call.backend == Backend::kCublasFp8 || call.backend == Backend::kWgmmaFp8;
 
   // Scratch: scaled-domain BF16 copies of the distinct operands that need one (shared by all
   // groups), the largest per-group pair of converted FP8 scale arrays, the epilogue scalars.
@@ -407,6 +410,32 @@ void cuda_gemm(const CudaGemmCall& call) {
         a = fp8_operand(g.a, scales_a, stream, call.name);
         b = fp8_operand(g.b, scales_b, stream, call.name);
         run_matmul(a, b, g.c, &call.alpha, &call.beta, false, true, stream, call.name, c_source);
+        break;
+      }
+      case Backend::kWgmmaFp8: {  // the same operand views and scale layout as cuBLASLt's VEC128_32F
+        float* scales_b = scales_a + round_up(fp8_scale_floats(g.a), 64);
+        a = fp8_operand(g.a, scales_a, stream, call.name);
+        b = fp8_operand(g.b, scales_b, stream, call.name);
+        FOURBIT_CHECK(g.a.rows < (int64_t{1} << 31) && g.b.rows < (int64_t{1} << 31) && g.a.k < (int64_t{1} << 31),
+                      "{}: backend wgmma-fp8-1x128 takes M, N and K below 2^31 (got {}, {}, {}); use cublaslt-fp8",
+                      call.name, g.a.rows, g.b.rows, g.a.k);
+        kernels::Fp8Block1dGemmParams p;
+        p.a = static_cast<const uint8_t*>(a.ptr);
+        p.a_ld = a.ld;
+        p.b = static_cast<const uint8_t*>(b.ptr);
+        p.b_ld = b.ld;
+        p.scales_a = static_cast<const float*>(a.scale);
+        p.scales_b = static_cast<const float*>(b.scale);
+        p.m = g.a.rows;
+        p.n = g.b.rows;
+        p.k = g.a.k;
+        p.c = g.c.data;
+        p.c_source = c_source;
+        p.ldc = g.c.strides[0];
+        p.c_bf16 = g.c.dtype == DType::kBF16;
+        p.alpha = call.alpha;
+        p.beta = call.beta;
+        kernels::launch_fp8_block1d_gemm(p, stream);
         break;
       }
       case Backend::kEmulated: {

@@ -36,7 +36,7 @@
 // by AttentionOptions::wgmma_forward / wgmma_backward (the default where they can run): same
 // tiling of the work, one warpgroup a CTA, each tile product one wgmma with operands in
 // 128-byte-swizzled shared memory (see the section "backward on Hopper warpgroup MMA" and
-// attention_wgmma.cuh). The backward ones come pipelined (kOverlap, AttentionOptions::
+// core/wgmma.cuh). The backward ones come pipelined (kOverlap, AttentionOptions::
 // wgmma_overlap: each iteration's last product runs on into the next; the default), and all
 // three with fast exponentials (kFastExp, AttentionOptions::wgmma_fast_exp: ex2.approx.ftz; opt-in).
 //
@@ -50,7 +50,7 @@
 
 #include "core/pdl.cuh"
 #include "core/error.h"
-#include "ops/attention_wgmma.cuh"
+#include "core/wgmma.cuh"
 #include "ops/rope_device.cuh"
 
 #include <cuda_bf16.h>
@@ -143,7 +143,7 @@ struct TileLayout {
 };
 
 // A tile is named by a uint16_t* (padded rows, TileLayout: the mma.sync kernels) or by a uint32_t
-// shared address (the 128-byte-swizzled layout of the wgmma kernels, attention_wgmma.cuh); the
+// shared address (the 128-byte-swizzled layout of the wgmma kernels, core/wgmma.cuh); the
 // loaders below take either. tile_step: what to add to a tile's name for the next tile of kRows.
 template <int D, int kRows, typename Tile>
 constexpr int tile_step() {
@@ -854,7 +854,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionB
 //
 // The same dK/dV and dQ passes (after the same delta kernel; no atomics, deterministic) with a CTA
 // of one warpgroup (the 4 warps) and each tile product one asynchronous wgmma over the whole CTA
-// tile, its operands read from 128-byte-swizzled shared-memory tiles (attention_wgmma.cuh). The
+// tile, its operands read from 128-byte-swizzled shared-memory tiles (core/wgmma.cuh). The
 // mma.sync kernels above read every B fragment once per warp: 4x the shared-memory traffic per
 // product, which bounds them (bench/notes-train.md, session 15). Here a product reads its
 // operands once per warpgroup, and P^T / dS^T (dS for dQ) go from accumulators to register A

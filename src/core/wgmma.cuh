@@ -1,6 +1,11 @@
-// Hopper warpgroup MMA (wgmma, sm_90a) for the attention backward kernels (attention_kernels.cu):
-// the PTX wrappers, the 128-byte-swizzled shared-memory tile layout they read, and its matrix
-// descriptors. Nothing here is attention-specific; it lives next to its only user.
+// Hopper warpgroup MMA (wgmma, sm_90a): the PTX wrappers, the 128-byte-swizzled shared-memory
+// tile layout they read, and its matrix descriptors. Users: the attention kernels
+// (ops/attention_kernels.cu, BF16) and the FP8 block-scaled GEMM (gemm/fp8_wgmma_kernels.cu, E4M3).
+//
+// FP8 (E4M3) tiles use the same layout with bytes for elements: a row of 128 E4M3 values is one
+// 128-byte panel row, and a K-major k-step of m64nNk32 (32 values) is the same +32 bytes as a BF16
+// k16 step, so k_major<kRows>(tile, kk) addresses both. FP8 wgmma reads both operands K-major from
+// shared memory (the PTX ISA allows no transposed FP8 operands).
 //
 // Tile layout ("swizzled tile"): a [kRows, D] bf16 tile (D a multiple of 64) is stored as D / 64
 // panels of kRows x 128 bytes (64 columns each), panel p at p * kRows * 128 bytes. Within a panel,
@@ -39,7 +44,7 @@
 #include <cstdint>
 #include <type_traits>
 
-namespace fourbit::ops::kernels::wgmma {
+namespace fourbit::wgmma {
 
 // Byte offset of 16-byte chunk `chunk` (columns 8 chunk ..) of row r in a swizzled tile of kRows rows.
 template <int kRows>
@@ -181,6 +186,18 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[16][4], const uint32_t 
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
+// D[64 x 128] (+)= A[64 x 32] B[32 x 128], E4M3 x E4M3 with FP32 accumulators, both operands
+// K-major in shared memory; accumulate = 0 overwrites D. (The tensor cores add FP8 products into
+// the accumulators with less than FP32 precision: callers promote partial sums into FP32 registers
+// at least every 128 elements of K, NUMERICS.md 6.)
+__device__ __forceinline__ void wgmma_ss_e4m3_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" FOURBIT_WGMMA_R64
+               "}, %64, %65, p, 1, 1;\n}\n"
+               : FOURBIT_WGMMA_D64
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 #undef FOURBIT_WGMMA_D4
 #undef FOURBIT_WGMMA_D16
 #undef FOURBIT_WGMMA_D32
@@ -216,6 +233,16 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
 #endif
 }
 
+// D[64 x 128] (+)= A B over one k-step of 32 E4M3 values, A and B K-major in shared memory.
+__device__ __forceinline__ void mma_ss_e4m3_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#if FOURBIT_WGMMA_AVAILABLE
+  wgmma_ss_e4m3_n128(d, desc_a, desc_b, accumulate);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
+  __trap();
+#endif
+}
+
 #endif  // __CUDACC__
 
-}  // namespace fourbit::ops::kernels::wgmma
+}  // namespace fourbit::wgmma

@@ -1,0 +1,288 @@
+// fourbit's Hopper FP8 GEMM for two 1x128-block-scaled operands (contract: fp8_wgmma_kernels.h).
+//
+// Why it exists: cuBLASLt's VEC128_32F x VEC128_32F kernels (the DeepSeek-V3 Wgrad pair) run at
+// about 1.0-1.16x its BF16 GEMMs on an H100, against 1.3-1.5x for 1x128 x 128x128
+// (bench/results/results-2026-12-04-da35fdb.md), and Wgrad is a third of a training step's GEMM
+// FLOPs under the fp8 recipe.
+//
+// Structure (the warp-specialized design of DeepGEMM and CUTLASS's sm90 kernels, written from the
+// PTX ISA): one CTA per 128 x kBlockN tile of C (kBlockN = 128 or 256), 384 threads.
+//   - Warpgroup 0 is the producer: one thread streams the K blocks (128 values each) of the A and B
+//     tiles into a ring of kStages shared-memory stages with TMA (128-byte swizzle, out-of-range
+//     rows and K columns filled with zeros), and the two 1x128 scale rows of that block (sa for the
+//     tile's 128 rows, sb for its kBlockN columns) with bulk copies; an mbarrier per stage counts
+//     the bytes ("full"), another counts the consumers' releases ("empty").
+//   - Warpgroups 1 and 2 are the consumers: each owns 64 rows of the tile. Per K block and per
+//     128-column half it issues four m64n128k32 E4M3 wgmmas into a partial-sum register tile
+//     (FP32, restarted each block), waits, and promotes: acc += part * (sa[row] * sb[col]). The two
+//     consumers are not synchronized with each other, so one promotes while the other's wgmmas run.
+//   - Epilogue: C = alpha * acc (+ beta * S) straight from registers, rows and columns checked
+//     against M and N.
+// Registers: the producer gives its registers up (setmaxnreg 40), the consumers take 232 each
+// (40 + 2 * 232 = 3 * 168, the launch bound's share), enough for kBlockN = 256 (128 accumulators,
+// 64 partial sums).
+//
+// Numerics: every product of two E4M3 values is exact in FP32; the tensor cores sum the 128
+// products of a block with their own (reduced) precision, as in cuBLASLt's split accumulator; the
+// per-block scale product and the promotion are FP32 (fmaf(part, sa * sb, acc)). The GPU test
+// (tests/test_gemm_cuda.cpp) holds it to the same bound against the float64 reference as cuBLASLt.
+#include "gemm/fp8_wgmma_kernels.h"
+
+#include "core/error.h"
+#include "core/wgmma.cuh"
+#include "gemm/tensor_map.h"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+
+namespace fourbit::gemm::kernels {
+namespace {
+
+constexpr int kBlockM = 128;  // rows of A (and of C) per CTA: two consumer warpgroups of 64
+constexpr int kBlockK = 128;  // one scale block: 128 E4M3 values = one 128-byte swizzled row
+constexpr int kThreads = 384;
+constexpr int kGroupM = 8;    // tiles of M walked together (the CTAs of a wave share B tiles in L2)
+
+template <int kHalves>
+struct Tiling {
+  static constexpr int kBlockN = 128 * kHalves;
+  static constexpr int kStages = kHalves == 1 ? 6 : 4;
+  static constexpr int kABytes = kBlockM * kBlockK;
+  static constexpr int kBBytes = kBlockN * kBlockK;
+  static constexpr int kStageBytes = kABytes + kBBytes;   // 1024-byte multiple: tiles stay aligned
+  static constexpr int kScaleFloats = kBlockM + kBlockN;  // sa then sb, per stage
+  static constexpr size_t kSmemBytes =
+      1024 + (size_t)kStages * kStageBytes + (size_t)kStages * kScaleFloats * 4 + 2 * kStages * 8;
+};
+
+#if FOURBIT_WGMMA_AVAILABLE
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Waits until the phase of `bar` with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// TMA: the box at (x = K offset, y = row offset) of a 2D tensor map into shared memory.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
+      : "memory");
+}
+// Bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) into shared memory.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+#endif  // FOURBIT_WGMMA_AVAILABLE
+
+// Tile (tm, tn) of CTA `index`: kGroupM row tiles at a time, column by column within the group.
+__device__ __forceinline__ void tile_of(int index, int tiles_m, int tiles_n, int& tm, int& tn) {
+  const int per_group = kGroupM * tiles_n;
+  const int group = index / per_group, first_m = group * kGroupM;
+  const int group_rows = min(tiles_m - first_m, kGroupM);
+  const int in_group = index % per_group;
+  tm = first_m + in_group % group_rows;
+  tn = in_group / group_rows;
+}
+
+template <int kHalves>
+__global__ void __launch_bounds__(kThreads, 1)
+    fp8_block1d_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                            Fp8Block1dGemmParams p) {
+#if FOURBIT_WGMMA_AVAILABLE
+  using T = Tiling<kHalves>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* tiles = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  float* scales = reinterpret_cast<float*>(tiles + (size_t)T::kStages * T::kStageBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(scales + T::kStages * T::kScaleFloats);
+  uint64_t* empty = full + T::kStages;
+
+  const int m = (int)p.m, n = (int)p.n;
+  const int tiles_m = (m + kBlockM - 1) / kBlockM, tiles_n = (n + T::kBlockN - 1) / T::kBlockN;
+  int tm, tn;
+  tile_of((int)blockIdx.x, tiles_m, tiles_n, tm, tn);
+  const int m0 = tm * kBlockM, n0 = tn * T::kBlockN;
+  const int blocks = (int)((p.k + kBlockK - 1) / kBlockK);
+  const int warpgroup = (int)threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < T::kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 256);  // every consumer thread releases
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {  // producer
+    setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
+      const uint32_t sa_bytes = 4u * (uint32_t)min(kBlockM, m - m0);
+      const uint32_t sb_bytes = 4u * (uint32_t)min(T::kBlockN, n - n0);
+      for (int kb = 0; kb < blocks; ++kb) {
+        const int s = kb % T::kStages;
+        mbar_wait(&empty[s], ((uint32_t)(kb / T::kStages) & 1u) ^ 1u);
+        uint8_t* stage = tiles + (size_t)s * T::kStageBytes;
+        float* stage_scales = scales + s * T::kScaleFloats;
+        mbar_expect_tx(&full[s], (uint32_t)T::kStageBytes + sa_bytes + sb_bytes);
+        tma_load_2d(stage, &map_a, kb * kBlockK, m0, &full[s]);
+        tma_load_2d(stage + T::kABytes, &map_b, kb * kBlockK, n0, &full[s]);
+        bulk_load(stage_scales, p.scales_a + (int64_t)kb * m + m0, sa_bytes, &full[s]);
+        bulk_load(stage_scales + kBlockM, p.scales_b + (int64_t)kb * n + n0, sb_bytes, &full[s]);
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<232>();
+  const int consumer = warpgroup - 1;  // rows 64 consumer .. of the tile
+  const int warp = ((int)threadIdx.x / 32) % 4, lane = (int)threadIdx.x % 32;
+  const int row_in_tile = consumer * 64 + warp * 16 + lane / 4;  // and row_in_tile + 8
+  const int col_in_half = 2 * (lane % 4);                        // + 8 j (+ 1)
+
+  float acc[kHalves][16][4];
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[h][j][e] = 0.0f;
+  float part[16][4];
+
+  for (int kb = 0; kb < blocks; ++kb) {
+    const int s = kb % T::kStages;
+    mbar_wait(&full[s], (uint32_t)(kb / T::kStages) & 1u);
+    const uint8_t* stage = tiles + (size_t)s * T::kStageBytes;
+    const float* sa = scales + s * T::kScaleFloats;
+    const float* sb = sa + kBlockM;
+    const uint32_t a_tile = smem_u32(stage) + (uint32_t)(consumer * 64 * 128);
+    const uint32_t b_tile = smem_u32(stage + T::kABytes);
+    const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      wgmma::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma::mma_ss_e4m3_n128(part, wgmma::k_major<64>(a_tile, kk),
+                                wgmma::k_major<128>(b_tile + (uint32_t)(h * 128 * 128), kk), kk > 0);
+      }
+      wgmma::wgmma_commit();
+      wgmma::wgmma_wait<0>();
+      wgmma::registers_fence(part);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float2 b = *reinterpret_cast<const float2*>(sb + h * 128 + 8 * j + col_in_half);
+        acc[h][j][0] = fmaf(part[j][0], sa0 * b.x, acc[h][j][0]);
+        acc[h][j][1] = fmaf(part[j][1], sa0 * b.y, acc[h][j][1]);
+        acc[h][j][2] = fmaf(part[j][2], sa1 * b.x, acc[h][j][2]);
+        acc[h][j][3] = fmaf(part[j][3], sa1 * b.y, acc[h][j][3]);
+      }
+    }
+    mbar_arrive(&empty[s]);  // this thread's reads of the stage (wgmma operands, scales) are done
+  }
+
+  // Epilogue: C = alpha * acc (+ beta * S).
+  const bool read_source = p.beta != 0.0f;
+  const void* source = p.c_source != nullptr ? p.c_source : p.c;
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = m0 + row_in_tile + 8 * (e >> 1);
+        const int col = n0 + h * 128 + 8 * j + col_in_half + (e & 1);
+        if (row >= m || col >= n) continue;
+        const int64_t at = (int64_t)row * p.ldc + col;
+        float v = p.alpha * acc[h][j][e];
+        if (p.c_bf16) {
+          if (read_source) v = fmaf(p.beta, __bfloat162float(static_cast<const __nv_bfloat16*>(source)[at]), v);
+          static_cast<__nv_bfloat16*>(p.c)[at] = __float2bfloat16_rn(v);
+        } else {
+          if (read_source) v = fmaf(p.beta, static_cast<const float*>(source)[at], v);
+          static_cast<float*>(p.c)[at] = v;
+        }
+      }
+#else
+  (void)map_a, (void)map_b, (void)p;
+  __trap();
+#endif
+}
+
+// FOURBIT_GEMM_FP8_1D_BN=128 or 256 forces the tile width (A/B measurements); default: 256 when
+// N allows it.
+int tile_width_setting() {
+  static const int w = [] {
+    const char* v = std::getenv("FOURBIT_GEMM_FP8_1D_BN");
+    return v != nullptr && *v != '\0' ? std::atoi(v) : 0;
+  }();
+  return w;
+}
+
+template <int kHalves>
+void launch_tiled(const Fp8Block1dGemmParams& p, cudaStream_t stream) {
+  using T = Tiling<kHalves>;
+  static std::once_flag attribute_once;
+  std::call_once(attribute_once, [] {
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(fp8_block1d_gemm_kernel<kHalves>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)T::kSmemBytes));
+  });
+  const CUtensorMap map_a = e4m3_tile_map(p.a, p.m, p.k, p.a_ld, kBlockK, kBlockM, "A");
+  const CUtensorMap map_b = e4m3_tile_map(p.b, p.n, p.k, p.b_ld, kBlockK, T::kBlockN, "B");
+  const int64_t tiles = ((p.m + kBlockM - 1) / kBlockM) * ((p.n + T::kBlockN - 1) / T::kBlockN);
+  fp8_block1d_gemm_kernel<kHalves><<<dim3((unsigned)tiles), dim3(kThreads), T::kSmemBytes, stream>>>(map_a, map_b, p);
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void launch_fp8_block1d_gemm(const Fp8Block1dGemmParams& p, cudaStream_t stream) {
+  if (p.m == 0 || p.n == 0) return;
+  const int setting = tile_width_setting();
+  const bool wide = setting == 256 || (setting != 128 && p.n > 128);
+  if (wide) launch_tiled<2>(p, stream);
+  else launch_tiled<1>(p, stream);
+}
+
+}  // namespace fourbit::gemm::kernels
