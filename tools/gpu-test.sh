@@ -29,6 +29,8 @@
 #                          the build are never skipped)
 #   FOURBIT_GPU_TEST_JOBS  gpu tests run at once on the one GPU (default 1; more saves time when
 #                          device time is short: no test is timed, and they fit the GPU's memory)
+#   FOURBIT_GPU_TEST_TIMEOUT  seconds after which ctest stops a gpu test (default 600): a kernel
+#                          that hangs fails its test instead of using up the device call
 set -u -o pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -144,7 +146,8 @@ step gpu-info "$test_log" 20 \
   nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm,power.limit \
   --format=csv
 step test-gpu "$test_log" 3 \
-  ctest --test-dir "$build" -L gpu --output-on-failure --no-tests=error -j "${FOURBIT_GPU_TEST_JOBS:-1}"
+  ctest --test-dir "$build" -L gpu --output-on-failure --no-tests=error -j "${FOURBIT_GPU_TEST_JOBS:-1}" \
+    --timeout "${FOURBIT_GPU_TEST_TIMEOUT:-600}"
 skip=" ${FOURBIT_SKIP:-} "
 if [[ "$skip" != *" test-cpu "* ]]; then
   step test-cpu "$test_log" 3 \
