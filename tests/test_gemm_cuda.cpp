@@ -248,8 +248,8 @@ TEST_F(GemmCuda, Fp8BlockScaled) {
   struct S { int64_t m, n, k; };
   struct P { const char* name; quant::QuantConfig a, b; };
   for (const P& p : {P{"1x128 x 128x128", one_d, two_d}, P{"1x128 x 1x128", one_d, one_d}, P{"128x128 x 1x128", two_d, one_d}}) {
-    // auto picks the pair's configured kernel for 1x128 x 1x128 (fp8_1x128_pair_backend), else cuBLASLt.
-    const Backend expected = !p.a.block_2d && !p.b.block_2d ? fp8_1x128_pair_backend() : Backend::kCublasFp8;
+    // auto picks the configured kernel for a 1x128 A (fp8_block_backend), else cuBLASLt.
+    const Backend expected = !p.a.block_2d ? fp8_block_backend(p.b.block_2d) : Backend::kCublasFp8;
     for (const S& s : {S{256, 384, 640}, S{128, 128, 576}, S{300, 200, 256}}) {
       TestOperand a = quant_op("x", s.m, s.k, 7, p.a), b = quant_op("w", s.n, s.k, 8, p.b);
       for (const GemmCase& gc : epilogue_variants(expected, kFp8AccumulationTolerance)) {
@@ -265,26 +265,30 @@ TEST_F(GemmCuda, Fp8BlockScaled) {
   expect_error([&] { check_gemm(a2, b, {}, "fp8 2d x 2d"); }, {"128x128 x 128x128", "1x128"});
 }
 
-// fourbit's FP8 kernel for the 1x128 x 1x128 pair (Backend::kWgmmaFp8), forced: shapes with
-// row, column and K tails (zero-filled by TMA), both tile widths (N <= 128: 128; else 256), more
-// K blocks than pipeline stages, several CTAs, every epilogue; cuBLASLt on the same operands for
-// comparison; the Wgrad orientation (column-wise copies); a scale block of zeros and an outlier row.
-TEST_F(GemmCuda, Fp8WgmmaOneByOneTwentyEightPairMatchesTheReference) {
+// fourbit's FP8 block kernel (Backend::kWgmmaFp8), forced, with a 1x128 A and a 1x128 or 128x128
+// B: shapes with row, column and K tails (zero-filled by TMA), both tile widths (N <= 128: 128;
+// else 256), more K blocks than pipeline stages, several CTAs, every epilogue; the Wgrad
+// orientation (column-wise copies) and Dgrad's (B = W column-wise, 128x128); a scale block of
+// zeros and an outlier row.
+TEST_F(GemmCuda, Fp8WgmmaBlockKernelMatchesTheReference) {
   const DeviceProperties props = current_device_properties();
-  if (props.sm_major != 9 || props.sm_minor != 0) GTEST_SKIP() << "wgmma-fp8-1x128 runs on sm_90 only";
-  const quant::QuantConfig one_d = config(quant::Format::kFp8Block);
+  if (props.sm_major != 9 || props.sm_minor != 0) GTEST_SKIP() << "wgmma-fp8-block runs on sm_90 only";
+  const quant::QuantConfig one_d = config(quant::Format::kFp8Block), two_d = config(quant::Format::kFp8Block, true);
   struct S { int64_t m, n, k; };
-  for (const S& s : {S{256, 384, 640}, S{128, 128, 576}, S{300, 200, 256}, S{40, 24, 48}, S{520, 1000, 2176},
-                     S{384, 128, 1664}}) {
-    const std::string shape = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k);
-    TestOperand a = quant_op("x", s.m, s.k, 7, one_d), b = quant_op("w", s.n, s.k, 8, one_d);
-    for (const GemmCase& gc : epilogue_variants(Backend::kWgmmaFp8, kFp8AccumulationTolerance, Backend::kWgmmaFp8)) {
-      check_gemm(a, b, gc, "wgmma fp8 1x128 x 1x128 " + shape);
+  for (const quant::QuantConfig& bcfg : {one_d, two_d}) {
+    const std::string pair = bcfg.block_2d ? "1x128 x 128x128 " : "1x128 x 1x128 ";
+    for (const S& s : {S{256, 384, 640}, S{128, 128, 576}, S{300, 200, 256}, S{40, 24, 48}, S{520, 1000, 2176},
+                       S{384, 128, 1664}, S{64, 132, 256}}) {
+      const std::string shape = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k);
+      TestOperand a = quant_op("x", s.m, s.k, 7, one_d), b = quant_op("w", s.n, s.k, 8, bcfg);
+      for (const GemmCase& gc : epilogue_variants(Backend::kWgmmaFp8, kFp8AccumulationTolerance, Backend::kWgmmaFp8)) {
+        check_gemm(a, b, gc, "wgmma fp8 " + pair + shape);
+      }
+      TestOperand dy = quant_op("dy", s.m, s.k, 9, one_d, Copy::kColwise), x = quant_op("x", s.n, s.k, 10, bcfg, Copy::kColwise);
+      GemmCase colwise{1.0f, 1.0f, DType::kF32, kFp8AccumulationTolerance, Backend::kWgmmaFp8};
+      colwise.backend = Backend::kWgmmaFp8;
+      check_gemm(dy, x, colwise, "wgmma fp8 " + pair + "(column-wise copies) " + shape);
     }
-    TestOperand dy = quant_op("dy", s.m, s.k, 9, one_d, Copy::kColwise), x = quant_op("x", s.n, s.k, 10, one_d, Copy::kColwise);
-    GemmCase wgrad{1.0f, 1.0f, DType::kF32, kFp8AccumulationTolerance, Backend::kWgmmaFp8};
-    wgrad.backend = Backend::kWgmmaFp8;
-    check_gemm(dy, x, wgrad, "wgmma fp8 wgrad (column-wise copies) " + shape);
   }
   {  // A source with an all-zero scale block and one row a million times larger than the rest.
     Tensor src = random_matrix(256, 384, 11);
@@ -298,12 +302,11 @@ TEST_F(GemmCuda, Fp8WgmmaOneByOneTwentyEightPairMatchesTheReference) {
     gc.backend = Backend::kWgmmaFp8;
     check_gemm(a, b, gc, "wgmma fp8 zeros and outlier");
   }
-  // Refusals: a 128x128 operand, rows not a multiple of 4.
-  const quant::QuantConfig two_d = config(quant::Format::kFp8Block, true);
-  TestOperand a = quant_op("x", 64, 256, 13, one_d), w2 = quant_op("w", 64, 256, 14, two_d);
+  // Refusals: a 128x128 A, rows not a multiple of 4.
+  TestOperand a2 = quant_op("x2", 128, 256, 13, two_d), w = quant_op("w", 64, 256, 14, one_d);
   GemmCase forced{};
   forced.backend = Backend::kWgmmaFp8;
-  expect_error([&] { check_gemm(a, w2, forced, "wgmma 1x128 x 128x128"); }, {"wgmma-fp8-1x128", "1x128", "w"});
+  expect_error([&] { check_gemm(a2, w, forced, "wgmma 128x128 x 1x128"); }, {"wgmma-fp8-block", "1x128", "x2"});
   TestOperand a37 = quant_op("x", 37, 256, 15, one_d), b = quant_op("w", 64, 256, 16, one_d);
   expect_error([&] { check_gemm(a37, b, forced, "wgmma M = 37"); }, {"multiple of 4", "x"});
 }

@@ -8,8 +8,8 @@
 // Quantization as a producer would run it: NVFP4 with its global-amax pass; the emulated formats
 // write only the scaled-domain BF16 copy the GEMM reads (the fused fast path), except for the
 // "packed operands" rows, where the quantizer writes the packed copy and the GEMM dequantizes it.
-// The 1x128 x 1x128 pair runs twice, forced: cuBLASLt's kernel and fourbit's (wgmma-fp8-1x128);
-// the "wgrad" shapes are that pair's shapes in the fp8 recipe's training step.
+// The FP8 block-scaled pairs run twice, forced: cuBLASLt's kernel and fourbit's (wgmma-fp8-block);
+// the "wgrad" shapes are the 1x128 x 1x128 pair's shapes in the fp8 recipe's training step.
 #include "gemm/bench.h"
 
 #include "core/check.h"
@@ -81,7 +81,8 @@ std::vector<BenchCase> bench_cases() {
   return {
       {"bf16", std::nullopt, std::nullopt},
       {"fp8 tensor", fp8_tensor, fp8_tensor},
-      {"fp8 1x128 x 128x128", fp8_1d, fp8_2d, false, 1.3},
+      {"fp8 1x128 x 128x128 (cublaslt)", fp8_1d, fp8_2d, false, 1.3, Backend::kCublasFp8},
+      {"fp8 1x128 x 128x128 (wgmma)", fp8_1d, fp8_2d, false, 1.3, Backend::kWgmmaFp8},
       {"fp8 1x128 x 1x128 (cublaslt)", fp8_1d, fp8_1d, false, 1.3, Backend::kCublasFp8},
       {"fp8 1x128 x 1x128 (wgmma)", fp8_1d, fp8_1d, false, 1.3, Backend::kWgmmaFp8},
       {"nvfp4 emulated 1x16 x 16x16", nvfp4, nvfp4_2d, false, 0.8},

@@ -1,4 +1,5 @@
-// fourbit's Hopper FP8 GEMM for two 1x128-block-scaled operands (contract: fp8_wgmma_kernels.h).
+// fourbit's Hopper FP8 GEMM for a 1x128-block-scaled A and a 1x128- or 128x128-block-scaled B
+// (contract: fp8_wgmma_kernels.h).
 //
 // Why it exists: cuBLASLt's VEC128_32F x VEC128_32F kernels (the DeepSeek-V3 Wgrad pair) run at
 // about 1.0-1.16x its BF16 GEMMs on an H100, against 1.3-1.5x for 1x128 x 128x128
@@ -9,12 +10,14 @@
 // PTX ISA): one CTA per 128 x kBlockN tile of C (kBlockN = 128 or 256), 384 threads.
 //   - Warpgroup 0 is the producer: one thread streams the K blocks (128 values each) of the A and B
 //     tiles into a ring of kStages shared-memory stages with TMA (128-byte swizzle, out-of-range
-//     rows and K columns filled with zeros), and the two 1x128 scale rows of that block (sa for the
-//     tile's 128 rows, sb for its kBlockN columns) with bulk copies; an mbarrier per stage counts
+//     rows and K columns filled with zeros), and the 1x128 scale rows of that block (sa for the
+//     tile's 128 rows, sb for its kBlockN columns; a 128x128 B's scales are read from global
+//     memory by the consumers instead, one per half) with bulk copies; an mbarrier per stage counts
 //     the bytes ("full"), another counts the consumers' releases ("empty").
 //   - Warpgroups 1 and 2 are the consumers: each owns 64 rows of the tile. Per K block and per
 //     128-column half it issues four m64n128k32 E4M3 wgmmas into a partial-sum register tile
-//     (FP32, restarted each block), waits, and promotes: acc += part * (sa[row] * sb[col]). The two
+//     (FP32, restarted each block), waits, and promotes: acc += part * (sa[row] * sb[col]) (128x128
+//     B: sb of the half). The two
 //     consumers are not synchronized with each other, so one promotes while the other's wgmmas run.
 //   - Epilogue: C = alpha * acc (+ beta * S) straight from registers, rows and columns checked
 //     against M and N.
@@ -124,10 +127,10 @@ __device__ __forceinline__ void tile_of(int index, int tiles_m, int tiles_n, int
   tn = in_group / group_rows;
 }
 
-template <int kHalves>
+template <int kHalves, bool kB2d>
 __global__ void __launch_bounds__(kThreads, 1)
-    fp8_block1d_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                            Fp8Block1dGemmParams p) {
+    fp8_block_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                            Fp8BlockGemmParams p) {
 #if FOURBIT_WGMMA_AVAILABLE
   using T = Tiling<kHalves>;
   extern __shared__ uint8_t smem_raw[];
@@ -159,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
       const uint32_t sa_bytes = 4u * (uint32_t)min(kBlockM, m - m0);
-      const uint32_t sb_bytes = 4u * (uint32_t)min(T::kBlockN, n - n0);
+      const uint32_t sb_bytes = kB2d ? 0u : 4u * (uint32_t)min(T::kBlockN, n - n0);
       for (int kb = 0; kb < blocks; ++kb) {
         const int s = kb % T::kStages;
         mbar_wait(&empty[s], ((uint32_t)(kb / T::kStages) & 1u) ^ 1u);
@@ -169,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_load_2d(stage, &map_a, kb * kBlockK, m0, &full[s]);
         tma_load_2d(stage + T::kABytes, &map_b, kb * kBlockK, n0, &full[s]);
         bulk_load(stage_scales, p.scales_a + (int64_t)kb * m + m0, sa_bytes, &full[s]);
-        bulk_load(stage_scales + kBlockM, p.scales_b + (int64_t)kb * n + n0, sb_bytes, &full[s]);
+        if constexpr (!kB2d) bulk_load(stage_scales + kBlockM, p.scales_b + (int64_t)kb * n + n0, sb_bytes, &full[s]);
       }
     }
     return;
@@ -192,6 +195,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int kb = 0; kb < blocks; ++kb) {
     const int s = kb % T::kStages;
+    // 128x128 B: one scale per 128-column half and K block, from global memory (L2), loaded before
+    // the wait so that its latency hides behind it; a half wholly beyond N gets 0.
+    float half_scale[kHalves];
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      half_scale[h] = kB2d && n0 + h * 128 < n ? __ldg(p.scales_b + (int64_t)(n0 / 128 + h) * p.scales_b_ld + kb) : 0.0f;
+    }
     mbar_wait(&full[s], (uint32_t)(kb / T::kStages) & 1u);
     const uint8_t* stage = tiles + (size_t)s * T::kStageBytes;
     const float* sa = scales + s * T::kScaleFloats;
@@ -210,13 +220,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::wgmma_commit();
       wgmma::wgmma_wait<0>();
       wgmma::registers_fence(part);
+      if constexpr (kB2d) {
+        const float s0 = sa0 * half_scale[h], s1 = sa1 * half_scale[h];
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float2 b = *reinterpret_cast<const float2*>(sb + h * 128 + 8 * j + col_in_half);
-        acc[h][j][0] = fmaf(part[j][0], sa0 * b.x, acc[h][j][0]);
-        acc[h][j][1] = fmaf(part[j][1], sa0 * b.y, acc[h][j][1]);
-        acc[h][j][2] = fmaf(part[j][2], sa1 * b.x, acc[h][j][2]);
-        acc[h][j][3] = fmaf(part[j][3], sa1 * b.y, acc[h][j][3]);
+        for (int j = 0; j < 16; ++j) {
+          acc[h][j][0] = fmaf(part[j][0], s0, acc[h][j][0]);
+          acc[h][j][1] = fmaf(part[j][1], s0, acc[h][j][1]);
+          acc[h][j][2] = fmaf(part[j][2], s1, acc[h][j][2]);
+          acc[h][j][3] = fmaf(part[j][3], s1, acc[h][j][3]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const float2 b = *reinterpret_cast<const float2*>(sb + h * 128 + 8 * j + col_in_half);
+          acc[h][j][0] = fmaf(part[j][0], sa0 * b.x, acc[h][j][0]);
+          acc[h][j][1] = fmaf(part[j][1], sa0 * b.y, acc[h][j][1]);
+          acc[h][j][2] = fmaf(part[j][2], sa1 * b.x, acc[h][j][2]);
+          acc[h][j][3] = fmaf(part[j][3], sa1 * b.y, acc[h][j][3]);
+        }
       }
     }
     mbar_arrive(&empty[s]);  // this thread's reads of the stage (wgmma operands, scales) are done
@@ -250,39 +271,44 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// FOURBIT_GEMM_FP8_1D_BN=128 or 256 forces the tile width (A/B measurements); default: 256 when
+// FOURBIT_GEMM_FP8_BN=128 or 256 forces the tile width (A/B measurements); default: 256 when
 // N allows it.
 int tile_width_setting() {
   static const int w = [] {
-    const char* v = std::getenv("FOURBIT_GEMM_FP8_1D_BN");
+    const char* v = std::getenv("FOURBIT_GEMM_FP8_BN");
     return v != nullptr && *v != '\0' ? std::atoi(v) : 0;
   }();
   return w;
 }
 
-template <int kHalves>
-void launch_tiled(const Fp8Block1dGemmParams& p, cudaStream_t stream) {
+template <int kHalves, bool kB2d>
+void launch_tiled(const Fp8BlockGemmParams& p, cudaStream_t stream) {
   using T = Tiling<kHalves>;
   static std::once_flag attribute_once;
   std::call_once(attribute_once, [] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(fp8_block1d_gemm_kernel<kHalves>,
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(fp8_block_gemm_kernel<kHalves, kB2d>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)T::kSmemBytes));
   });
   const CUtensorMap map_a = e4m3_tile_map(p.a, p.m, p.k, p.a_ld, kBlockK, kBlockM, "A");
   const CUtensorMap map_b = e4m3_tile_map(p.b, p.n, p.k, p.b_ld, kBlockK, T::kBlockN, "B");
   const int64_t tiles = ((p.m + kBlockM - 1) / kBlockM) * ((p.n + T::kBlockN - 1) / T::kBlockN);
-  fp8_block1d_gemm_kernel<kHalves><<<dim3((unsigned)tiles), dim3(kThreads), T::kSmemBytes, stream>>>(map_a, map_b, p);
+  fp8_block_gemm_kernel<kHalves, kB2d><<<dim3((unsigned)tiles), dim3(kThreads), T::kSmemBytes, stream>>>(map_a, map_b, p);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
-void launch_fp8_block1d_gemm(const Fp8Block1dGemmParams& p, cudaStream_t stream) {
+void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream) {
   if (p.m == 0 || p.n == 0) return;
   const int setting = tile_width_setting();
   const bool wide = setting == 256 || (setting != 128 && p.n > 128);
-  if (wide) launch_tiled<2>(p, stream);
-  else launch_tiled<1>(p, stream);
+  if (p.b_2d) {
+    if (wide) launch_tiled<2, true>(p, stream);
+    else launch_tiled<1, true>(p, stream);
+  } else {
+    if (wide) launch_tiled<2, false>(p, stream);
+    else launch_tiled<1, false>(p, stream);
+  }
 }
 
 }  // namespace fourbit::gemm::kernels

@@ -23,7 +23,7 @@ std::string_view backend_name(Backend b) {
     case Backend::kCublasBf16: return "cublaslt-bf16";
     case Backend::kCublasFp8: return "cublaslt-fp8";
     case Backend::kEmulated: return "emulated-bf16";
-    case Backend::kWgmmaFp8: return "wgmma-fp8-1x128";
+    case Backend::kWgmmaFp8: return "wgmma-fp8-block";
   }
   return "?";
 }
@@ -46,16 +46,17 @@ bool backend_built(Backend b) {
   return false;
 }
 
-Backend fp8_1x128_pair_backend() {
-  static const Backend chosen = [] {
-    const char* v = std::getenv("FOURBIT_GEMM_FP8_1D");
-    const std::string_view s = v == nullptr ? "" : v;
-    FOURBIT_CHECK(s.empty() || s == "cublas" || s == "wgmma",
-                  "FOURBIT_GEMM_FP8_1D={}: expected cublas or wgmma (the kernel for FP8 GEMMs whose "
-                  "operands both carry 1x128 block scales)", s);
-    return s == "wgmma" ? Backend::kWgmmaFp8 : Backend::kCublasFp8;
+Backend fp8_block_backend(bool b_128x128) {
+  static const std::string setting = [] {
+    const char* v = std::getenv("FOURBIT_GEMM_FP8_BLOCK");
+    const std::string s = v == nullptr ? "" : v;
+    FOURBIT_CHECK(s.empty() || s == "cublas" || s == "wgmma" || s == "wgmma-wgrad",
+                  "FOURBIT_GEMM_FP8_BLOCK={}: expected cublas, wgmma or wgmma-wgrad (the kernel of "
+                  "block-scaled FP8 GEMMs; wgmma-wgrad: fourbit's kernel for the 1x128 x 1x128 pair only)", s);
+    return s;
   }();
-  return chosen;
+  const bool wgmma = setting == "wgmma" || (setting == "wgmma-wgrad" && !b_128x128);
+  return wgmma ? Backend::kWgmmaFp8 : Backend::kCublasFp8;
 }
 
 Operand Operand::dense(const TensorView& t, std::string_view name, bool transposed) {
@@ -239,7 +240,8 @@ Backend auto_backend(const OperandInfo& a, const OperandInfo& b, const TensorVie
                 gemm_name);
   if (!a.quantized() && !b.quantized()) return Backend::kCublasBf16;
   if (a.fp8_format() || b.fp8_format()) {
-    return fp8_1x128(a) && fp8_1x128(b) ? fp8_1x128_pair_backend() : Backend::kCublasFp8;
+    const bool block_pair = fp8_1x128(a) && b.quantized() && b.format() == quant::Format::kFp8Block;
+    return block_pair ? fp8_block_backend(b.config.block_2d) : Backend::kCublasFp8;
   }
   return Backend::kEmulated;
 }
@@ -298,13 +300,13 @@ void check_backend(Backend backend, const OperandInfo& a, const OperandInfo& b,
       break;
     }
     case Backend::kWgmmaFp8: {
-      FOURBIT_CHECK(fp8_1x128(a) && fp8_1x128(b),
-                    "{}: backend wgmma-fp8-1x128 multiplies two fp8-block operands with 1x128 "
-                    "scales (the Wgrad pair); A {} is {}, B {} is {}: use backend auto or "
-                    "cublaslt-fp8", gemm_name, a.op->name, a.format_label(), b.op->name, b.format_label());
+      FOURBIT_CHECK(fp8_1x128(a) && b.quantized() && b.format() == quant::Format::kFp8Block,
+                    "{}: backend wgmma-fp8-block multiplies an fp8-block A with 1x128 scales by an "
+                    "fp8-block B (1x128 or 128x128 scales); A {} is {}, B {} is {}: use backend "
+                    "auto or cublaslt-fp8", gemm_name, a.op->name, a.format_label(), b.op->name, b.format_label());
       const int sm = cuda_sm();
       FOURBIT_CHECK(sm == 90,
-                    "{}: backend wgmma-fp8-1x128 runs on Hopper (sm_90a wgmma and TMA); this GPU is "
+                    "{}: backend wgmma-fp8-block runs on Hopper (sm_90a wgmma and TMA); this GPU is "
                     "sm_{}: use backend auto", gemm_name, sm);
       break;
     }

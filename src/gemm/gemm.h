@@ -53,13 +53,14 @@ enum class Backend : uint8_t {
   kCublasBf16,    // cuBLASLt BF16 x BF16, FP32 accumulation
   kCublasFp8,     // cuBLASLt FP8 E4M3: per-tensor or 1x128 / 128x128 block scales (Hopper)
   kEmulated,      // exact NVFP4 / MXFP8 emulation: scaled-domain BF16 operands + cuBLASLt BF16
-  kWgmmaFp8,      // fourbit's FP8 E4M3 kernel for 1x128 x 1x128 block scales (Hopper; fp8_wgmma_kernels.h)
+  kWgmmaFp8,      // fourbit's FP8 E4M3 kernel: 1x128 A x 1x128 or 128x128 B block scales (Hopper; fp8_wgmma_kernels.h)
 };
 std::string_view backend_name(Backend b);
-// Which kernel backend auto gives an FP8 GEMM whose operands both carry 1x128 block scales (the
-// fp8 recipe's Wgrad): kCublasFp8 or kWgmmaFp8. FOURBIT_GEMM_FP8_1D=cublas|wgmma overrides the
-// default (read once per process).
-Backend fp8_1x128_pair_backend();
+// Which kernel backend auto gives a block-scaled FP8 GEMM with a 1x128 A, by B's blocks: 1x128
+// (the fp8 recipe's Wgrad) or 128x128 (its Fprop and Dgrad); kCublasFp8 or kWgmmaFp8. The
+// environment variable FOURBIT_GEMM_FP8_BLOCK (read once per process) overrides the default:
+// "cublas" (both on cuBLASLt), "wgmma" (both on kWgmmaFp8), "wgmma-wgrad" (only the 1x128 pair).
+Backend fp8_block_backend(bool b_128x128);
 // True when this binary contains the backend (kCpuBlas needs OpenBLAS; the cuBLASLt ones CUDA).
 bool backend_built(Backend b);
 

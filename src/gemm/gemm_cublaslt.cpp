@@ -412,20 +412,22 @@ void cuda_gemm(const CudaGemmCall& call) {
         run_matmul(a, b, g.c, &call.alpha, &call.beta, false, true, stream, call.name, c_source);
         break;
       }
-      case Backend::kWgmmaFp8: {  // the same operand views and scale layout as cuBLASLt's VEC128_32F
+      case Backend::kWgmmaFp8: {  // the same operand views and scale layouts as cuBLASLt's
         float* scales_b = scales_a + round_up(fp8_scale_floats(g.a), 64);
         a = fp8_operand(g.a, scales_a, stream, call.name);
         b = fp8_operand(g.b, scales_b, stream, call.name);
         FOURBIT_CHECK(g.a.rows < (int64_t{1} << 31) && g.b.rows < (int64_t{1} << 31) && g.a.k < (int64_t{1} << 31),
-                      "{}: backend wgmma-fp8-1x128 takes M, N and K below 2^31 (got {}, {}, {}); use cublaslt-fp8",
+                      "{}: backend wgmma-fp8-block takes M, N and K below 2^31 (got {}, {}, {}); use cublaslt-fp8",
                       call.name, g.a.rows, g.b.rows, g.a.k);
-        kernels::Fp8Block1dGemmParams p;
+        kernels::Fp8BlockGemmParams p;
         p.a = static_cast<const uint8_t*>(a.ptr);
         p.a_ld = a.ld;
         p.b = static_cast<const uint8_t*>(b.ptr);
         p.b_ld = b.ld;
         p.scales_a = static_cast<const float*>(a.scale);
         p.scales_b = static_cast<const float*>(b.scale);
+        p.b_2d = g.b.info->config.block_2d;
+        p.scales_b_ld = fp8_round_up4((g.b.k + kFp8ScaleBlock - 1) / kFp8ScaleBlock);
         p.m = g.a.rows;
         p.n = g.b.rows;
         p.k = g.a.k;
@@ -435,7 +437,7 @@ void cuda_gemm(const CudaGemmCall& call) {
         p.c_bf16 = g.c.dtype == DType::kBF16;
         p.alpha = call.alpha;
         p.beta = call.beta;
-        kernels::launch_fp8_block1d_gemm(p, stream);
+        kernels::launch_fp8_block_gemm(p, stream);
         break;
       }
       case Backend::kEmulated: {
