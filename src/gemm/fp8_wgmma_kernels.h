@@ -15,7 +15,8 @@
 // Requirements (checked on the host, gemm.cpp and gemm_cublaslt.cpp, with messages naming the
 // operand): K and the row strides multiples of 16 bytes, A and B 16-byte aligned (TMA), M and N
 // multiples of 4 and the scale arrays 16-byte aligned (bulk copies of the scale rows), M, N and K
-// below 2^31, an sm_90 GPU.
+// below 2^31, K > 0 (an empty reduction is the caller's: gemm_cublaslt.cpp writes beta * C), an
+// sm_90 GPU.
 #pragma once
 
 #include <cuda_runtime_api.h>
