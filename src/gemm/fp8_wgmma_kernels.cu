@@ -18,15 +18,15 @@
 //     kHalves halves of kHalfN. Per K block and half it issues four m64 n kHalfN k32 E4M3 wgmmas
 //     into a partial-sum register tile (FP32, restarted each block), waits, and promotes:
 //     acc += part * (sa[row] * sb[col]) (128x128 B: sb of the half). Tiles: 128 x 128 (one half)
-//     and 128 x 256 (two halves of 128, one after the other); with a 1x128 B also 128 x 128 and
-//     128 x 192 as two halves of 64 or 96 whose products are issued together, half 0 promoted
-//     while half 1 runs (kOverlap; FOURBIT_GEMM_FP8_TILE selects, for measurements). The two
-//     consumers are not synchronized with each other, so one promotes while the other's wgmmas run.
+//     and 128 x 256 (two halves of 128, one after the other). The two consumers are not
+//     synchronized with each other, so one promotes while the other's wgmmas run.
 //   - Epilogue: C = alpha * acc (+ beta * S) straight from registers, rows and columns checked
 //     against M and N.
 // Registers: the producer gives its registers up (setmaxnreg 40), the consumers take 232 each
 // (40 + 2 * 232 = 3 * 168, the launch bound's share): 128 accumulators and 64 partial sums for the
-// 128 x 256 tile, 96 + 2 x 48 for 128 x 192.
+// 128 x 256 tile.
+// Measured (H100, bench gemm, bench/notes-train.md "Session 25"): correct, but 10-25% slower than
+// cuBLASLt's 1x128 x 1x128 kernels at the 1.3b Wgrad shapes, so auto does not pick it by default.
 //
 // Numerics: every product of two E4M3 values is exact in FP32; the tensor cores sum the 128
 // products of a block with their own (reduced) precision, as in cuBLASLt's split accumulator; the
@@ -44,7 +44,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
-#include <string>
 
 namespace fourbit::gemm::kernels {
 namespace {
@@ -55,8 +54,7 @@ constexpr int kThreads = 384;
 constexpr int kGroupM = 8;    // tiles of M walked together (the CTAs of a wave share B tiles in L2)
 
 // A CTA tile of 128 x (kHalves * kHalfN): each consumer warpgroup multiplies its 64 rows by
-// kHalves column halves of kHalfN (one m64 n kHalfN k32 wgmma per 32 K values and half). kOverlap:
-// two partial-sum tiles, so that one half's products run while the other half is promoted.
+// kHalves column halves of kHalfN (one m64 n kHalfN k32 wgmma per 32 K values and half).
 template <int kHalfN, int kHalves>
 struct Tiling {
   static constexpr int kBlockN = kHalfN * kHalves;
@@ -136,13 +134,12 @@ __device__ __forceinline__ void tile_of(int index, int tiles_m, int tiles_n, int
   tn = in_group / group_rows;
 }
 
-template <int kHalfN, int kHalves, bool kB2d, bool kOverlap>
+template <int kHalfN, int kHalves, bool kB2d>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_block_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             Fp8BlockGemmParams p) {
 #if FOURBIT_WGMMA_AVAILABLE
   using T = Tiling<kHalfN, kHalves>;
-  static_assert(!kOverlap || (kHalves == 2 && !kB2d), "the overlapped loop takes two halves of a 1x128 B");
   static_assert(!kB2d || kHalfN == 128, "a 128x128 B's scale is constant over a 128-column half");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* tiles = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -203,13 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < kJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[h][j][e] = 0.0f;
-  float part[kOverlap ? 2 : 1][kJ][4];  // defined before the first wgmma reads them ("+f")
-#pragma unroll
-  for (int i = 0; i < (kOverlap ? 2 : 1); ++i)
-#pragma unroll
-    for (int j = 0; j < kJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) part[i][j][e] = 0.0f;
+  float part[kJ][4];
 
   // Issues half h of K block kb into d (one commit group).
   auto issue = [&](float(&d)[kJ][4], int kb, int h) {
@@ -250,45 +241,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto wait_full = [&](int kb) { mbar_wait(&full[kb % T::kStages], (uint32_t)(kb / T::kStages) & 1u); };
   auto row_scale = [&](int kb, int r) { return scales[(kb % T::kStages) * T::kScaleFloats + r]; };
 
-  if constexpr (kOverlap) {
-    // Both halves of a block issued back to back; half 0 is promoted while half 1 runs. (Keeping a
-    // group in flight across the loop's back edge, to overlap half 1's promotion too, makes ptxas
-    // serialize every wgmma: C7514, it cannot match the wait to the group whose registers are then
-    // read.)
-    for (int kb = 0; kb < blocks; ++kb) {
-      wait_full(kb);
-      const float sa0 = row_scale(kb, row_in_tile), sa1 = row_scale(kb, row_in_tile + 8);
-      issue(part[0], kb, 0);
-      issue(part[1], kb, 1);
-      wgmma::wgmma_wait<1>();
-      wgmma::registers_fence(part[0]);
-      promote(part[0], kb, 0, sa0, sa1, 0.0f);
+  for (int kb = 0; kb < blocks; ++kb) {
+    // 128x128 B: one scale per 128-column half and K block, from global memory (L2), loaded
+    // before the wait so that its latency hides behind it; a half wholly beyond N gets 0.
+    float half_scale[kHalves];
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      half_scale[h] =
+          kB2d && n0 + h * kHalfN < n ? __ldg(p.scales_b + (int64_t)(n0 / 128 + h) * p.scales_b_ld + kb) : 0.0f;
+    }
+    wait_full(kb);
+    const float sa0 = row_scale(kb, row_in_tile), sa1 = row_scale(kb, row_in_tile + 8);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      issue(part, kb, h);
       wgmma::wgmma_wait<0>();
-      wgmma::registers_fence(part[1]);
-      promote(part[1], kb, 1, sa0, sa1, 0.0f);
-      mbar_arrive(&empty[kb % T::kStages]);  // block kb's products are done and its scales read
+      wgmma::registers_fence(part);
+      promote(part, kb, h, sa0, sa1, half_scale[h]);
     }
-  } else {
-    for (int kb = 0; kb < blocks; ++kb) {
-      // 128x128 B: one scale per 128-column half and K block, from global memory (L2), loaded
-      // before the wait so that its latency hides behind it; a half wholly beyond N gets 0.
-      float half_scale[kHalves];
-#pragma unroll
-      for (int h = 0; h < kHalves; ++h) {
-        half_scale[h] =
-            kB2d && n0 + h * kHalfN < n ? __ldg(p.scales_b + (int64_t)(n0 / 128 + h) * p.scales_b_ld + kb) : 0.0f;
-      }
-      wait_full(kb);
-      const float sa0 = row_scale(kb, row_in_tile), sa1 = row_scale(kb, row_in_tile + 8);
-#pragma unroll
-      for (int h = 0; h < kHalves; ++h) {
-        issue(part[0], kb, h);
-        wgmma::wgmma_wait<0>();
-        wgmma::registers_fence(part[0]);
-        promote(part[0], kb, h, sa0, sa1, half_scale[h]);
-      }
-      mbar_arrive(&empty[kb % T::kStages]);  // this thread's reads of the stage are done
-    }
+    mbar_arrive(&empty[kb % T::kStages]);  // this thread's reads of the stage are done
   }
 
   // Epilogue: C = alpha * acc (+ beta * S).
@@ -319,28 +290,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// The tile shapes (A/B measurements): FOURBIT_GEMM_FP8_TILE = 128 or 256 (one or two 128-column
-// halves, promoted one after the other), 128o or 192o (two halves of 64 or 96 columns issued
-// together, half 0 promoted while half 1 runs; 1x128 B only: a 128x128 B gets 256). Default: 256
-// when N > 128, else 128.
-enum class TileSetting { kDefault, k128, k256, k128Overlap, k192Overlap };
-TileSetting tile_setting() {
-  static const TileSetting t = [] {
+// FOURBIT_GEMM_FP8_TILE=128 or 256 forces the tile width (A/B measurements); default: 256 when
+// N > 128, else 128.
+int tile_setting() {
+  static const int t = [] {
     const char* v = std::getenv("FOURBIT_GEMM_FP8_TILE");
-    const std::string s = v == nullptr ? "" : v;
-    if (s == "128") return TileSetting::k128;
-    if (s == "256") return TileSetting::k256;
-    if (s == "128o") return TileSetting::k128Overlap;
-    if (s == "192o") return TileSetting::k192Overlap;
-    return TileSetting::kDefault;  // unset, or a value the kernel does not know (the default then)
+    return v != nullptr && *v != '\0' ? std::atoi(v) : 0;
   }();
   return t;
 }
 
-template <int kHalfN, int kHalves, bool kB2d, bool kOverlap>
+template <int kHalfN, int kHalves, bool kB2d>
 void launch_tiled(const Fp8BlockGemmParams& p, cudaStream_t stream) {
   using T = Tiling<kHalfN, kHalves>;
-  auto* kernel = fp8_block_gemm_kernel<kHalfN, kHalves, kB2d, kOverlap>;
+  auto* kernel = fp8_block_gemm_kernel<kHalfN, kHalves, kB2d>;
   static std::once_flag attribute_once;
   std::call_once(attribute_once, [&] {
     FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)T::kSmemBytes));
@@ -356,16 +319,14 @@ void launch_tiled(const Fp8BlockGemmParams& p, cudaStream_t stream) {
 
 void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream) {
   if (p.m == 0 || p.n == 0) return;
-  const TileSetting setting = tile_setting();
-  if (!p.b_2d && setting == TileSetting::k192Overlap) return launch_tiled<96, 2, false, true>(p, stream);
-  if (!p.b_2d && setting == TileSetting::k128Overlap) return launch_tiled<64, 2, false, true>(p, stream);
-  const bool wide = setting == TileSetting::k256 || (setting != TileSetting::k128 && p.n > 128);
+  const int setting = tile_setting();
+  const bool wide = setting == 256 || (setting != 128 && p.n > 128);
   if (p.b_2d) {
-    if (wide) launch_tiled<128, 2, true, false>(p, stream);
-    else launch_tiled<128, 1, true, false>(p, stream);
+    if (wide) launch_tiled<128, 2, true>(p, stream);
+    else launch_tiled<128, 1, true>(p, stream);
   } else {
-    if (wide) launch_tiled<128, 2, false, false>(p, stream);
-    else launch_tiled<128, 1, false, false>(p, stream);
+    if (wide) launch_tiled<128, 2, false>(p, stream);
+    else launch_tiled<128, 1, false>(p, stream);
   }
 }
 
