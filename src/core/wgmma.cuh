@@ -186,10 +186,10 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[16][4], const uint32_t 
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-// D[64 x 128] (+)= A[64 x 32] B[32 x 128], E4M3 x E4M3 with FP32 accumulators, both operands K-major
-// in shared memory; accumulate = 0 overwrites D. (The tensor cores add FP8 products
-// into the accumulators with less than FP32 precision: callers promote partial sums into FP32
-// registers at least every 128 elements of K, NUMERICS.md 6.)
+// D[64 x 128] (+)= A[64 x 32] B[32 x 128], E4M3 x E4M3 with FP32 accumulators, both operands
+// K-major in shared memory; accumulate = 0 overwrites D. (The tensor cores add FP8 products into
+// the accumulators with less than FP32 precision: callers promote partial sums into FP32 registers
+// at least every 128 elements of K, NUMERICS.md 6.)
 __device__ __forceinline__ void wgmma_ss_e4m3_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" FOURBIT_WGMMA_R64
@@ -233,10 +233,8 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
 #endif
 }
 
-// D[64 x N] (+)= A B over one k-step of 32 E4M3 values, A and B K-major in shared memory (N = 128).
-template <int N>
-__device__ __forceinline__ void mma_ss_e4m3(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  static_assert(N == 128, "E4M3 products with N = 128");
+// D[64 x 128] (+)= A B over one k-step of 32 E4M3 values, A and B K-major in shared memory.
+__device__ __forceinline__ void mma_ss_e4m3_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #if FOURBIT_WGMMA_AVAILABLE
   wgmma_ss_e4m3_n128(d, desc_a, desc_b, accumulate);
 #else

@@ -7,26 +7,28 @@
 // FLOPs under the fp8 recipe.
 //
 // Structure (the warp-specialized design of DeepGEMM and CUTLASS's sm90 kernels, written from the
-// PTX ISA): one CTA per 128 x kBlockN tile of C, 384 threads.
+// PTX ISA): one CTA per 128 x kBlockN tile of C (kBlockN = 128 or 256), 384 threads.
 //   - Warpgroup 0 is the producer: one thread streams the K blocks (128 values each) of the A and B
 //     tiles into a ring of kStages shared-memory stages with TMA (128-byte swizzle, out-of-range
 //     rows and K columns filled with zeros), and the 1x128 scale rows of that block (sa for the
 //     tile's 128 rows, sb for its kBlockN columns; a 128x128 B's scales are read from global
 //     memory by the consumers instead, one per half) with bulk copies; an mbarrier per stage counts
 //     the bytes ("full"), another counts the consumers' releases ("empty").
-//   - Warpgroups 1 and 2 are the consumers: each owns 64 rows of the tile and its columns in
-//     kHalves halves of kHalfN. Per K block and half it issues four m64 n kHalfN k32 E4M3 wgmmas
-//     into a partial-sum register tile (FP32, restarted each block), waits, and promotes:
-//     acc += part * (sa[row] * sb[col]) (128x128 B: sb of the half). Tiles: 128 x 128 (one half)
-//     and 128 x 256 (two halves of 128, one after the other). The two consumers are not
-//     synchronized with each other, so one promotes while the other's wgmmas run.
+//   - Warpgroups 1 and 2 are the consumers: each owns 64 rows of the tile. Per K block and per
+//     128-column half it issues four m64n128k32 E4M3 wgmmas into a partial-sum register tile
+//     (FP32, restarted each block), waits, and promotes: acc += part * (sa[row] * sb[col]) (128x128
+//     B: sb of the half). The two
+//     consumers are not synchronized with each other, so one promotes while the other's wgmmas run.
 //   - Epilogue: C = alpha * acc (+ beta * S) straight from registers, rows and columns checked
 //     against M and N.
 // Registers: the producer gives its registers up (setmaxnreg 40), the consumers take 232 each
-// (40 + 2 * 232 = 3 * 168, the launch bound's share): 128 accumulators and 64 partial sums for the
-// 128 x 256 tile.
-// Measured (H100, bench gemm, bench/notes-train.md "Session 25"): correct, but 10-25% slower than
-// cuBLASLt's 1x128 x 1x128 kernels at the 1.3b Wgrad shapes, so auto does not pick it by default.
+// (40 + 2 * 232 = 3 * 168, the launch bound's share), enough for kBlockN = 256 (128 accumulators,
+// 64 partial sums).
+// Measured (H100, bench gemm; bench/notes-train.md "Session 25"): correct (the GPU tests), but
+// 10-25% slower than cuBLASLt's 1x128 x 1x128 kernels at the 1.3b Wgrad shapes and slower than
+// its 1x128 x 128x128 ones everywhere, so backend auto does not pick it by default. Tried and
+// dropped: 128 x 128 and 128 x 192 tiles as two halves of 64 / 96 columns issued together, half 0
+// promoted while half 1 runs (450-680 TFLOP/s against 715-800 for this 128 x 256 tile).
 //
 // Numerics: every product of two E4M3 values is exact in FP32; the tensor cores sum the 128
 // products of a block with their own (reduced) precision, as in cuBLASLt's split accumulator; the
@@ -53,20 +55,16 @@ constexpr int kBlockK = 128;  // one scale block: 128 E4M3 values = one 128-byte
 constexpr int kThreads = 384;
 constexpr int kGroupM = 8;    // tiles of M walked together (the CTAs of a wave share B tiles in L2)
 
-// A CTA tile of 128 x (kHalves * kHalfN): each consumer warpgroup multiplies its 64 rows by
-// kHalves column halves of kHalfN (one m64 n kHalfN k32 wgmma per 32 K values and half).
-template <int kHalfN, int kHalves>
+template <int kHalves>
 struct Tiling {
-  static constexpr int kBlockN = kHalfN * kHalves;
+  static constexpr int kBlockN = 128 * kHalves;
+  static constexpr int kStages = kHalves == 1 ? 6 : 4;
   static constexpr int kABytes = kBlockM * kBlockK;
   static constexpr int kBBytes = kBlockN * kBlockK;
   static constexpr int kStageBytes = kABytes + kBBytes;   // 1024-byte multiple: tiles stay aligned
   static constexpr int kScaleFloats = kBlockM + kBlockN;  // sa then sb, per stage
-  static constexpr int kStages = std::min(6, 204800 / (kStageBytes + 4 * kScaleFloats));
   static constexpr size_t kSmemBytes =
       1024 + (size_t)kStages * kStageBytes + (size_t)kStages * kScaleFloats * 4 + 2 * kStages * 8;
-  static_assert(kStageBytes % 1024 == 0 && (kHalfN * 128) % 1024 == 0, "1024-byte aligned tiles and halves");
-  static_assert(kSmemBytes <= 232448, "fits the 227 KiB of shared memory of an sm_90 CTA");
 };
 
 #if FOURBIT_WGMMA_AVAILABLE
@@ -134,13 +132,12 @@ __device__ __forceinline__ void tile_of(int index, int tiles_m, int tiles_n, int
   tn = in_group / group_rows;
 }
 
-template <int kHalfN, int kHalves, bool kB2d>
+template <int kHalves, bool kB2d>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_block_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             Fp8BlockGemmParams p) {
 #if FOURBIT_WGMMA_AVAILABLE
-  using T = Tiling<kHalfN, kHalves>;
-  static_assert(!kB2d || kHalfN == 128, "a 128x128 B's scale is constant over a 128-column half");
+  using T = Tiling<kHalves>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* tiles = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   float* scales = reinterpret_cast<float*>(tiles + (size_t)T::kStages * T::kStageBytes);
@@ -192,74 +189,63 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int row_in_tile = consumer * 64 + warp * 16 + lane / 4;  // and row_in_tile + 8
   const int col_in_half = 2 * (lane % 4);                        // + 8 j (+ 1)
 
-  constexpr int kJ = kHalfN / 8;  // accumulator column blocks of a half
-  float acc[kHalves][kJ][4];
+  float acc[kHalves][16][4];
 #pragma unroll
   for (int h = 0; h < kHalves; ++h)
 #pragma unroll
-    for (int j = 0; j < kJ; ++j)
+    for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[h][j][e] = 0.0f;
-  float part[kJ][4];
-
-  // Issues half h of K block kb into d (one commit group).
-  auto issue = [&](float(&d)[kJ][4], int kb, int h) {
-    const uint8_t* stage = tiles + (size_t)(kb % T::kStages) * T::kStageBytes;
-    const uint32_t a_tile = smem_u32(stage) + (uint32_t)(consumer * 64 * 128);
-    const uint32_t b_tile = smem_u32(stage + T::kABytes) + (uint32_t)(h * kHalfN * 128);
-    wgmma::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      wgmma::mma_ss_e4m3<kHalfN>(d, wgmma::k_major<64>(a_tile, kk), wgmma::k_major<kHalfN>(b_tile, kk), kk > 0);
-    }
-    wgmma::wgmma_commit();
-  };
-  // acc[h] += d * sa[row] * sb(col) for half h of K block kb (its stage's scales in shared memory;
-  // a 128x128 B's scale given as half_scale).
-  auto promote = [&](const float(&d)[kJ][4], int kb, int h, float sa0, float sa1, float half_scale) {
-    if constexpr (kB2d) {
-      const float s0 = sa0 * half_scale, s1 = sa1 * half_scale;
-#pragma unroll
-      for (int j = 0; j < kJ; ++j) {
-        acc[h][j][0] = fmaf(d[j][0], s0, acc[h][j][0]);
-        acc[h][j][1] = fmaf(d[j][1], s0, acc[h][j][1]);
-        acc[h][j][2] = fmaf(d[j][2], s1, acc[h][j][2]);
-        acc[h][j][3] = fmaf(d[j][3], s1, acc[h][j][3]);
-      }
-    } else {
-      const float* sb = scales + (kb % T::kStages) * T::kScaleFloats + kBlockM + h * kHalfN;
-#pragma unroll
-      for (int j = 0; j < kJ; ++j) {
-        const float2 b = *reinterpret_cast<const float2*>(sb + 8 * j + col_in_half);
-        acc[h][j][0] = fmaf(d[j][0], sa0 * b.x, acc[h][j][0]);
-        acc[h][j][1] = fmaf(d[j][1], sa0 * b.y, acc[h][j][1]);
-        acc[h][j][2] = fmaf(d[j][2], sa1 * b.x, acc[h][j][2]);
-        acc[h][j][3] = fmaf(d[j][3], sa1 * b.y, acc[h][j][3]);
-      }
-    }
-  };
-  auto wait_full = [&](int kb) { mbar_wait(&full[kb % T::kStages], (uint32_t)(kb / T::kStages) & 1u); };
-  auto row_scale = [&](int kb, int r) { return scales[(kb % T::kStages) * T::kScaleFloats + r]; };
+  float part[16][4];
 
   for (int kb = 0; kb < blocks; ++kb) {
-    // 128x128 B: one scale per 128-column half and K block, from global memory (L2), loaded
-    // before the wait so that its latency hides behind it; a half wholly beyond N gets 0.
+    const int s = kb % T::kStages;
+    // 128x128 B: one scale per 128-column half and K block, from global memory (L2), loaded before
+    // the wait so that its latency hides behind it; a half wholly beyond N gets 0.
     float half_scale[kHalves];
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
-      half_scale[h] =
-          kB2d && n0 + h * kHalfN < n ? __ldg(p.scales_b + (int64_t)(n0 / 128 + h) * p.scales_b_ld + kb) : 0.0f;
+      half_scale[h] = kB2d && n0 + h * 128 < n ? __ldg(p.scales_b + (int64_t)(n0 / 128 + h) * p.scales_b_ld + kb) : 0.0f;
     }
-    wait_full(kb);
-    const float sa0 = row_scale(kb, row_in_tile), sa1 = row_scale(kb, row_in_tile + 8);
+    mbar_wait(&full[s], (uint32_t)(kb / T::kStages) & 1u);
+    const uint8_t* stage = tiles + (size_t)s * T::kStageBytes;
+    const float* sa = scales + s * T::kScaleFloats;
+    const float* sb = sa + kBlockM;
+    const uint32_t a_tile = smem_u32(stage) + (uint32_t)(consumer * 64 * 128);
+    const uint32_t b_tile = smem_u32(stage + T::kABytes);
+    const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
-      issue(part, kb, h);
+      wgmma::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma::mma_ss_e4m3_n128(part, wgmma::k_major<64>(a_tile, kk),
+                                wgmma::k_major<128>(b_tile + (uint32_t)(h * 128 * 128), kk), kk > 0);
+      }
+      wgmma::wgmma_commit();
       wgmma::wgmma_wait<0>();
       wgmma::registers_fence(part);
-      promote(part, kb, h, sa0, sa1, half_scale[h]);
+      if constexpr (kB2d) {
+        const float s0 = sa0 * half_scale[h], s1 = sa1 * half_scale[h];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          acc[h][j][0] = fmaf(part[j][0], s0, acc[h][j][0]);
+          acc[h][j][1] = fmaf(part[j][1], s0, acc[h][j][1]);
+          acc[h][j][2] = fmaf(part[j][2], s1, acc[h][j][2]);
+          acc[h][j][3] = fmaf(part[j][3], s1, acc[h][j][3]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const float2 b = *reinterpret_cast<const float2*>(sb + h * 128 + 8 * j + col_in_half);
+          acc[h][j][0] = fmaf(part[j][0], sa0 * b.x, acc[h][j][0]);
+          acc[h][j][1] = fmaf(part[j][1], sa0 * b.y, acc[h][j][1]);
+          acc[h][j][2] = fmaf(part[j][2], sa1 * b.x, acc[h][j][2]);
+          acc[h][j][3] = fmaf(part[j][3], sa1 * b.y, acc[h][j][3]);
+        }
+      }
     }
-    mbar_arrive(&empty[kb % T::kStages]);  // this thread's reads of the stage are done
+    mbar_arrive(&empty[s]);  // this thread's reads of the stage (wgmma operands, scales) are done
   }
 
   // Epilogue: C = alpha * acc (+ beta * S).
@@ -268,11 +254,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int h = 0; h < kHalves; ++h)
 #pragma unroll
-    for (int j = 0; j < kJ; ++j)
+    for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = m0 + row_in_tile + 8 * (e >> 1);
-        const int col = n0 + h * kHalfN + 8 * j + col_in_half + (e & 1);
+        const int col = n0 + h * 128 + 8 * j + col_in_half + (e & 1);
         if (row >= m || col >= n) continue;
         const int64_t at = (int64_t)row * p.ldc + col;
         float v = p.alpha * acc[h][j][e];
@@ -290,28 +276,28 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// FOURBIT_GEMM_FP8_TILE=128 or 256 forces the tile width (A/B measurements); default: 256 when
-// N > 128, else 128.
-int tile_setting() {
-  static const int t = [] {
-    const char* v = std::getenv("FOURBIT_GEMM_FP8_TILE");
+// FOURBIT_GEMM_FP8_BN=128 or 256 forces the tile width (A/B measurements); default: 256 when
+// N allows it.
+int tile_width_setting() {
+  static const int w = [] {
+    const char* v = std::getenv("FOURBIT_GEMM_FP8_BN");
     return v != nullptr && *v != '\0' ? std::atoi(v) : 0;
   }();
-  return t;
+  return w;
 }
 
-template <int kHalfN, int kHalves, bool kB2d>
+template <int kHalves, bool kB2d>
 void launch_tiled(const Fp8BlockGemmParams& p, cudaStream_t stream) {
-  using T = Tiling<kHalfN, kHalves>;
-  auto* kernel = fp8_block_gemm_kernel<kHalfN, kHalves, kB2d>;
+  using T = Tiling<kHalves>;
   static std::once_flag attribute_once;
-  std::call_once(attribute_once, [&] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)T::kSmemBytes));
+  std::call_once(attribute_once, [] {
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(fp8_block_gemm_kernel<kHalves, kB2d>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)T::kSmemBytes));
   });
   const CUtensorMap map_a = e4m3_tile_map(p.a, p.m, p.k, p.a_ld, kBlockK, kBlockM, "A");
   const CUtensorMap map_b = e4m3_tile_map(p.b, p.n, p.k, p.b_ld, kBlockK, T::kBlockN, "B");
   const int64_t tiles = ((p.m + kBlockM - 1) / kBlockM) * ((p.n + T::kBlockN - 1) / T::kBlockN);
-  kernel<<<dim3((unsigned)tiles), dim3(kThreads), T::kSmemBytes, stream>>>(map_a, map_b, p);
+  fp8_block_gemm_kernel<kHalves, kB2d><<<dim3((unsigned)tiles), dim3(kThreads), T::kSmemBytes, stream>>>(map_a, map_b, p);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
@@ -319,14 +305,14 @@ void launch_tiled(const Fp8BlockGemmParams& p, cudaStream_t stream) {
 
 void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream) {
   if (p.m == 0 || p.n == 0) return;
-  const int setting = tile_setting();
+  const int setting = tile_width_setting();
   const bool wide = setting == 256 || (setting != 128 && p.n > 128);
   if (p.b_2d) {
-    if (wide) launch_tiled<128, 2, true>(p, stream);
-    else launch_tiled<128, 1, true>(p, stream);
+    if (wide) launch_tiled<2, true>(p, stream);
+    else launch_tiled<1, true>(p, stream);
   } else {
-    if (wide) launch_tiled<128, 2, false>(p, stream);
-    else launch_tiled<128, 1, false>(p, stream);
+    if (wide) launch_tiled<2, false>(p, stream);
+    else launch_tiled<1, false>(p, stream);
   }
 }
 
