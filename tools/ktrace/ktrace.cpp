@@ -164,6 +164,17 @@ void report() {
   std::fprintf(out, "ktrace: %zu kernel names, %.3f ms of GPU time in all (%ld activity buffers requested, %ld "
                "returned; flush: %s)\n", rows.size(), all * 1e-6, g_buffers_requested.load(),
                g_buffers_completed.load(), flush_msg != nullptr ? flush_msg : "?");
+  if (rows.empty()) {  // say what might have kept CUPTI from recording (session 25 saw this)
+    uint32_t version = 0;
+    cuptiGetVersion(&version);
+    const char* last_msg = nullptr;
+    cuptiGetResultString(cuptiGetLastError(), &last_msg);
+    const char* injection = std::getenv("CUDA_INJECTION64_PATH");
+    std::fprintf(out, "ktrace: nothing recorded; CUPTI API version %u, last CUPTI error: %s, "
+                 "CUDA_INJECTION64_PATH=%s (another CUPTI client in the process can take the activity "
+                 "API over)\n", version, last_msg != nullptr ? last_msg : "?",
+                 injection != nullptr ? injection : "(unset)");
+  }
   std::fprintf(out, "%10s %10s %10s %7s  %s\n", "total ms", "launches", "mean us", "share", "kernel");
   long shown = 0;
   for (const auto& [name, r] : rows) {
