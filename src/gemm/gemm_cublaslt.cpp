@@ -1,8 +1,8 @@
 // CUDA backends through cuBLASLt: BF16, FP8 (per-tensor and 1x128 / 128x128 block scales) and the
-// exact NVFP4 / MXFP8 emulation; plus fourbit's own FP8 1x128 x 1x128 kernel (kWgmmaFp8,
-// fp8_wgmma_kernels.h), which takes the same operand views and converted scales as cuBLASLt's
-// VEC128_32F mode. Single and grouped GEMMs share one path (cuda_gemm), a list of group GEMMs
-// launched back to back on one stream.
+// exact NVFP4 / MXFP8 emulation; plus fourbit's own FP8 block kernel for a 1x128 A and a 1x128 or
+// 128x128 B (kWgmmaFp8, fp8_wgmma_kernels.h), which takes the same operand views and converted
+// scales as cuBLASLt's block modes. Single and grouped GEMMs share one path (cuda_gemm), a list of
+// group GEMMs launched back to back on one stream.
 //
 // Layout. fourbit's row-major TN GEMM C[M, N] = A[M, K] . B[N, K]^T is cuBLASLt's column-major
 // C^T[N, M] = op(B) . op(A): cuBLAS "A" is our B (transa = T for a K-contiguous operand), cuBLAS
