@@ -84,6 +84,12 @@ FOURBIT_HD uint64_t mn_major(uint32_t tile_addr, int kk) {
 
 #if defined(__CUDACC__)
 
+// The 32-bit shared-state-space address of a pointer into shared memory (what the descriptors
+// above and the PTX shared-memory operands take).
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FOURBIT_WGMMA_AVAILABLE 1
 #else

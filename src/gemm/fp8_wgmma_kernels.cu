@@ -43,7 +43,6 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
-#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 
@@ -67,11 +66,9 @@ struct Tiling {
       1024 + (size_t)kStages * kStageBytes + (size_t)kStages * kScaleFloats * 4 + 2 * kStages * 8;
 };
 
-#if FOURBIT_WGMMA_AVAILABLE
+using wgmma::smem_u32;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+#if FOURBIT_WGMMA_AVAILABLE
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");

@@ -72,9 +72,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // --- PTX wrappers --------------------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using wgmma::smem_u32;
 
 // 16 bytes global -> shared, asynchronously; zero-fills (reads nothing) when !valid.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
