@@ -316,6 +316,33 @@ MatmulOperand fp8_operand(const OperandSlice& s, float* scale_buffer, cudaStream
   return m;
 }
 
+// fourbit's FP8 block kernel (fp8_wgmma_kernels.h) on operands prepared by fp8_operand.
+void run_wgmma_fp8(const CudaGroup& g, const MatmulOperand& a, const MatmulOperand& b, const void* c_source,
+                   const CudaGemmCall& call, cudaStream_t stream) {
+  FOURBIT_CHECK(g.a.rows < (int64_t{1} << 31) && g.b.rows < (int64_t{1} << 31) && g.a.k < (int64_t{1} << 31),
+                "{}: backend wgmma-fp8-block takes M, N and K below 2^31 (got {}, {}, {}); use cublaslt-fp8",
+                call.name, g.a.rows, g.b.rows, g.a.k);
+  kernels::Fp8BlockGemmParams p;
+  p.a = static_cast<const uint8_t*>(a.ptr);
+  p.a_ld = a.ld;
+  p.b = static_cast<const uint8_t*>(b.ptr);
+  p.b_ld = b.ld;
+  p.scales_a = static_cast<const float*>(a.scale);
+  p.scales_b = static_cast<const float*>(b.scale);
+  p.b_2d = g.b.info->config.block_2d;
+  p.scales_b_ld = fp8_round_up4((g.b.k + kFp8ScaleBlock - 1) / kFp8ScaleBlock);
+  p.m = g.a.rows;
+  p.n = g.b.rows;
+  p.k = g.a.k;
+  p.c = g.c.data;
+  p.c_source = c_source;
+  p.ldc = g.c.strides[0];
+  p.c_bf16 = g.c.dtype == DType::kBF16;
+  p.alpha = call.alpha;
+  p.beta = call.beta;
+  kernels::launch_fp8_block_gemm(p, stream);
+}
+
 int64_t fp8_scale_floats(const OperandSlice& s) {
   if (s.info->format() != quant::Format::kFp8Block) return 0;
   return cublas_fp8_scale_count(s.info->config.block_2d, s.rows, (s.k + kFp8ScaleBlock - 1) / kFp8ScaleBlock);
@@ -405,39 +432,16 @@ void cuda_gemm(const CudaGemmCall& call) {
         run_matmul(plain_operand(g.a), plain_operand(g.b), g.c, &call.alpha, &call.beta, false,
                    false, stream, call.name, c_source);
         break;
-      case Backend::kCublasFp8: {
+      case Backend::kCublasFp8:
+      case Backend::kWgmmaFp8: {  // the same operand views and converted scales for both kernels
         float* scales_b = scales_a + round_up(fp8_scale_floats(g.a), 64);
         a = fp8_operand(g.a, scales_a, stream, call.name);
         b = fp8_operand(g.b, scales_b, stream, call.name);
-        run_matmul(a, b, g.c, &call.alpha, &call.beta, false, true, stream, call.name, c_source);
-        break;
-      }
-      case Backend::kWgmmaFp8: {  // the same operand views and scale layouts as cuBLASLt's
-        float* scales_b = scales_a + round_up(fp8_scale_floats(g.a), 64);
-        a = fp8_operand(g.a, scales_a, stream, call.name);
-        b = fp8_operand(g.b, scales_b, stream, call.name);
-        FOURBIT_CHECK(g.a.rows < (int64_t{1} << 31) && g.b.rows < (int64_t{1} << 31) && g.a.k < (int64_t{1} << 31),
-                      "{}: backend wgmma-fp8-block takes M, N and K below 2^31 (got {}, {}, {}); use cublaslt-fp8",
-                      call.name, g.a.rows, g.b.rows, g.a.k);
-        kernels::Fp8BlockGemmParams p;
-        p.a = static_cast<const uint8_t*>(a.ptr);
-        p.a_ld = a.ld;
-        p.b = static_cast<const uint8_t*>(b.ptr);
-        p.b_ld = b.ld;
-        p.scales_a = static_cast<const float*>(a.scale);
-        p.scales_b = static_cast<const float*>(b.scale);
-        p.b_2d = g.b.info->config.block_2d;
-        p.scales_b_ld = fp8_round_up4((g.b.k + kFp8ScaleBlock - 1) / kFp8ScaleBlock);
-        p.m = g.a.rows;
-        p.n = g.b.rows;
-        p.k = g.a.k;
-        p.c = g.c.data;
-        p.c_source = c_source;
-        p.ldc = g.c.strides[0];
-        p.c_bf16 = g.c.dtype == DType::kBF16;
-        p.alpha = call.alpha;
-        p.beta = call.beta;
-        kernels::launch_fp8_block_gemm(p, stream);
+        if (call.backend == Backend::kCublasFp8) {
+          run_matmul(a, b, g.c, &call.alpha, &call.beta, false, true, stream, call.name, c_source);
+        } else {
+          run_wgmma_fp8(g, a, b, c_source, call, stream);
+        }
         break;
       }
       case Backend::kEmulated: {
