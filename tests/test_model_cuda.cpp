@@ -283,18 +283,15 @@ TEST_F(ModelCuda, QuantizedRecipesMatchTheCpuReference) {
   for (const ModelConfig& c : {gpu_dense(), gpu_moe()}) {
     const int B = kQuantBatch, T = 1;
     const testing::Batch batch = make_batch(B, T, c.vocab, 8, 0);
-    auto reference_options = [](Device device, bool bf16_rounding, int batch, int seq) {
-      return reference_arithmetic(options(device, bf16_rounding, batch, seq));
-    };
-    Model cpu_bf16(c, testing::resolved(c), reference_options(Device::kCpu, true, B, T));
+    Model cpu_bf16(c, testing::resolved(c), reference_arithmetic(options(Device::kCpu, true, B, T)));
     if (cpu_bf16.fuses_residual_add())
       GTEST_SKIP() << "FOURBIT_FUSE_RESIDUAL=1 overrides the separate adds this comparison needs; unset it to run it";
     const StepResult bf16 = run_step(cpu_bf16, batch, nullptr);
     const std::unique_ptr<Tensor> forced = forced_from(bf16, c);
     for (const std::string preset : {"nvfp4", "fp8", "mxfp8", "e2e4"}) {
       SCOPED_TRACE(c.name + ", recipe " + preset);
-      Model cpu(c, all_blocks(c, preset), reference_options(Device::kCpu, true, B, T));
-      Model gpu(c, all_blocks(c, preset), reference_options(Device::kCuda, false, B, T));
+      Model cpu(c, all_blocks(c, preset), reference_arithmetic(options(Device::kCpu, true, B, T)));
+      Model gpu(c, all_blocks(c, preset), reference_arithmetic(options(Device::kCuda, false, B, T)));
       const StepResult ref = run_step(cpu, batch, forced.get());
       const StepResult got = run_step(gpu, batch, forced.get());
       // The reference once more on the other CPU GEMM backend (OpenBLAS vs the naive loops): the
@@ -306,7 +303,7 @@ TEST_F(ModelCuda, QuantizedRecipesMatchTheCpuReference) {
       // spread is not measured (0) and the plain bounds apply.
       std::optional<StepResult> ref_other;
       if (gemm::backend_built(gemm::Backend::kCpuBlas)) {
-        ModelOptions naive = reference_options(Device::kCpu, true, B, T);
+        ModelOptions naive = reference_arithmetic(options(Device::kCpu, true, B, T));
         naive.cpu_gemm_backend = gemm::Backend::kCpuReference;
         Model cpu_naive(c, all_blocks(c, preset), naive);
         ref_other = run_step(cpu_naive, batch, forced.get());

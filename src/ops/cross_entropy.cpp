@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #if defined(FOURBIT_WITH_CUDA)
@@ -192,15 +193,15 @@ void run(std::string_view op, const TensorView& losses, const TensorView& mean_l
 }  // namespace
 
 CrossEntropyExp cross_entropy_exp_in_effect(CrossEntropyExp requested) {
-  static const int from_env = [] {
+  static const std::optional<CrossEntropyExp> from_env = []() -> std::optional<CrossEntropyExp> {
     const char* v = std::getenv("FOURBIT_CE_EXP");
     const std::string s = v != nullptr ? v : "";
     FOURBIT_CHECK(s.empty() || s == "expf" || s == "sfu",
                   "FOURBIT_CE_EXP must be 'expf' or 'sfu' (the cross-entropy kernels' exponential); got '{}'", s);
-    return s.empty() ? -1 : s == "sfu" ? 1 : 0;
+    if (s.empty()) return std::nullopt;
+    return s == "sfu" ? CrossEntropyExp::kSfu : CrossEntropyExp::kExpf;
   }();
-  if (from_env < 0) return requested;
-  return from_env == 1 ? CrossEntropyExp::kSfu : CrossEntropyExp::kExpf;
+  return from_env.value_or(requested);
 }
 
 void cross_entropy_forward(const TensorView& losses, const TensorView& mean_loss,
