@@ -198,6 +198,18 @@ void check_gemm(TestOperand& a, TestOperand& b, const GemmCase& gc, const std::s
 }
 
 
+// gc run on backend b, forced, and select_backend expected to report it.
+GemmCase forced_to(Backend b, GemmCase gc) {
+  gc.backend = gc.expected = b;
+  return gc;
+}
+
+// The GPU is Hopper (sm_90): the wgmma kernels run there only.
+bool on_sm90() {
+  const DeviceProperties props = current_device_properties();
+  return props.sm_major == 9 && props.sm_minor == 0;
+}
+
 std::vector<GemmCase> epilogue_variants(Backend expected, double tol, Backend forced = Backend::kAuto) {
   std::vector<GemmCase> v = {{1.0f, 0.0f, DType::kF32, tol, expected}, {0.5f, 1.0f, DType::kF32, tol, expected},
                              {1.0f, 0.0f, DType::kBF16, tol, expected}, {-2.0f, 1.0f, DType::kBF16, tol, expected},
@@ -271,8 +283,7 @@ TEST_F(GemmCuda, Fp8BlockScaled) {
 // orientation (column-wise copies) and Dgrad's (B = W column-wise, 128x128); a scale block of
 // zeros and an outlier row.
 TEST_F(GemmCuda, Fp8WgmmaBlockKernelMatchesTheReference) {
-  const DeviceProperties props = current_device_properties();
-  if (props.sm_major != 9 || props.sm_minor != 0) GTEST_SKIP() << "wgmma-fp8-block runs on sm_90 only";
+  if (!on_sm90()) GTEST_SKIP() << "wgmma-fp8-block runs on sm_90 only";
   const quant::QuantConfig one_d = config(quant::Format::kFp8Block), two_d = config(quant::Format::kFp8Block, true);
   struct S { int64_t m, n, k; };
   for (const quant::QuantConfig& bcfg : {one_d, two_d}) {
@@ -285,9 +296,8 @@ TEST_F(GemmCuda, Fp8WgmmaBlockKernelMatchesTheReference) {
         check_gemm(a, b, gc, "wgmma fp8 " + pair + shape);
       }
       TestOperand dy = quant_op("dy", s.m, s.k, 9, one_d, Copy::kColwise), x = quant_op("x", s.n, s.k, 10, bcfg, Copy::kColwise);
-      GemmCase colwise{1.0f, 1.0f, DType::kF32, kFp8AccumulationTolerance, Backend::kWgmmaFp8};
-      colwise.backend = Backend::kWgmmaFp8;
-      check_gemm(dy, x, colwise, "wgmma fp8 " + pair + "(column-wise copies) " + shape);
+      check_gemm(dy, x, forced_to(Backend::kWgmmaFp8, {1.0f, 1.0f, DType::kF32, kFp8AccumulationTolerance}),
+                 "wgmma fp8 " + pair + "(column-wise copies) " + shape);
     }
   }
   {  // A source with an all-zero scale block and one row a million times larger than the rest.
@@ -298,14 +308,12 @@ TEST_F(GemmCuda, Fp8WgmmaBlockKernelMatchesTheReference) {
     a.name = "x with zeros and an outlier";
     a.q = std::make_shared<quant::QuantizedTensor>(quant::quantize_reference(src.view(), one_d, {true, false}, {a.name}));
     TestOperand b = quant_op("w", 192, 384, 12, one_d);
-    GemmCase gc{1.0f, 0.0f, DType::kF32, kFp8AccumulationTolerance, Backend::kWgmmaFp8};
-    gc.backend = Backend::kWgmmaFp8;
-    check_gemm(a, b, gc, "wgmma fp8 zeros and outlier");
+    check_gemm(a, b, forced_to(Backend::kWgmmaFp8, {1.0f, 0.0f, DType::kF32, kFp8AccumulationTolerance}),
+               "wgmma fp8 zeros and outlier");
   }
   // Refusals: a 128x128 A, rows not a multiple of 4.
   TestOperand a2 = quant_op("x2", 128, 256, 13, two_d), w = quant_op("w", 64, 256, 14, one_d);
-  GemmCase forced{};
-  forced.backend = Backend::kWgmmaFp8;
+  const GemmCase forced = forced_to(Backend::kWgmmaFp8, {});
   expect_error([&] { check_gemm(a2, w, forced, "wgmma 128x128 x 1x128"); }, {"wgmma-fp8-block", "1x128", "x2"});
   TestOperand a37 = quant_op("x", 37, 256, 15, one_d), b = quant_op("w", 64, 256, 16, one_d);
   expect_error([&] { check_gemm(a37, b, forced, "wgmma M = 37"); }, {"multiple of 4", "x"});
@@ -513,8 +521,7 @@ TEST_F(GemmCuda, GroupedReductionSplit) {
     std::vector<TestOperand> x = {quant_op("x", k, 384, 43, config(quant::Format::kFp8Block), Copy::kColwise)};
     check_grouped(GroupSplit::kReduction, sizes, dy, x, n, k, kFp8AccumulationTolerance, "reduction split fp8 1x128",
                   Backend::kCublasFp8);
-    const DeviceProperties props = current_device_properties();
-    if (props.sm_major == 9 && props.sm_minor == 0) {
+    if (on_sm90()) {
       check_grouped(GroupSplit::kReduction, sizes, dy, x, n, k, kFp8AccumulationTolerance,
                     "reduction split fp8 1x128 (wgmma)", Backend::kWgmmaFp8);
     }
