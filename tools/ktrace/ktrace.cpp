@@ -9,7 +9,8 @@
 //
 // Environment: FOURBIT_KTRACE_OUT=file writes the table there (default: stderr);
 // FOURBIT_KTRACE_TOP=n keeps the n largest rows (default 60); FOURBIT_KTRACE_WIDTH=n cuts names
-// to n characters (default 110).
+// to n characters (default 110); FOURBIT_KTRACE_SERIAL=1 records CUPTI_ACTIVITY_KIND_KERNEL (serializes
+// kernels) instead of the concurrent kind.
 // Invariants: the times are GPU durations of each launch (end - start), summed; kernels that ran
 // concurrently are both counted in full, so the total can exceed wall time. CUPTI adds a little
 // time per launch; compare shares, not absolute times, against untraced runs.
@@ -46,6 +47,9 @@ std::map<std::string, Row>* g_rows = nullptr;  // leaked on purpose: used from C
 bool g_ok = false;
 std::atomic<bool> g_reported{false};
 std::atomic<long> g_buffers_requested{0}, g_buffers_completed{0};
+std::atomic<long> g_contexts_seen{0}, g_runtime_api_calls{0};
+CUptiResult g_subscribe_result = CUPTI_SUCCESS;
+CUpti_SubscriberHandle g_subscriber = nullptr;
 std::once_flag g_atexit_once;
 void report();
 
@@ -121,15 +125,42 @@ long env_long(const char* name, long fallback) {
   return v != nullptr && *v != '\0' ? std::atol(v) : fallback;
 }
 
+CUptiResult enable_activity_kinds() {
+  const CUpti_ActivityKind kernel_kind = std::getenv("FOURBIT_KTRACE_SERIAL") != nullptr
+                                             ? CUPTI_ACTIVITY_KIND_KERNEL  // serializes kernels
+                                             : CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL;
+  const CUptiResult k = cuptiActivityEnable(kernel_kind);
+  cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY);
+  cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET);
+  return k;
+}
+
+// Callback API subscriber: counts contexts and CUDA runtime calls (entries and exits) the process makes (so an empty
+// table says whether CUDA work happened at all while CUPTI watched) and enables the activity kinds
+// again per new context (session 25's empty trace: CUPTI never requested a buffer).
+void CUPTIAPI on_callback(void*, CUpti_CallbackDomain domain, CUpti_CallbackId id, const void*) {
+  if (domain == CUPTI_CB_DOMAIN_RESOURCE && id == CUPTI_CBID_RESOURCE_CONTEXT_CREATED) {
+    g_contexts_seen.fetch_add(1);
+    enable_activity_kinds();
+  } else if (domain == CUPTI_CB_DOMAIN_RUNTIME_API) {
+    g_runtime_api_calls.fetch_add(1);
+  }
+}
+
 __attribute__((constructor)) void start() {
   g_rows = new std::map<std::string, Row>();
+  // Subscribe first (CUPTI's guide: before any other CUPTI call). Failure means another CUPTI
+  // client holds the process (it is reported in the table's header), not that tracing is off.
+  g_subscribe_result = cuptiSubscribe(&g_subscriber, on_callback, nullptr);
+  if (g_subscribe_result == CUPTI_SUCCESS) {
+    cuptiEnableCallback(1, g_subscriber, CUPTI_CB_DOMAIN_RESOURCE, CUPTI_CBID_RESOURCE_CONTEXT_CREATED);
+    cuptiEnableDomain(1, g_subscriber, CUPTI_CB_DOMAIN_RUNTIME_API);
+  }
   if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS) {
     std::fprintf(stderr, "ktrace: cuptiActivityRegisterCallbacks failed; no kernel table\n");
     return;
   }
-  const CUptiResult k = cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
-  cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY);
-  cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET);
+  const CUptiResult k = enable_activity_kinds();
   if (k != CUPTI_SUCCESS) {
     const char* msg = nullptr;
     cuptiGetResultString(k, &msg);
@@ -170,10 +201,14 @@ void report() {
     const char* last_msg = nullptr;
     cuptiGetResultString(cuptiGetLastError(), &last_msg);
     const char* injection = std::getenv("CUDA_INJECTION64_PATH");
+    const char* subscribe_msg = nullptr;
+    cuptiGetResultString(g_subscribe_result, &subscribe_msg);
     std::fprintf(out, "ktrace: nothing recorded; CUPTI API version %u, last CUPTI error: %s, "
-                 "CUDA_INJECTION64_PATH=%s (another CUPTI client in the process can take the activity "
-                 "API over)\n", version, last_msg != nullptr ? last_msg : "?",
-                 injection != nullptr ? injection : "(unset)");
+                 "cuptiSubscribe: %s, contexts created while subscribed: %ld, runtime API "
+                 "callbacks: %ld, CUDA_INJECTION64_PATH=%s (another CUPTI client in the process can take the "
+                 "activity API over)\n", version, last_msg != nullptr ? last_msg : "?",
+                 subscribe_msg != nullptr ? subscribe_msg : "?", g_contexts_seen.load(),
+                 g_runtime_api_calls.load(), injection != nullptr ? injection : "(unset)");
   }
   std::fprintf(out, "%10s %10s %10s %7s  %s\n", "total ms", "launches", "mean us", "share", "kernel");
   long shown = 0;
