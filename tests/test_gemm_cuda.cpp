@@ -8,6 +8,7 @@
 // scales, and the linear layer on the GPU against the linear layer on the CPU.
 #include "core/device.h"
 #include "gemm/fp8_scale_layout.h"
+#include "gemm/fp8_wgmma_kernels.h"
 #include "gemm/gemm_kernels.h"
 #include "gemm/linear.h"
 #include "gemm_test_util.h"
@@ -279,15 +280,22 @@ TEST_F(GemmCuda, Fp8BlockScaled) {
 
 // fourbit's FP8 block kernel (Backend::kWgmmaFp8), forced, with a 1x128 A and a 1x128 or 128x128
 // B: shapes with row, column and K tails (zero-filled by TMA), both tile widths (N <= 128: 128;
-// else 256), more K blocks than pipeline stages, several CTAs, every epilogue; the Wgrad
-// orientation (column-wise copies) and Dgrad's (B = W column-wise, 128x128); a scale block of
-// zeros and an outlier row.
+// else 256), more K blocks than pipeline stages, several CTAs, every epilogue, each without and
+// with 2-CTA clusters sharing B by multicast (odd row-tile counts leave a cluster's second CTA
+// wholly beyond M); the Wgrad orientation (column-wise copies) and Dgrad's (B = W column-wise,
+// 128x128); a scale block of zeros and an outlier row.
 TEST_F(GemmCuda, Fp8WgmmaBlockKernelMatchesTheReference) {
   if (!on_sm90()) GTEST_SKIP() << "wgmma-fp8-block runs on sm_90 only";
   const quant::QuantConfig one_d = config(quant::Format::kFp8Block), two_d = config(quant::Format::kFp8Block, true);
   struct S { int64_t m, n, k; };
-  for (const quant::QuantConfig& bcfg : {one_d, two_d}) {
-    const std::string pair = bcfg.block_2d ? "1x128 x 128x128 " : "1x128 x 1x128 ";
+  struct ResetShape {
+    ~ResetShape() { kernels::set_fp8_block_gemm_shape({}); }
+  } reset_shape;
+  const std::pair<int, quant::QuantConfig> variants[] = {{1, one_d}, {1, two_d}, {2, one_d}, {2, two_d}};
+  for (const auto& [cluster, bcfg] : variants) {
+    kernels::set_fp8_block_gemm_shape({0, cluster});
+    const std::string pair = std::string(bcfg.block_2d ? "1x128 x 128x128 " : "1x128 x 1x128 ") +
+                             (cluster == 2 ? "(clusters of 2) " : "");
     for (const S& s : {S{256, 384, 640}, S{128, 128, 576}, S{300, 200, 256}, S{40, 24, 48}, S{520, 1000, 2176},
                        S{384, 128, 1664}, S{64, 132, 256}}) {
       const std::string shape = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k);

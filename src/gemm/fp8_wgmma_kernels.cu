@@ -53,6 +53,7 @@ constexpr int kBlockM = 128;  // rows of A (and of C) per CTA: two consumer warp
 constexpr int kBlockK = 128;  // one scale block: 128 E4M3 values = one 128-byte swizzled row
 constexpr int kThreads = 384;
 constexpr int kGroupM = 8;    // tiles of M walked together (the CTAs of a wave share B tiles in L2)
+constexpr int kDefaultClusterM = 1;  // CTAs per cluster along M (Fp8BlockGemmShape::cluster_m = 0)
 
 template <int kHalves>
 struct Tiling {
@@ -108,6 +109,32 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
+// The same box, written into the same shared-memory offset of every CTA of the cluster in
+// `cta_mask`, each CTA's mbarrier at `bar`'s offset counting the bytes that reach it.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar,
+                                                      uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar)), "h"(cta_mask)
+      : "memory");
+}
+// Arrives on the mbarrier at `bar`'s offset in CTA `rank` of the cluster (this CTA included).
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_u32(bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster: arrive, then wait for all (release / acquire).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 template <uint32_t kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
@@ -119,22 +146,28 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 
 #endif  // FOURBIT_WGMMA_AVAILABLE
 
-// Tile (tm, tn) of CTA `index`: kGroupM row tiles at a time, column by column within the group.
-__device__ __forceinline__ void tile_of(int index, int tiles_m, int tiles_n, int& tm, int& tn) {
-  const int per_group = kGroupM * tiles_n;
-  const int group = index / per_group, first_m = group * kGroupM;
-  const int group_rows = min(tiles_m - first_m, kGroupM);
+// Tile (tm, tn) of `index`: group_m row tiles at a time, column by column within the group.
+__device__ __forceinline__ void tile_of(int index, int tiles_m, int tiles_n, int group_m, int& tm, int& tn) {
+  const int per_group = group_m * tiles_n;
+  const int group = index / per_group, first_m = group * group_m;
+  const int group_rows = min(tiles_m - first_m, group_m);
   const int in_group = index % per_group;
   tm = first_m + in_group % group_rows;
   tn = in_group / group_rows;
 }
 
-template <int kHalves, bool kB2d>
+// kCluster CTAs (1 or 2) along M form a cluster that shares the B tile: CTA r loads rows
+// [r, r + 1) * kBlockN / kCluster of it and multicasts them to every CTA of the cluster, so the
+// cluster reads B from L2 once instead of kCluster times (grid: kCluster * ceil(tiles_m / kCluster)
+// * tiles_n CTAs; a CTA whose rows are all beyond M still loads and multicasts its part of B).
+template <int kHalves, bool kB2d, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_block_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             Fp8BlockGemmParams p) {
 #if FOURBIT_WGMMA_AVAILABLE
   using T = Tiling<kHalves>;
+  static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs along M");
+  constexpr int kBRowsPerCta = T::kBlockN / kCluster;  // rows of the B tile this CTA loads (and multicasts)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* tiles = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   float* scales = reinterpret_cast<float*>(tiles + (size_t)T::kStages * T::kStageBytes);
@@ -143,8 +176,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int m = (int)p.m, n = (int)p.n;
   const int tiles_m = (m + kBlockM - 1) / kBlockM, tiles_n = (n + T::kBlockN - 1) / T::kBlockN;
+  const int rank = kCluster == 1 ? 0 : (int)cluster_rank();  // blockIdx.x % kCluster
   int tm, tn;
-  tile_of((int)blockIdx.x, tiles_m, tiles_n, tm, tn);
+  tile_of((int)blockIdx.x / kCluster, (tiles_m + kCluster - 1) / kCluster, tiles_n, kGroupM / kCluster, tm, tn);
+  tm = tm * kCluster + rank;
   const int m0 = tm * kBlockM, n0 = tn * T::kBlockN;
   const int blocks = (int)((p.k + kBlockK - 1) / kBlockK);
   const int warpgroup = (int)threadIdx.x / 128;
@@ -152,31 +187,47 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 256);  // every consumer thread releases
+      mbar_init(&empty[s], 8 * kCluster);  // one release per consumer warp of every CTA of the cluster
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (kCluster > 1) {
+    cluster_sync();  // the peers' barriers exist before anything is multicast or arrives on them
+  } else {
+    __syncthreads();
+  }
 
   if (warpgroup == 0) {  // producer
     setmaxnreg_dec<40>();
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
-      const uint32_t sa_bytes = 4u * (uint32_t)min(kBlockM, m - m0);
+      const uint32_t sa_bytes = 4u * (uint32_t)max(0, min(kBlockM, m - m0));
       const uint32_t sb_bytes = kB2d ? 0u : 4u * (uint32_t)min(T::kBlockN, n - n0);
       for (int kb = 0; kb < blocks; ++kb) {
         const int s = kb % T::kStages;
+        // Free when every consumer warp of the cluster has released it (this CTA's multicast
+        // writes into the peers' stage s as well).
         mbar_wait(&empty[s], ((uint32_t)(kb / T::kStages) & 1u) ^ 1u);
         uint8_t* stage = tiles + (size_t)s * T::kStageBytes;
         float* stage_scales = scales + s * T::kScaleFloats;
+        // The whole B tile reaches every CTA: its own part and the peers' multicasts, which may
+        // land before this expect_tx (the phase cannot complete before this arrival).
         mbar_expect_tx(&full[s], (uint32_t)T::kStageBytes + sa_bytes + sb_bytes);
         tma_load_2d(stage, &map_a, kb * kBlockK, m0, &full[s]);
-        tma_load_2d(stage + T::kABytes, &map_b, kb * kBlockK, n0, &full[s]);
-        bulk_load(stage_scales, p.scales_a + (int64_t)kb * m + m0, sa_bytes, &full[s]);
+        uint8_t* b_part = stage + T::kABytes + rank * kBRowsPerCta * kBlockK;
+        if constexpr (kCluster == 1) {
+          tma_load_2d(b_part, &map_b, kb * kBlockK, n0, &full[s]);
+        } else {
+          tma_load_2d_multicast(b_part, &map_b, kb * kBlockK, n0 + rank * kBRowsPerCta, &full[s],
+                                (uint16_t)((1u << kCluster) - 1u));
+        }
+        if (sa_bytes > 0) bulk_load(stage_scales, p.scales_a + (int64_t)kb * m + m0, sa_bytes, &full[s]);
         if constexpr (!kB2d) bulk_load(stage_scales + kBlockM, p.scales_b + (int64_t)kb * n + n0, sb_bytes, &full[s]);
       }
     }
+    __syncwarp();
+    if constexpr (kCluster > 1) cluster_sync();  // matches the consumers' final one
     return;
   }
 
@@ -242,7 +293,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    mbar_arrive(&empty[s]);  // this thread's reads of the stage (wgmma operands, scales) are done
+    // This warp's reads of the stage (wgmma operands, waited for above; scales) are done: one
+    // release per warp to the stage's empty barrier in every CTA of the cluster.
+    __syncwarp();
+    if (lane == 0) {
+      if constexpr (kCluster == 1) {
+        mbar_arrive(&empty[s]);
+      } else {
+#pragma unroll
+        for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty[s], (uint32_t)r);
+      }
+    }
   }
 
   // Epilogue: C = alpha * acc (+ beta * S).
@@ -267,49 +328,87 @@ __global__ void __launch_bounds__(kThreads, 1)
           static_cast<float*>(p.c)[at] = v;
         }
       }
+  __syncwarp();
+  // No CTA leaves while a peer may still arrive on its barriers (its last releases).
+  if constexpr (kCluster > 1) cluster_sync();
 #else
   (void)map_a, (void)map_b, (void)p;
   __trap();
 #endif
 }
 
-// FOURBIT_GEMM_FP8_BN=128 or 256 forces the tile width (A/B measurements); default: 256 when
-// N allows it.
-int tile_width_setting() {
-  static const int w = [] {
-    const char* v = std::getenv("FOURBIT_GEMM_FP8_BN");
-    return v != nullptr && *v != '\0' ? std::atoi(v) : 0;
-  }();
-  return w;
+// The tile shape in effect: set_fp8_block_gemm_shape's, else FOURBIT_GEMM_FP8_BN (128 | 256) and
+// FOURBIT_GEMM_FP8_CLUSTER (1 | 2) as read at the first launch, else the defaults (0 fields).
+std::mutex g_shape_mutex;
+bool g_shape_set = false;
+Fp8BlockGemmShape g_shape;
+
+Fp8BlockGemmShape shape_in_effect() {
+  std::lock_guard<std::mutex> lock(g_shape_mutex);
+  if (!g_shape_set) {
+    const auto env_int = [](const char* name) {
+      const char* v = std::getenv(name);
+      return v != nullptr && *v != '\0' ? std::atoi(v) : 0;
+    };
+    g_shape = {env_int("FOURBIT_GEMM_FP8_BN"), env_int("FOURBIT_GEMM_FP8_CLUSTER")};
+    g_shape_set = true;
+  }
+  return g_shape;
+}
+
+template <int kHalves, bool kB2d, int kCluster>
+void launch_tiled(const Fp8BlockGemmParams& p, cudaStream_t stream) {
+  using T = Tiling<kHalves>;
+  auto* kernel = fp8_block_gemm_kernel<kHalves, kB2d, kCluster>;
+  static std::once_flag attribute_once;
+  std::call_once(attribute_once, [kernel] {
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)T::kSmemBytes));
+  });
+  const CUtensorMap map_a = e4m3_tile_map(p.a, p.m, p.k, p.a_ld, kBlockK, kBlockM, "A");
+  const CUtensorMap map_b = e4m3_tile_map(p.b, p.n, p.k, p.b_ld, kBlockK, T::kBlockN / kCluster, "B");
+  const int64_t tiles_m = (p.m + kBlockM - 1) / kBlockM, tiles_n = (p.n + T::kBlockN - 1) / T::kBlockN;
+  const int64_t ctas = (tiles_m + kCluster - 1) / kCluster * kCluster * tiles_n;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((unsigned)ctas);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = T::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = (unsigned)kCluster;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, p));
 }
 
 template <int kHalves, bool kB2d>
-void launch_tiled(const Fp8BlockGemmParams& p, cudaStream_t stream) {
-  using T = Tiling<kHalves>;
-  static std::once_flag attribute_once;
-  std::call_once(attribute_once, [] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(fp8_block_gemm_kernel<kHalves, kB2d>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)T::kSmemBytes));
-  });
-  const CUtensorMap map_a = e4m3_tile_map(p.a, p.m, p.k, p.a_ld, kBlockK, kBlockM, "A");
-  const CUtensorMap map_b = e4m3_tile_map(p.b, p.n, p.k, p.b_ld, kBlockK, T::kBlockN, "B");
-  const int64_t tiles = ((p.m + kBlockM - 1) / kBlockM) * ((p.n + T::kBlockN - 1) / T::kBlockN);
-  fp8_block_gemm_kernel<kHalves, kB2d><<<dim3((unsigned)tiles), dim3(kThreads), T::kSmemBytes, stream>>>(map_a, map_b, p);
-  FOURBIT_CUDA_CHECK_LAUNCH();
+void launch_clustered(const Fp8BlockGemmParams& p, int cluster, cudaStream_t stream) {
+  if (cluster == 2) launch_tiled<kHalves, kB2d, 2>(p, stream);
+  else launch_tiled<kHalves, kB2d, 1>(p, stream);
 }
 
 }  // namespace
 
+void set_fp8_block_gemm_shape(const Fp8BlockGemmShape& shape) {
+  std::lock_guard<std::mutex> lock(g_shape_mutex);
+  g_shape = shape;
+  g_shape_set = true;
+}
+
 void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream) {
   if (p.m == 0 || p.n == 0) return;
-  const int setting = tile_width_setting();
-  const bool wide = setting == 256 || (setting != 128 && p.n > 128);
+  const Fp8BlockGemmShape shape = shape_in_effect();
+  const bool wide = shape.block_n == 256 || (shape.block_n != 128 && p.n > 128);
+  // One CTA along M needs no cluster.
+  const int cluster = shape.cluster_m == 1 || p.m <= kBlockM ? 1 : (shape.cluster_m == 2 ? 2 : kDefaultClusterM);
   if (p.b_2d) {
-    if (wide) launch_tiled<2, true>(p, stream);
-    else launch_tiled<1, true>(p, stream);
+    if (wide) launch_clustered<2, true>(p, cluster, stream);
+    else launch_clustered<1, true>(p, cluster, stream);
   } else {
-    if (wide) launch_tiled<2, false>(p, stream);
-    else launch_tiled<1, false>(p, stream);
+    if (wide) launch_clustered<2, false>(p, cluster, stream);
+    else launch_clustered<1, false>(p, cluster, stream);
   }
 }
 

@@ -44,4 +44,14 @@ struct Fp8BlockGemmParams {
 
 void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream);
 
+// The kernel's tile shape, for tests and A/B runs (0: the default). block_n: 128 or 256 columns
+// per CTA (default 256 when N > 128); cluster_m: 1 or 2 CTAs along M sharing each B tile by TMA
+// multicast. Process-wide; replaces FOURBIT_GEMM_FP8_BN / FOURBIT_GEMM_FP8_CLUSTER, which are read
+// at the first launch when this was never called.
+struct Fp8BlockGemmShape {
+  int block_n = 0;
+  int cluster_m = 0;
+};
+void set_fp8_block_gemm_shape(const Fp8BlockGemmShape& shape);
+
 }  // namespace fourbit::gemm::kernels
