@@ -282,7 +282,8 @@ TEST_F(GemmCuda, Fp8BlockScaled) {
 // B: shapes with row, column and K tails (zero-filled by TMA), both tile widths (N <= 128: 128;
 // else 256), more K blocks than pipeline stages, several CTAs, every epilogue, each without and
 // with 2-CTA clusters sharing B by multicast (odd row-tile counts leave a cluster's second CTA
-// wholly beyond M); the Wgrad orientation (column-wise copies) and Dgrad's (B = W column-wise,
+// wholly beyond M) and with a grid small enough that every CTA walks several tiles (the
+// persistent loop's stage and phase counting across tiles); the Wgrad orientation (column-wise copies) and Dgrad's (B = W column-wise,
 // 128x128); a scale block of zeros and an outlier row.
 TEST_F(GemmCuda, Fp8WgmmaBlockKernelMatchesTheReference) {
   if (!on_sm90()) GTEST_SKIP() << "wgmma-fp8-block runs on sm_90 only";
@@ -291,21 +292,25 @@ TEST_F(GemmCuda, Fp8WgmmaBlockKernelMatchesTheReference) {
   struct ResetShape {
     ~ResetShape() { kernels::set_fp8_block_gemm_shape({}); }
   } reset_shape;
-  const std::pair<int, quant::QuantConfig> variants[] = {{1, one_d}, {1, two_d}, {2, one_d}, {2, two_d}};
-  for (const auto& [cluster, bcfg] : variants) {
-    kernels::set_fp8_block_gemm_shape({0, cluster});
-    const std::string pair = std::string(bcfg.block_2d ? "1x128 x 128x128 " : "1x128 x 1x128 ") +
-                             (cluster == 2 ? "(clusters of 2) " : "");
-    for (const S& s : {S{256, 384, 640}, S{128, 128, 576}, S{300, 200, 256}, S{40, 24, 48}, S{520, 1000, 2176},
-                       S{384, 128, 1664}, S{64, 132, 256}}) {
-      const std::string shape = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k);
-      TestOperand a = quant_op("x", s.m, s.k, 7, one_d), b = quant_op("w", s.n, s.k, 8, bcfg);
-      for (const GemmCase& gc : epilogue_variants(Backend::kWgmmaFp8, kFp8AccumulationTolerance, Backend::kWgmmaFp8)) {
-        check_gemm(a, b, gc, "wgmma fp8 " + pair + shape);
+  // (cluster, grid): the default persistent grid (at least as many CTAs as these shapes have
+  // tiles on an H100/H200), and one of 3 or 4 CTAs, each then walking several tiles.
+  const std::pair<int, int> grids[] = {{1, 0}, {1, 3}, {2, 0}, {2, 4}};
+  for (const auto& [cluster, ctas] : grids) {
+    for (const quant::QuantConfig& bcfg : {one_d, two_d}) {
+      kernels::set_fp8_block_gemm_shape({0, cluster, ctas});
+      const std::string pair = std::string(bcfg.block_2d ? "1x128 x 128x128 " : "1x128 x 1x128 ") + "(cluster " +
+                               std::to_string(cluster) + ", " + (ctas > 0 ? std::to_string(ctas) + " CTAs" : "full grid") + ") ";
+      for (const S& s : {S{256, 384, 640}, S{128, 128, 576}, S{300, 200, 256}, S{40, 24, 48}, S{520, 1000, 2176},
+                         S{384, 128, 1664}, S{64, 132, 256}}) {
+        const std::string shape = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k);
+        TestOperand a = quant_op("x", s.m, s.k, 7, one_d), b = quant_op("w", s.n, s.k, 8, bcfg);
+        for (const GemmCase& gc : epilogue_variants(Backend::kWgmmaFp8, kFp8AccumulationTolerance, Backend::kWgmmaFp8)) {
+          check_gemm(a, b, gc, "wgmma fp8 " + pair + shape);
+        }
+        TestOperand dy = quant_op("dy", s.m, s.k, 9, one_d, Copy::kColwise), x = quant_op("x", s.n, s.k, 10, bcfg, Copy::kColwise);
+        check_gemm(dy, x, forced_to(Backend::kWgmmaFp8, {1.0f, 1.0f, DType::kF32, kFp8AccumulationTolerance}),
+                   "wgmma fp8 " + pair + "(column-wise copies) " + shape);
       }
-      TestOperand dy = quant_op("dy", s.m, s.k, 9, one_d, Copy::kColwise), x = quant_op("x", s.n, s.k, 10, bcfg, Copy::kColwise);
-      check_gemm(dy, x, forced_to(Backend::kWgmmaFp8, {1.0f, 1.0f, DType::kF32, kFp8AccumulationTolerance}),
-                 "wgmma fp8 " + pair + "(column-wise copies) " + shape);
     }
   }
   {  // A source with an all-zero scale block and one row a million times larger than the rest.

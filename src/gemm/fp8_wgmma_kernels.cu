@@ -37,12 +37,14 @@
 #include "gemm/fp8_wgmma_kernels.h"
 
 #include "core/error.h"
+#include "core/sm_count.h"
 #include "core/wgmma.cuh"
 #include "gemm/tensor_map.h"
 
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 
@@ -176,11 +178,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int m = (int)p.m, n = (int)p.n;
   const int tiles_m = (m + kBlockM - 1) / kBlockM, tiles_n = (n + T::kBlockN - 1) / T::kBlockN;
+  const int cluster_rows = (tiles_m + kCluster - 1) / kCluster;  // row tiles of kCluster * kBlockM rows
+  const int cluster_tiles = cluster_rows * tiles_n;
   const int rank = kCluster == 1 ? 0 : (int)cluster_rank();  // blockIdx.x % kCluster
-  int tm, tn;
-  tile_of((int)blockIdx.x / kCluster, (tiles_m + kCluster - 1) / kCluster, tiles_n, kGroupM / kCluster, tm, tn);
-  tm = tm * kCluster + rank;
-  const int m0 = tm * kBlockM, n0 = tn * T::kBlockN;
+  // Persistent: the cluster walks the cluster tiles first, first + stride, ...; both CTAs of a
+  // cluster take the same ones (same columns: the shared B tile), rows rank apart.
+  const int first_tile = (int)blockIdx.x / kCluster, tile_stride = (int)gridDim.x / kCluster;
+  const auto tile_origin = [&](int t, int& m0, int& n0) {
+    int tm, tn;
+    tile_of(t, cluster_rows, tiles_n, kGroupM / kCluster, tm, tn);
+    m0 = (tm * kCluster + rank) * kBlockM;
+    n0 = tn * T::kBlockN;
+  };
   const int blocks = (int)((p.k + kBlockK - 1) / kBlockK);
   const int warpgroup = (int)threadIdx.x / 128;
 
@@ -197,33 +206,41 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
   }
 
+  // Both roles count the K blocks they have passed over all tiles (`it`): stage it % kStages,
+  // phase (it / kStages) & 1. The producer runs up to kStages blocks ahead, into the next tile
+  // while the consumers write this one's epilogue.
   if (warpgroup == 0) {  // producer
     setmaxnreg_dec<40>();
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
-      const uint32_t sa_bytes = 4u * (uint32_t)max(0, min(kBlockM, m - m0));
-      const uint32_t sb_bytes = kB2d ? 0u : 4u * (uint32_t)min(T::kBlockN, n - n0);
-      for (int kb = 0; kb < blocks; ++kb) {
-        const int s = kb % T::kStages;
-        // Free when every consumer warp of the cluster has released it (this CTA's multicast
-        // writes into the peers' stage s as well).
-        mbar_wait(&empty[s], ((uint32_t)(kb / T::kStages) & 1u) ^ 1u);
-        uint8_t* stage = tiles + (size_t)s * T::kStageBytes;
-        float* stage_scales = scales + s * T::kScaleFloats;
-        // The whole B tile reaches every CTA: its own part and the peers' multicasts, which may
-        // land before this expect_tx (the phase cannot complete before this arrival).
-        mbar_expect_tx(&full[s], (uint32_t)T::kStageBytes + sa_bytes + sb_bytes);
-        tma_load_2d(stage, &map_a, kb * kBlockK, m0, &full[s]);
-        uint8_t* b_part = stage + T::kABytes + rank * kBRowsPerCta * kBlockK;
-        if constexpr (kCluster == 1) {
-          tma_load_2d(b_part, &map_b, kb * kBlockK, n0, &full[s]);
-        } else {
-          tma_load_2d_multicast(b_part, &map_b, kb * kBlockK, n0 + rank * kBRowsPerCta, &full[s],
-                                (uint16_t)((1u << kCluster) - 1u));
+      int it = 0;
+      for (int t = first_tile; t < cluster_tiles; t += tile_stride) {
+        int m0, n0;
+        tile_origin(t, m0, n0);
+        const uint32_t sa_bytes = 4u * (uint32_t)max(0, min(kBlockM, m - m0));
+        const uint32_t sb_bytes = kB2d ? 0u : 4u * (uint32_t)min(T::kBlockN, n - n0);
+        for (int kb = 0; kb < blocks; ++kb, ++it) {
+          const int s = it % T::kStages;
+          // Free when every consumer warp of the cluster has released it (this CTA's multicast
+          // writes into the peers' stage s as well).
+          mbar_wait(&empty[s], ((uint32_t)(it / T::kStages) & 1u) ^ 1u);
+          uint8_t* stage = tiles + (size_t)s * T::kStageBytes;
+          float* stage_scales = scales + s * T::kScaleFloats;
+          // The whole B tile reaches every CTA: its own part and the peers' multicasts, which may
+          // land before this expect_tx (the phase cannot complete before this arrival).
+          mbar_expect_tx(&full[s], (uint32_t)T::kStageBytes + sa_bytes + sb_bytes);
+          tma_load_2d(stage, &map_a, kb * kBlockK, m0, &full[s]);
+          uint8_t* b_part = stage + T::kABytes + rank * kBRowsPerCta * kBlockK;
+          if constexpr (kCluster == 1) {
+            tma_load_2d(b_part, &map_b, kb * kBlockK, n0, &full[s]);
+          } else {
+            tma_load_2d_multicast(b_part, &map_b, kb * kBlockK, n0 + rank * kBRowsPerCta, &full[s],
+                                  (uint16_t)((1u << kCluster) - 1u));
+          }
+          if (sa_bytes > 0) bulk_load(stage_scales, p.scales_a + (int64_t)kb * m + m0, sa_bytes, &full[s]);
+          if constexpr (!kB2d) bulk_load(stage_scales + kBlockM, p.scales_b + (int64_t)kb * n + n0, sb_bytes, &full[s]);
         }
-        if (sa_bytes > 0) bulk_load(stage_scales, p.scales_a + (int64_t)kb * m + m0, sa_bytes, &full[s]);
-        if constexpr (!kB2d) bulk_load(stage_scales + kBlockM, p.scales_b + (int64_t)kb * n + n0, sb_bytes, &full[s]);
       }
     }
     __syncwarp();
@@ -236,98 +253,135 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = ((int)threadIdx.x / 32) % 4, lane = (int)threadIdx.x % 32;
   const int row_in_tile = consumer * 64 + warp * 16 + lane / 4;  // and row_in_tile + 8
   const int col_in_half = 2 * (lane % 4);                        // + 8 j (+ 1)
-
-  float acc[kHalves][16][4];
-#pragma unroll
-  for (int h = 0; h < kHalves; ++h)
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[h][j][e] = 0.0f;
-  float part[16][4];
-
-  for (int kb = 0; kb < blocks; ++kb) {
-    const int s = kb % T::kStages;
-    // 128x128 B: one scale per 128-column half and K block, from global memory (L2), loaded before
-    // the wait so that its latency hides behind it; a half wholly beyond N gets 0.
-    float half_scale[kHalves];
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
-      half_scale[h] = kB2d && n0 + h * 128 < n ? __ldg(p.scales_b + (int64_t)(n0 / 128 + h) * p.scales_b_ld + kb) : 0.0f;
-    }
-    mbar_wait(&full[s], (uint32_t)(kb / T::kStages) & 1u);
-    const uint8_t* stage = tiles + (size_t)s * T::kStageBytes;
-    const float* sa = scales + s * T::kScaleFloats;
-    const float* sb = sa + kBlockM;
-    const uint32_t a_tile = smem_u32(stage) + (uint32_t)(consumer * 64 * 128);
-    const uint32_t b_tile = smem_u32(stage + T::kABytes);
-    const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
-      wgmma::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        wgmma::mma_ss_e4m3_n128(part, wgmma::k_major<64>(a_tile, kk),
-                                wgmma::k_major<128>(b_tile + (uint32_t)(h * 128 * 128), kk), kk > 0);
-      }
-      wgmma::wgmma_commit();
-      wgmma::wgmma_wait<0>();
-      wgmma::registers_fence(part);
-      if constexpr (kB2d) {
-        const float s0 = sa0 * half_scale[h], s1 = sa1 * half_scale[h];
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          acc[h][j][0] = fmaf(part[j][0], s0, acc[h][j][0]);
-          acc[h][j][1] = fmaf(part[j][1], s0, acc[h][j][1]);
-          acc[h][j][2] = fmaf(part[j][2], s1, acc[h][j][2]);
-          acc[h][j][3] = fmaf(part[j][3], s1, acc[h][j][3]);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const float2 b = *reinterpret_cast<const float2*>(sb + h * 128 + 8 * j + col_in_half);
-          acc[h][j][0] = fmaf(part[j][0], sa0 * b.x, acc[h][j][0]);
-          acc[h][j][1] = fmaf(part[j][1], sa0 * b.y, acc[h][j][1]);
-          acc[h][j][2] = fmaf(part[j][2], sa1 * b.x, acc[h][j][2]);
-          acc[h][j][3] = fmaf(part[j][3], sa1 * b.y, acc[h][j][3]);
-        }
-      }
-    }
-    // This warp's reads of the stage (wgmma operands, waited for above; scales) are done: one
-    // release per warp to the stage's empty barrier in every CTA of the cluster.
-    __syncwarp();
-    if (lane == 0) {
-      if constexpr (kCluster == 1) {
-        mbar_arrive(&empty[s]);
-      } else {
-#pragma unroll
-        for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty[s], (uint32_t)r);
-      }
-    }
-  }
-
-  // Epilogue: C = alpha * acc (+ beta * S).
   const bool read_source = p.beta != 0.0f;
   const void* source = p.c_source != nullptr ? p.c_source : p.c;
+  // Column pairs (col even; N is a multiple of 4) go out as one 8-byte (f32) or 4-byte (bf16)
+  // store where C's and S's rows keep that alignment.
+  const uintptr_t pair_bytes = p.c_bf16 ? 4 : 8;
+  const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(p.c) % pair_bytes == 0 &&
+                     (!read_source || reinterpret_cast<uintptr_t>(source) % pair_bytes == 0);
+
+  float acc[kHalves][16][4];
+  float part[16][4];
+  int it = 0;
+  for (int t = first_tile; t < cluster_tiles; t += tile_stride) {
+    int m0, n0;
+    tile_origin(t, m0, n0);
 #pragma unroll
-  for (int h = 0; h < kHalves; ++h)
+    for (int h = 0; h < kHalves; ++h)
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+      for (int j = 0; j < 16; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = m0 + row_in_tile + 8 * (e >> 1);
-        const int col = n0 + h * 128 + 8 * j + col_in_half + (e & 1);
-        if (row >= m || col >= n) continue;
-        const int64_t at = (int64_t)row * p.ldc + col;
-        float v = p.alpha * acc[h][j][e];
-        if (p.c_bf16) {
-          if (read_source) v = fmaf(p.beta, __bfloat162float(static_cast<const __nv_bfloat16*>(source)[at]), v);
-          static_cast<__nv_bfloat16*>(p.c)[at] = __float2bfloat16_rn(v);
+        for (int e = 0; e < 4; ++e) acc[h][j][e] = 0.0f;
+
+    for (int kb = 0; kb < blocks; ++kb, ++it) {
+      const int s = it % T::kStages;
+      // 128x128 B: one scale per 128-column half and K block, from global memory (L2), loaded
+      // before the wait so that its latency hides behind it; a half wholly beyond N gets 0.
+      float half_scale[kHalves];
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        half_scale[h] =
+            kB2d && n0 + h * 128 < n ? __ldg(p.scales_b + (int64_t)(n0 / 128 + h) * p.scales_b_ld + kb) : 0.0f;
+      }
+      mbar_wait(&full[s], (uint32_t)(it / T::kStages) & 1u);
+      const uint8_t* stage = tiles + (size_t)s * T::kStageBytes;
+      const float* sa = scales + s * T::kScaleFloats;
+      const float* sb = sa + kBlockM;
+      const uint32_t a_tile = smem_u32(stage) + (uint32_t)(consumer * 64 * 128);
+      const uint32_t b_tile = smem_u32(stage + T::kABytes);
+      const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        wgmma::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma::mma_ss_e4m3_n128(part, wgmma::k_major<64>(a_tile, kk),
+                                  wgmma::k_major<128>(b_tile + (uint32_t)(h * 128 * 128), kk), kk > 0);
+        }
+        wgmma::wgmma_commit();
+        wgmma::wgmma_wait<0>();
+        wgmma::registers_fence(part);
+        if constexpr (kB2d) {
+          const float s0 = sa0 * half_scale[h], s1 = sa1 * half_scale[h];
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            acc[h][j][0] = fmaf(part[j][0], s0, acc[h][j][0]);
+            acc[h][j][1] = fmaf(part[j][1], s0, acc[h][j][1]);
+            acc[h][j][2] = fmaf(part[j][2], s1, acc[h][j][2]);
+            acc[h][j][3] = fmaf(part[j][3], s1, acc[h][j][3]);
+          }
         } else {
-          if (read_source) v = fmaf(p.beta, static_cast<const float*>(source)[at], v);
-          static_cast<float*>(p.c)[at] = v;
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const float2 b = *reinterpret_cast<const float2*>(sb + h * 128 + 8 * j + col_in_half);
+            acc[h][j][0] = fmaf(part[j][0], sa0 * b.x, acc[h][j][0]);
+            acc[h][j][1] = fmaf(part[j][1], sa0 * b.y, acc[h][j][1]);
+            acc[h][j][2] = fmaf(part[j][2], sa1 * b.x, acc[h][j][2]);
+            acc[h][j][3] = fmaf(part[j][3], sa1 * b.y, acc[h][j][3]);
+          }
         }
       }
+      // This warp's reads of the stage (wgmma operands, waited for above; scales) are done: one
+      // release per warp to the stage's empty barrier in every CTA of the cluster.
+      __syncwarp();
+      if (lane == 0) {
+        if constexpr (kCluster == 1) {
+          mbar_arrive(&empty[s]);
+        } else {
+#pragma unroll
+          for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty[s], (uint32_t)r);
+        }
+      }
+    }
+
+    // Epilogue: C = alpha * acc (+ beta * S), while the producer already loads the next tile.
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = m0 + row_in_tile + 8 * r;
+          const int col = n0 + h * 128 + 8 * j + col_in_half;
+          if (row >= m || col >= n) continue;
+          const int64_t at = (int64_t)row * p.ldc + col;
+          float v0 = p.alpha * acc[h][j][2 * r], v1 = p.alpha * acc[h][j][2 * r + 1];
+          if (p.c_bf16) {
+            const auto* src = static_cast<const __nv_bfloat16*>(source);
+            auto* out = static_cast<__nv_bfloat16*>(p.c);
+            if (pairs) {
+              if (read_source) {
+                const float2 sv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + at));
+                v0 = fmaf(p.beta, sv.x, v0);
+                v1 = fmaf(p.beta, sv.y, v1);
+              }
+              *reinterpret_cast<__nv_bfloat162*>(out + at) = __floats2bfloat162_rn(v0, v1);
+            } else {
+              if (read_source) v0 = fmaf(p.beta, __bfloat162float(src[at]), v0);
+              if (read_source) v1 = fmaf(p.beta, __bfloat162float(src[at + 1]), v1);
+              out[at] = __float2bfloat16_rn(v0);
+              out[at + 1] = __float2bfloat16_rn(v1);
+            }
+          } else {
+            const auto* src = static_cast<const float*>(source);
+            auto* out = static_cast<float*>(p.c);
+            if (pairs) {
+              if (read_source) {
+                const float2 sv = *reinterpret_cast<const float2*>(src + at);
+                v0 = fmaf(p.beta, sv.x, v0);
+                v1 = fmaf(p.beta, sv.y, v1);
+              }
+              *reinterpret_cast<float2*>(out + at) = make_float2(v0, v1);
+            } else {
+              if (read_source) v0 = fmaf(p.beta, src[at], v0);
+              if (read_source) v1 = fmaf(p.beta, src[at + 1], v1);
+              out[at] = v0;
+              out[at + 1] = v1;
+            }
+          }
+        }
+  }
   __syncwarp();
   // No CTA leaves while a peer may still arrive on its barriers (its last releases).
   if constexpr (kCluster > 1) cluster_sync();
@@ -337,8 +391,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// The tile shape in effect: set_fp8_block_gemm_shape's, else FOURBIT_GEMM_FP8_BN (128 | 256) and
-// FOURBIT_GEMM_FP8_CLUSTER (1 | 2) as read at the first launch, else the defaults (0 fields).
+// The tile shape in effect: set_fp8_block_gemm_shape's, else FOURBIT_GEMM_FP8_BN (128 | 256),
+// FOURBIT_GEMM_FP8_CLUSTER (1 | 2) and FOURBIT_GEMM_FP8_CTAS (-1 | n) as read at the first launch,
+// else the defaults (0 fields).
 std::mutex g_shape_mutex;
 bool g_shape_set = false;
 Fp8BlockGemmShape g_shape;
@@ -350,26 +405,17 @@ Fp8BlockGemmShape shape_in_effect() {
       const char* v = std::getenv(name);
       return v != nullptr && *v != '\0' ? std::atoi(v) : 0;
     };
-    g_shape = {env_int("FOURBIT_GEMM_FP8_BN"), env_int("FOURBIT_GEMM_FP8_CLUSTER")};
+    g_shape = {env_int("FOURBIT_GEMM_FP8_BN"), env_int("FOURBIT_GEMM_FP8_CLUSTER"), env_int("FOURBIT_GEMM_FP8_CTAS")};
     g_shape_set = true;
   }
   return g_shape;
 }
 
 template <int kHalves, bool kB2d, int kCluster>
-void launch_tiled(const Fp8BlockGemmParams& p, cudaStream_t stream) {
+void launch_tiled(const Fp8BlockGemmParams& p, int ctas_setting, cudaStream_t stream) {
   using T = Tiling<kHalves>;
   auto* kernel = fp8_block_gemm_kernel<kHalves, kB2d, kCluster>;
-  static std::once_flag attribute_once;
-  std::call_once(attribute_once, [kernel] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)T::kSmemBytes));
-  });
-  const CUtensorMap map_a = e4m3_tile_map(p.a, p.m, p.k, p.a_ld, kBlockK, kBlockM, "A");
-  const CUtensorMap map_b = e4m3_tile_map(p.b, p.n, p.k, p.b_ld, kBlockK, T::kBlockN / kCluster, "B");
-  const int64_t tiles_m = (p.m + kBlockM - 1) / kBlockM, tiles_n = (p.n + T::kBlockN - 1) / T::kBlockN;
-  const int64_t ctas = (tiles_m + kCluster - 1) / kCluster * kCluster * tiles_n;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((unsigned)ctas);
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = T::kSmemBytes;
   config.stream = stream;
@@ -380,13 +426,34 @@ void launch_tiled(const Fp8BlockGemmParams& p, cudaStream_t stream) {
   attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
+  // The persistent grid: as many CTAs as can be resident at once (one an SM; fewer where the
+  // GPCs' SM counts leave some SMs outside any cluster).
+  static std::once_flag once;
+  static int resident_ctas = 0;
+  std::call_once(once, [&] {
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)T::kSmemBytes));
+    int clusters = 0;
+    config.gridDim = dim3((unsigned)(kCluster * current_device_sm_count()));
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters <= 0) {
+      (void)cudaGetLastError();
+      clusters = current_device_sm_count() / kCluster;
+    }
+    resident_ctas = clusters * kCluster;
+  });
+  const CUtensorMap map_a = e4m3_tile_map(p.a, p.m, p.k, p.a_ld, kBlockK, kBlockM, "A");
+  const CUtensorMap map_b = e4m3_tile_map(p.b, p.n, p.k, p.b_ld, kBlockK, T::kBlockN / kCluster, "B");
+  const int64_t tiles_m = (p.m + kBlockM - 1) / kBlockM, tiles_n = (p.n + T::kBlockN - 1) / T::kBlockN;
+  const int64_t all_ctas = (tiles_m + kCluster - 1) / kCluster * kCluster * tiles_n;  // one per tile
+  int64_t ctas = ctas_setting < 0 ? all_ctas : ctas_setting > 0 ? ctas_setting : resident_ctas;
+  ctas = std::max<int64_t>(kCluster, std::min(all_ctas, ctas / kCluster * kCluster));
+  config.gridDim = dim3((unsigned)ctas);
   FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, p));
 }
 
 template <int kHalves, bool kB2d>
-void launch_clustered(const Fp8BlockGemmParams& p, int cluster, cudaStream_t stream) {
-  if (cluster == 2) launch_tiled<kHalves, kB2d, 2>(p, stream);
-  else launch_tiled<kHalves, kB2d, 1>(p, stream);
+void launch_clustered(const Fp8BlockGemmParams& p, int cluster, int ctas, cudaStream_t stream) {
+  if (cluster == 2) launch_tiled<kHalves, kB2d, 2>(p, ctas, stream);
+  else launch_tiled<kHalves, kB2d, 1>(p, ctas, stream);
 }
 
 }  // namespace
@@ -404,11 +471,11 @@ void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream) {
   // One CTA along M needs no cluster.
   const int cluster = shape.cluster_m == 1 || p.m <= kBlockM ? 1 : (shape.cluster_m == 2 ? 2 : kDefaultClusterM);
   if (p.b_2d) {
-    if (wide) launch_clustered<2, true>(p, cluster, stream);
-    else launch_clustered<1, true>(p, cluster, stream);
+    if (wide) launch_clustered<2, true>(p, cluster, shape.ctas, stream);
+    else launch_clustered<1, true>(p, cluster, shape.ctas, stream);
   } else {
-    if (wide) launch_clustered<2, false>(p, cluster, stream);
-    else launch_clustered<1, false>(p, cluster, stream);
+    if (wide) launch_clustered<2, false>(p, cluster, shape.ctas, stream);
+    else launch_clustered<1, false>(p, cluster, shape.ctas, stream);
   }
 }
 

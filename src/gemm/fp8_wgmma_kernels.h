@@ -44,13 +44,17 @@ struct Fp8BlockGemmParams {
 
 void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream);
 
-// The kernel's tile shape, for tests and A/B runs (0: the default). block_n: 128 or 256 columns
-// per CTA (default 256 when N > 128); cluster_m: 1 or 2 CTAs along M sharing each B tile by TMA
-// multicast. Process-wide; replaces FOURBIT_GEMM_FP8_BN / FOURBIT_GEMM_FP8_CLUSTER, which are read
-// at the first launch when this was never called.
+// The kernel's tile shape and grid, for tests and A/B runs (0: the default). block_n: 128 or 256
+// columns per CTA (default 256 when N > 128); cluster_m: 1 or 2 CTAs along M sharing each B tile
+// by TMA multicast; ctas: the persistent grid's size (default: as many CTAs as can be resident,
+// each walking tiles first, first + grid, ...; -1: one CTA per tile; n > 0: at most n, which the
+// tests use to make every CTA take several tiles). Process-wide; replaces FOURBIT_GEMM_FP8_BN,
+// FOURBIT_GEMM_FP8_CLUSTER and FOURBIT_GEMM_FP8_CTAS, which are read at the first launch when this
+// was never called.
 struct Fp8BlockGemmShape {
   int block_n = 0;
   int cluster_m = 0;
+  int ctas = 0;
 };
 void set_fp8_block_gemm_shape(const Fp8BlockGemmShape& shape);
 
