@@ -7,20 +7,27 @@
 // FLOPs under the fp8 recipe.
 //
 // Structure (the warp-specialized design of DeepGEMM and CUTLASS's sm90 kernels, written from the
-// PTX ISA): one CTA per 128 x kBlockN tile of C (kBlockN = 128 or 256), 384 threads.
+// PTX ISA): 128 x kBlockN tiles of C (kBlockN = 128 or 256), 384 threads a CTA, a persistent grid
+// (as many CTAs as can be resident; each walks tiles first, first + grid, ... in groups of row
+// tiles that share B tiles in L2), optionally clusters of 2 CTAs along M that share each B tile
+// by TMA multicast (half of it loaded by each).
 //   - Warpgroup 0 is the producer: one thread streams the K blocks (128 values each) of the A and B
 //     tiles into a ring of kStages shared-memory stages with TMA (128-byte swizzle, out-of-range
 //     rows and K columns filled with zeros), and the 1x128 scale rows of that block (sa for the
 //     tile's 128 rows, sb for its kBlockN columns; a 128x128 B's scales are read from global
 //     memory by the consumers instead, one per half) with bulk copies; an mbarrier per stage counts
-//     the bytes ("full"), another counts the consumers' releases ("empty").
+//     the bytes ("full"), another the consumer warps' releases ("empty").
 //   - Warpgroups 1 and 2 are the consumers: each owns 64 rows of the tile. Per K block and per
 //     128-column half it issues four m64n128k32 E4M3 wgmmas into a partial-sum register tile
 //     (FP32, restarted each block), waits, and promotes: acc += part * (sa[row] * sb[col]) (128x128
-//     B: sb of the half). The two
-//     consumers are not synchronized with each other, so one promotes while the other's wgmmas run.
-//   - Epilogue: C = alpha * acc (+ beta * S) straight from registers, rows and columns checked
-//     against M and N.
+//     B: sb of the half). The two consumers are not synchronized with each other, so one promotes
+//     while the other's wgmmas run.
+//   - Epilogue: C = alpha * acc (+ beta * S) straight from registers (column pairs as one store),
+//     rows and columns checked against M and N, while the producer already loads the next tile.
+//   - Stages and phases run on over tiles (a count of K blocks passed); with clusters each stage's
+//     empty barrier counts one release per consumer warp of both CTAs (either CTA's multicast
+//     writes into both), and cluster barriers at the start (barriers initialized) and the end (no
+//     CTA leaves while its peer may still arrive on its barriers) bracket the kernel.
 // Registers: the producer gives its registers up (setmaxnreg 40), the consumers take 232 each
 // (40 + 2 * 232 = 3 * 168, the launch bound's share), enough for kBlockN = 256 (128 accumulators,
 // 64 partial sums).
@@ -160,8 +167,8 @@ __device__ __forceinline__ void tile_of(int index, int tiles_m, int tiles_n, int
 
 // kCluster CTAs (1 or 2) along M form a cluster that shares the B tile: CTA r loads rows
 // [r, r + 1) * kBlockN / kCluster of it and multicasts them to every CTA of the cluster, so the
-// cluster reads B from L2 once instead of kCluster times (grid: kCluster * ceil(tiles_m / kCluster)
-// * tiles_n CTAs; a CTA whose rows are all beyond M still loads and multicasts its part of B).
+// cluster reads B from L2 once instead of kCluster times (cluster tiles: ceil(tiles_m / kCluster)
+// * tiles_n; a CTA whose rows are all beyond M still loads and multicasts its part of B).
 template <int kHalves, bool kB2d, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_block_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
