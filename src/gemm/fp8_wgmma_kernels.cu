@@ -58,29 +58,19 @@
 namespace fourbit::gemm::kernels {
 namespace {
 
+constexpr int kBlockM = 128;  // rows of A (and of C) per CTA: two consumer warpgroups of 64
 constexpr int kBlockK = 128;  // one scale block: 128 E4M3 values = one 128-byte swizzled row
+constexpr int kThreads = 384;
 constexpr int kGroupM = 8;    // tiles of M walked together (the CTAs of a wave share B tiles in L2)
 constexpr int kDefaultClusterM = 1;  // CTAs per cluster along M (Fp8BlockGemmShape::cluster_m = 0)
 
-// kConsumers consumer warpgroups of 64 rows each (2: 128-row tiles; 3: 192-row tiles, so that
-// two other warpgroups' products cover one warpgroup's wait and promotion), kHalves 128-column
-// halves (3 consumers: 1 only, for registers).
-template <int kConsumers, int kHalves>
+template <int kHalves>
 struct Tiling {
-  static_assert((kConsumers == 2 && (kHalves == 1 || kHalves == 2)) || (kConsumers == 3 && kHalves == 1),
-                "tiles of 128 x 128, 128 x 256 or 192 x 128");
-  static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = 128 * kHalves;
-  static constexpr int kThreads = 128 * (kConsumers + 1);
-  // Registers after setmaxnreg: the producer's few and the consumers' share of the rest of the
-  // 64K (the launch gives each thread 65536 / kThreads: 168 or 128).
-  static constexpr uint32_t kProducerRegs = kConsumers == 2 ? 40 : 24;
-  static constexpr uint32_t kConsumerRegs = kConsumers == 2 ? 232 : 160;
-  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
+  static constexpr int kStages = kHalves == 1 ? 6 : 4;
   static constexpr int kABytes = kBlockM * kBlockK;
   static constexpr int kBBytes = kBlockN * kBlockK;
   static constexpr int kStageBytes = kABytes + kBBytes;   // 1024-byte multiple: tiles stay aligned
-  static constexpr int kStages = (200 * 1024) / kStageBytes < 6 ? (200 * 1024) / kStageBytes : 6;  // 4, 5 or 6
   static constexpr int kScaleFloats = kBlockM + kBlockN;  // sa then sb, per stage
   static constexpr size_t kSmemBytes =
       1024 + (size_t)kStages * kStageBytes + (size_t)kStages * kScaleFloats * 4 + 2 * kStages * 8;
@@ -182,13 +172,12 @@ __device__ __forceinline__ void tile_of(int index, int tiles_m, int tiles_n, int
 // [r, r + 1) * kBlockN / kCluster of it and multicasts them to every CTA of the cluster, so the
 // cluster reads B from L2 once instead of kCluster times (cluster tiles: ceil(tiles_m / kCluster)
 // * tiles_n; a CTA whose rows are all beyond M still loads and multicasts its part of B).
-template <int kConsumers, int kHalves, bool kB2d, int kCluster>
-__global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
+template <int kHalves, bool kB2d, int kCluster>
+__global__ void __launch_bounds__(kThreads, 1)
     fp8_block_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             Fp8BlockGemmParams p) {
 #if FOURBIT_WGMMA_AVAILABLE
-  using T = Tiling<kConsumers, kHalves>;
-  constexpr int kBlockM = T::kBlockM;
+  using T = Tiling<kHalves>;
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs along M");
   constexpr int kBRowsPerCta = T::kBlockN / kCluster;  // rows of the B tile this CTA loads (and multicasts)
   extern __shared__ uint8_t smem_raw[];
@@ -217,7 +206,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 4 * kConsumers * kCluster);  // one release per consumer warp of every CTA of the cluster
+      mbar_init(&empty[s], 8 * kCluster);  // one release per consumer warp of every CTA of the cluster
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -231,7 +220,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
   // phase (it / kStages) & 1. The producer runs up to kStages blocks ahead, into the next tile
   // while the consumers write this one's epilogue.
   if (warpgroup == 0) {  // producer
-    setmaxnreg_dec<T::kProducerRegs>();
+    setmaxnreg_dec<40>();
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
@@ -269,11 +258,18 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
     return;
   }
 
-  setmaxnreg_inc<T::kConsumerRegs>();
+  setmaxnreg_inc<232>();
   const int consumer = warpgroup - 1;  // rows 64 consumer .. of the tile
   const int warp = ((int)threadIdx.x / 32) % 4, lane = (int)threadIdx.x % 32;
   const int row_in_tile = consumer * 64 + warp * 16 + lane / 4;  // and row_in_tile + 8
   const int col_in_half = 2 * (lane % 4);                        // + 8 j (+ 1)
+  const bool read_source = p.beta != 0.0f;
+  const void* source = p.c_source != nullptr ? p.c_source : p.c;
+  // Column pairs (col even; N is a multiple of 4) go out as one 8-byte (f32) or 4-byte (bf16)
+  // store where C's and S's rows keep that alignment.
+  const uintptr_t pair_bytes = p.c_bf16 ? 4 : 8;
+  const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(p.c) % pair_bytes == 0 &&
+                     (!read_source || reinterpret_cast<uintptr_t>(source) % pair_bytes == 0);
 
   float acc[kHalves][16][4];
   float part[16][4];
@@ -350,14 +346,6 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
     }
 
     // Epilogue: C = alpha * acc (+ beta * S), while the producer already loads the next tile.
-    // (Its settings are derived here, from the parameters, so that they hold no registers through
-    // the K loop.) Column pairs (col even; N is a multiple of 4) go out as one 8-byte (f32) or
-    // 4-byte (bf16) store where C's and S's rows keep that alignment.
-    const bool read_source = p.beta != 0.0f;
-    const void* source = p.c_source != nullptr ? p.c_source : p.c;
-    const uintptr_t pair_bytes = p.c_bf16 ? 4 : 8;
-    const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(p.c) % pair_bytes == 0 &&
-                       (!read_source || reinterpret_cast<uintptr_t>(source) % pair_bytes == 0);
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
@@ -414,8 +402,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
 }
 
 // The tile shape in effect: set_fp8_block_gemm_shape's, else FOURBIT_GEMM_FP8_BN (128 | 256),
-// FOURBIT_GEMM_FP8_CLUSTER (1 | 2), FOURBIT_GEMM_FP8_CTAS (-1 | n) and FOURBIT_GEMM_FP8_BM (128 |
-// 192) as read at the first launch, else the defaults (0 fields).
+// FOURBIT_GEMM_FP8_CLUSTER (1 | 2) and FOURBIT_GEMM_FP8_CTAS (-1 | n) as read at the first launch,
+// else the defaults (0 fields).
 std::mutex g_shape_mutex;
 bool g_shape_set = false;
 Fp8BlockGemmShape g_shape;
@@ -427,19 +415,18 @@ Fp8BlockGemmShape shape_in_effect() {
       const char* v = std::getenv(name);
       return v != nullptr && *v != '\0' ? std::atoi(v) : 0;
     };
-    g_shape = {env_int("FOURBIT_GEMM_FP8_BN"), env_int("FOURBIT_GEMM_FP8_CLUSTER"), env_int("FOURBIT_GEMM_FP8_CTAS"),
-               env_int("FOURBIT_GEMM_FP8_BM")};
+    g_shape = {env_int("FOURBIT_GEMM_FP8_BN"), env_int("FOURBIT_GEMM_FP8_CLUSTER"), env_int("FOURBIT_GEMM_FP8_CTAS")};
     g_shape_set = true;
   }
   return g_shape;
 }
 
-template <int kConsumers, int kHalves, bool kB2d, int kCluster>
+template <int kHalves, bool kB2d, int kCluster>
 void launch_tiled(const Fp8BlockGemmParams& p, int ctas_setting, cudaStream_t stream) {
-  using T = Tiling<kConsumers, kHalves>;
-  auto* kernel = fp8_block_gemm_kernel<kConsumers, kHalves, kB2d, kCluster>;
+  using T = Tiling<kHalves>;
+  auto* kernel = fp8_block_gemm_kernel<kHalves, kB2d, kCluster>;
   cudaLaunchConfig_t config = {};
-  config.blockDim = dim3(T::kThreads);
+  config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = T::kSmemBytes;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
@@ -463,9 +450,9 @@ void launch_tiled(const Fp8BlockGemmParams& p, int ctas_setting, cudaStream_t st
     }
     resident_ctas = clusters * kCluster;
   });
-  const CUtensorMap map_a = e4m3_tile_map(p.a, p.m, p.k, p.a_ld, kBlockK, T::kBlockM, "A");
+  const CUtensorMap map_a = e4m3_tile_map(p.a, p.m, p.k, p.a_ld, kBlockK, kBlockM, "A");
   const CUtensorMap map_b = e4m3_tile_map(p.b, p.n, p.k, p.b_ld, kBlockK, T::kBlockN / kCluster, "B");
-  const int64_t tiles_m = (p.m + T::kBlockM - 1) / T::kBlockM, tiles_n = (p.n + T::kBlockN - 1) / T::kBlockN;
+  const int64_t tiles_m = (p.m + kBlockM - 1) / kBlockM, tiles_n = (p.n + T::kBlockN - 1) / T::kBlockN;
   const int64_t all_ctas = (tiles_m + kCluster - 1) / kCluster * kCluster * tiles_n;  // one per tile
   int64_t ctas = ctas_setting < 0 ? all_ctas : ctas_setting > 0 ? ctas_setting : resident_ctas;
   ctas = std::max<int64_t>(kCluster, std::min(all_ctas, ctas / kCluster * kCluster));
@@ -473,24 +460,10 @@ void launch_tiled(const Fp8BlockGemmParams& p, int ctas_setting, cudaStream_t st
   FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, p));
 }
 
-template <int kConsumers, int kHalves, bool kB2d>
+template <int kHalves, bool kB2d>
 void launch_clustered(const Fp8BlockGemmParams& p, int cluster, int ctas, cudaStream_t stream) {
-  if (cluster == 2) launch_tiled<kConsumers, kHalves, kB2d, 2>(p, ctas, stream);
-  else launch_tiled<kConsumers, kHalves, kB2d, 1>(p, ctas, stream);
-}
-
-template <bool kB2d>
-void launch_shaped(const Fp8BlockGemmParams& p, const Fp8BlockGemmShape& shape, cudaStream_t stream) {
-  if (shape.block_m == 192) {  // 192 x 128 tiles
-    const int cluster = shape.cluster_m == 2 && p.m > 192 ? 2 : 1;
-    launch_clustered<3, 1, kB2d>(p, cluster, shape.ctas, stream);
-    return;
-  }
-  const bool wide = shape.block_n == 256 || (shape.block_n != 128 && p.n > 128);
-  // One CTA along M needs no cluster.
-  const int cluster = shape.cluster_m == 1 || p.m <= 128 ? 1 : (shape.cluster_m == 2 ? 2 : kDefaultClusterM);
-  if (wide) launch_clustered<2, 2, kB2d>(p, cluster, shape.ctas, stream);
-  else launch_clustered<2, 1, kB2d>(p, cluster, shape.ctas, stream);
+  if (cluster == 2) launch_tiled<kHalves, kB2d, 2>(p, ctas, stream);
+  else launch_tiled<kHalves, kB2d, 1>(p, ctas, stream);
 }
 
 }  // namespace
@@ -504,8 +477,16 @@ void set_fp8_block_gemm_shape(const Fp8BlockGemmShape& shape) {
 void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream) {
   if (p.m == 0 || p.n == 0) return;
   const Fp8BlockGemmShape shape = shape_in_effect();
-  if (p.b_2d) launch_shaped<true>(p, shape, stream);
-  else launch_shaped<false>(p, shape, stream);
+  const bool wide = shape.block_n == 256 || (shape.block_n != 128 && p.n > 128);
+  // One CTA along M needs no cluster.
+  const int cluster = shape.cluster_m == 1 || p.m <= kBlockM ? 1 : (shape.cluster_m == 2 ? 2 : kDefaultClusterM);
+  if (p.b_2d) {
+    if (wide) launch_clustered<2, true>(p, cluster, shape.ctas, stream);
+    else launch_clustered<1, true>(p, cluster, shape.ctas, stream);
+  } else {
+    if (wide) launch_clustered<2, false>(p, cluster, shape.ctas, stream);
+    else launch_clustered<1, false>(p, cluster, shape.ctas, stream);
+  }
 }
 
 }  // namespace fourbit::gemm::kernels

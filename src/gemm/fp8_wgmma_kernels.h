@@ -48,15 +48,13 @@ void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream);
 // columns per CTA (default 256 when N > 128); cluster_m: 1 or 2 CTAs along M sharing each B tile
 // by TMA multicast; ctas: the persistent grid's size (default: as many CTAs as can be resident,
 // each walking tiles first, first + grid, ...; -1: one CTA per tile; n > 0: at most n, which the
-// tests use to make every CTA take several tiles); block_m: 128 (default: two consumer
-// warpgroups) or 192 (three, with 128 columns; block_n is then ignored). Process-wide; replaces
-// FOURBIT_GEMM_FP8_BN, FOURBIT_GEMM_FP8_CLUSTER, FOURBIT_GEMM_FP8_CTAS and FOURBIT_GEMM_FP8_BM,
-// which are read at the first launch when this was never called.
+// tests use to make every CTA take several tiles). Process-wide; replaces FOURBIT_GEMM_FP8_BN,
+// FOURBIT_GEMM_FP8_CLUSTER and FOURBIT_GEMM_FP8_CTAS, which are read at the first launch when this
+// was never called.
 struct Fp8BlockGemmShape {
   int block_n = 0;
   int cluster_m = 0;
   int ctas = 0;
-  int block_m = 0;
 };
 void set_fp8_block_gemm_shape(const Fp8BlockGemmShape& shape);
 
