@@ -279,12 +279,14 @@ TEST_F(GemmCuda, Fp8BlockScaled) {
 }
 
 // fourbit's FP8 block kernel (Backend::kWgmmaFp8), forced, with a 1x128 A and a 1x128 or 128x128
-// B: shapes with row, column and K tails (zero-filled by TMA), both tile widths (N <= 128: 128;
-// else 256), more K blocks than pipeline stages, several CTAs, every epilogue, each without and
-// with 2-CTA clusters sharing B by multicast (odd row-tile counts leave a cluster's second CTA
-// wholly beyond M) and with a grid small enough that every CTA walks several tiles (the
-// persistent loop's stage and phase counting across tiles); the Wgrad orientation (column-wise copies) and Dgrad's (B = W column-wise,
-// 128x128); a scale block of zeros and an outlier row.
+// B: shapes with row, column and K tails (zero-filled by TMA), tiles of 128 and 256 columns (the
+// default: 128 when N <= 128) and of 192 (one m64n192k32 chunk, whose 128x128 B scale changes
+// inside the chunk), more K blocks than pipeline stages, several CTAs, every epilogue; each
+// without and with 2-CTA clusters sharing B by multicast (odd row-tile counts leave a cluster's
+// second CTA wholly beyond M) and with a grid small enough that every CTA walks several tiles
+// (the persistent loop's stage and phase counting across tiles); the Wgrad orientation
+// (column-wise copies) and Dgrad's (B = W column-wise, 128x128); a scale block of zeros and an
+// outlier row.
 TEST_F(GemmCuda, Fp8WgmmaBlockKernelMatchesTheReference) {
   if (!on_sm90()) GTEST_SKIP() << "wgmma-fp8-block runs on sm_90 only";
   const quant::QuantConfig one_d = config(quant::Format::kFp8Block), two_d = config(quant::Format::kFp8Block, true);
@@ -292,16 +294,25 @@ TEST_F(GemmCuda, Fp8WgmmaBlockKernelMatchesTheReference) {
   struct ResetShape {
     ~ResetShape() { kernels::set_fp8_block_gemm_shape({}); }
   } reset_shape;
-  // (cluster, grid): the default persistent grid (at least as many CTAs as these shapes have
-  // tiles on an H100/H200), and one of 3 or 4 CTAs, each then walking several tiles.
-  const std::pair<int, int> grids[] = {{1, 0}, {1, 3}, {2, 0}, {2, 4}};
-  for (const auto& [cluster, ctas] : grids) {
+  const std::vector<S> shapes = {S{256, 384, 640}, S{128, 128, 576}, S{300, 200, 256}, S{40, 24, 48},
+                                 S{520, 1000, 2176}, S{384, 128, 1664}, S{64, 132, 256}};
+  // 192-column tiles: tiles starting at column offsets 0 and 64 of a 128x128 scale block, a
+  // column tail, one tile; the large shape above is left out to keep the test's time.
+  const std::vector<S> shapes_192 = {S{256, 384, 640}, S{300, 200, 256}, S{384, 1000, 640}, S{40, 24, 48},
+                                     S{64, 132, 256}};
+  // (columns, cluster, grid): the default tile width and 192; the default persistent grid (at
+  // least as many CTAs as these shapes have tiles on an H100/H200), and one of 3 or 4 CTAs, each
+  // then walking several tiles.
+  struct Grid { int block_n, cluster, ctas; };
+  const Grid grids[] = {{0, 1, 0}, {0, 1, 3}, {0, 2, 0}, {0, 2, 4}, {192, 1, 0}, {192, 2, 4}};
+  for (const auto& [block_n, cluster, ctas] : grids) {
     for (const quant::QuantConfig& bcfg : {one_d, two_d}) {
-      kernels::set_fp8_block_gemm_shape({0, cluster, ctas});
-      const std::string pair = std::string(bcfg.block_2d ? "1x128 x 128x128 " : "1x128 x 1x128 ") + "(cluster " +
-                               std::to_string(cluster) + ", " + (ctas > 0 ? std::to_string(ctas) + " CTAs" : "full grid") + ") ";
-      for (const S& s : {S{256, 384, 640}, S{128, 128, 576}, S{300, 200, 256}, S{40, 24, 48}, S{520, 1000, 2176},
-                         S{384, 128, 1664}, S{64, 132, 256}}) {
+      kernels::set_fp8_block_gemm_shape({block_n, cluster, ctas});
+      const std::string pair = std::string(bcfg.block_2d ? "1x128 x 128x128 " : "1x128 x 1x128 ") + "(" +
+                               (block_n > 0 ? std::to_string(block_n) + " columns, " : "") + "cluster " +
+                               std::to_string(cluster) + ", " +
+                               (ctas > 0 ? std::to_string(ctas) + " CTAs" : "full grid") + ") ";
+      for (const S& s : block_n == 192 ? shapes_192 : shapes) {
         const std::string shape = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k);
         TestOperand a = quant_op("x", s.m, s.k, 7, one_d), b = quant_op("w", s.n, s.k, 8, bcfg);
         for (const GemmCase& gc : epilogue_variants(Backend::kWgmmaFp8, kFp8AccumulationTolerance, Backend::kWgmmaFp8)) {

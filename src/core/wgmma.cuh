@@ -140,6 +140,7 @@ __device__ __forceinline__ void registers_fence(R (&r)[NB][4], More&... more) {
 #define FOURBIT_WGMMA_D16(i) FOURBIT_WGMMA_D4(i), FOURBIT_WGMMA_D4(i + 1), FOURBIT_WGMMA_D4(i + 2), FOURBIT_WGMMA_D4(i + 3)
 #define FOURBIT_WGMMA_D32 FOURBIT_WGMMA_D16(0), FOURBIT_WGMMA_D16(4)
 #define FOURBIT_WGMMA_D64 FOURBIT_WGMMA_D32, FOURBIT_WGMMA_D16(8), FOURBIT_WGMMA_D16(12)
+#define FOURBIT_WGMMA_D96 FOURBIT_WGMMA_D64, FOURBIT_WGMMA_D16(16), FOURBIT_WGMMA_D16(20)
 #define FOURBIT_WGMMA_R16(a, b, c, d_, e, f, g, h, i, j, k, l, m, n, o, p)                                    \
   "%" #a ", %" #b ", %" #c ", %" #d_ ", %" #e ", %" #f ", %" #g ", %" #h ", %" #i ", %" #j ", %" #k ", %" #l \
   ", %" #m ", %" #n ", %" #o ", %" #p
@@ -151,6 +152,11 @@ __device__ __forceinline__ void registers_fence(R (&r)[NB][4], More&... more) {
                                            46, 47) ", " FOURBIT_WGMMA_R16(48, 49, 50, 51, 52, 53, \
                                                                           54, 55, 56, 57, 58, 59, \
                                                                           60, 61, 62, 63)
+#define FOURBIT_WGMMA_R96                                                                          \
+  FOURBIT_WGMMA_R64 ", " FOURBIT_WGMMA_R16(64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, \
+                                           78, 79) ", " FOURBIT_WGMMA_R16(80, 81, 82, 83, 84, 85, \
+                                                                          86, 87, 88, 89, 90, 91, \
+                                                                          92, 93, 94, 95)
 
 // D[64 x N] (+)= A[64 x 16] B[16 x N], A and B from shared memory, both K-major; accumulate = 0
 // overwrites D. N = 32, 64, 128 (the shape's accumulator count: N / 2 floats a thread).
@@ -204,13 +210,24 @@ __device__ __forceinline__ void wgmma_ss_e4m3_n128(float (&d)[16][4], uint64_t d
                : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// D[64 x 192] (+)= A[64 x 32] B[32 x 192], E4M3: the same with 192 columns (96 accumulators a thread).
+__device__ __forceinline__ void wgmma_ss_e4m3_n192(float (&d)[24][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {" FOURBIT_WGMMA_R96
+               "}, %96, %97, p, 1, 1;\n}\n"
+               : FOURBIT_WGMMA_D96
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 #undef FOURBIT_WGMMA_D4
 #undef FOURBIT_WGMMA_D16
 #undef FOURBIT_WGMMA_D32
 #undef FOURBIT_WGMMA_D64
+#undef FOURBIT_WGMMA_D96
 #undef FOURBIT_WGMMA_R16
 #undef FOURBIT_WGMMA_R32
 #undef FOURBIT_WGMMA_R64
+#undef FOURBIT_WGMMA_R96
 #endif  // FOURBIT_WGMMA_AVAILABLE
 
 // D[64 x N] (+)= A B over one k-step, A and B K-major in shared memory; accumulate = 0 overwrites D.
@@ -239,10 +256,14 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
 #endif
 }
 
-// D[64 x 128] (+)= A B over one k-step of 32 E4M3 values, A and B K-major in shared memory.
-__device__ __forceinline__ void mma_ss_e4m3_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+// D[64 x N] (+)= A B over one k-step of 32 E4M3 values, A and B K-major in shared memory; N = 128
+// or 192.
+template <int N>
+__device__ __forceinline__ void mma_ss_e4m3(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  static_assert(N == 128 || N == 192, "E4M3 products with N = 128 or 192");
 #if FOURBIT_WGMMA_AVAILABLE
-  wgmma_ss_e4m3_n128(d, desc_a, desc_b, accumulate);
+  if constexpr (N == 128) wgmma_ss_e4m3_n128(d, desc_a, desc_b, accumulate);
+  else wgmma_ss_e4m3_n192(d, desc_a, desc_b, accumulate);
 #else
   (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
   __trap();

@@ -7,7 +7,7 @@
 // FLOPs under the fp8 recipe.
 //
 // Structure (the warp-specialized design of DeepGEMM and CUTLASS's sm90 kernels, written from the
-// PTX ISA): 128 x kBlockN tiles of C (kBlockN = 128 or 256), 384 threads a CTA, a persistent grid
+// PTX ISA): 128 x kBlockN tiles of C (kBlockN = 128, 192 or 256), 384 threads a CTA, a persistent grid
 // (as many CTAs as can be resident; each walks tiles first, first + grid, ... in groups of row
 // tiles that share B tiles in L2), optionally clusters of 2 CTAs along M that share each B tile
 // by TMA multicast (half of it loaded by each).
@@ -18,10 +18,11 @@
 //     memory by the consumers instead, one per half) with bulk copies; an mbarrier per stage counts
 //     the bytes ("full"), another the consumer warps' releases ("empty").
 //   - Warpgroups 1 and 2 are the consumers: each owns 64 rows of the tile. Per K block and per
-//     128-column half it issues four m64n128k32 E4M3 wgmmas into a partial-sum register tile
-//     (FP32, restarted each block), waits, and promotes: acc += part * (sa[row] * sb[col]) (128x128
-//     B: sb of the half). The two consumers are not synchronized with each other, so one promotes
-//     while the other's wgmmas run.
+//     chunk of columns (kBlockN 256: two 128-column halves; 128 and 192: one chunk) it issues four
+//     m64nNk32 E4M3 wgmmas (N = 128 or 192) into a partial-sum register tile (FP32, restarted each
+//     block), waits, and promotes: acc += part * (sa[row] * sb[col]) (128x128 B: sb of the column's
+//     128-column block, which can change inside a 192-column chunk). The two consumers are not
+//     synchronized with each other, so one promotes while the other's wgmmas run.
 //   - Epilogue: C = alpha * acc (+ beta * S) straight from registers (column pairs as one store),
 //     rows and columns checked against M and N, while the producer already loads the next tile.
 //   - Stages and phases run on over tiles (a count of K blocks passed); with clusters each stage's
@@ -30,7 +31,7 @@
 //     CTA leaves while its peer may still arrive on its barriers) bracket the kernel.
 // Registers: the producer gives its registers up (setmaxnreg 40), the consumers take 232 each
 // (40 + 2 * 232 = 3 * 168, the launch bound's share), enough for kBlockN = 256 (128 accumulators,
-// 64 partial sums).
+// 64 partial sums) and 192 (96 and 96).
 // Measured (H100, bench gemm; bench/notes-train.md "Session 25"): correct (the GPU tests), but
 // 10-25% slower than cuBLASLt's 1x128 x 1x128 kernels at the 1.3b Wgrad shapes and slower than
 // its 1x128 x 128x128 ones everywhere, so backend auto does not pick it by default. Tried and
@@ -64,13 +65,19 @@ constexpr int kThreads = 384;
 constexpr int kGroupM = 8;    // tiles of M walked together (the CTAs of a wave share B tiles in L2)
 constexpr int kDefaultClusterM = 1;  // CTAs per cluster along M (Fp8BlockGemmShape::cluster_m = 0)
 
-template <int kHalves>
+// kBlockN columns a tile (128, 192 or 256), issued as kChunks wgmma chunks of kChunkN columns
+// (256 = two 128-column halves: 128 accumulators plus one chunk's partial sums fit the registers;
+// 192 = one m64n192k32 chunk: 96 + 96).
+template <int kBlockN_>
 struct Tiling {
-  static constexpr int kBlockN = 128 * kHalves;
-  static constexpr int kStages = kHalves == 1 ? 6 : 4;
+  static_assert(kBlockN_ == 128 || kBlockN_ == 192 || kBlockN_ == 256, "tiles of 128, 192 or 256 columns");
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kChunkN = kBlockN == 256 ? 128 : kBlockN;
+  static constexpr int kChunks = kBlockN / kChunkN;
   static constexpr int kABytes = kBlockM * kBlockK;
   static constexpr int kBBytes = kBlockN * kBlockK;
   static constexpr int kStageBytes = kABytes + kBBytes;   // 1024-byte multiple: tiles stay aligned
+  static constexpr int kStages = 200 * 1024 / kStageBytes < 6 ? 200 * 1024 / kStageBytes : 6;  // 6, 5, 4
   static constexpr int kScaleFloats = kBlockM + kBlockN;  // sa then sb, per stage
   static constexpr size_t kSmemBytes =
       1024 + (size_t)kStages * kStageBytes + (size_t)kStages * kScaleFloats * 4 + 2 * kStages * 8;
@@ -172,12 +179,15 @@ __device__ __forceinline__ void tile_of(int index, int tiles_m, int tiles_n, int
 // [r, r + 1) * kBlockN / kCluster of it and multicasts them to every CTA of the cluster, so the
 // cluster reads B from L2 once instead of kCluster times (cluster tiles: ceil(tiles_m / kCluster)
 // * tiles_n; a CTA whose rows are all beyond M still loads and multicasts its part of B).
-template <int kHalves, bool kB2d, int kCluster>
+template <int kBlockN, bool kB2d, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_block_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             Fp8BlockGemmParams p) {
 #if FOURBIT_WGMMA_AVAILABLE
-  using T = Tiling<kHalves>;
+  using T = Tiling<kBlockN>;
+  constexpr int kChunks = T::kChunks, kChunkN = T::kChunkN, kJ = kChunkN / 8;  // kJ column blocks of 8 a chunk
+  // A 128x128 B's scale can change inside a chunk (192 columns from a multiple of 64).
+  constexpr bool kChunkCrossesScaleBlocks = kB2d && kChunkN != 128;
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs along M");
   constexpr int kBRowsPerCta = T::kBlockN / kCluster;  // rows of the B tile this CTA loads (and multicasts)
   extern __shared__ uint8_t smem_raw[];
@@ -271,28 +281,32 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(p.c) % pair_bytes == 0 &&
                      (!read_source || reinterpret_cast<uintptr_t>(source) % pair_bytes == 0);
 
-  float acc[kHalves][16][4];
-  float part[16][4];
+  float acc[kChunks][kJ][4];
+  float part[kJ][4];
   int it = 0;
   for (int t = first_tile; t < cluster_tiles; t += tile_stride) {
     int m0, n0;
     tile_origin(t, m0, n0);
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h)
+    for (int h = 0; h < kChunks; ++h)
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
+      for (int j = 0; j < kJ; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[h][j][e] = 0.0f;
 
     for (int kb = 0; kb < blocks; ++kb, ++it) {
       const int s = it % T::kStages;
-      // 128x128 B: one scale per 128-column half and K block, from global memory (L2), loaded
-      // before the wait so that its latency hides behind it; a half wholly beyond N gets 0.
-      float half_scale[kHalves];
+      // 128x128 B: per chunk and K block the scale of its first 128-column block (and of the
+      // next, where the chunk crosses into it), from global memory (L2), loaded before the wait so
+      // that their latency hides behind it; a block wholly beyond N gets 0.
+      float scale_lo[kChunks], scale_hi[kChunks];
 #pragma unroll
-      for (int h = 0; h < kHalves; ++h) {
-        half_scale[h] =
-            kB2d && n0 + h * 128 < n ? __ldg(p.scales_b + (int64_t)(n0 / 128 + h) * p.scales_b_ld + kb) : 0.0f;
+      for (int h = 0; h < kChunks; ++h) {
+        const int c0 = n0 + h * kChunkN, first = c0 / 128;
+        scale_lo[h] = kB2d && c0 < n ? __ldg(p.scales_b + (int64_t)first * p.scales_b_ld + kb) : 0.0f;
+        scale_hi[h] = kChunkCrossesScaleBlocks && (first + 1) * 128 < n
+                          ? __ldg(p.scales_b + (int64_t)(first + 1) * p.scales_b_ld + kb)
+                          : 0.0f;
       }
       mbar_wait(&full[s], (uint32_t)(it / T::kStages) & 1u);
       const uint8_t* stage = tiles + (size_t)s * T::kStageBytes;
@@ -302,29 +316,34 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t b_tile = smem_u32(stage + T::kABytes);
       const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
 #pragma unroll
-      for (int h = 0; h < kHalves; ++h) {
+      for (int h = 0; h < kChunks; ++h) {
         wgmma::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-          wgmma::mma_ss_e4m3_n128(part, wgmma::k_major<64>(a_tile, kk),
-                                  wgmma::k_major<128>(b_tile + (uint32_t)(h * 128 * 128), kk), kk > 0);
+          wgmma::mma_ss_e4m3<kChunkN>(part, wgmma::k_major<64>(a_tile, kk),
+                                      wgmma::k_major<kChunkN>(b_tile + (uint32_t)(h * kChunkN * 128), kk), kk > 0);
         }
         wgmma::wgmma_commit();
         wgmma::wgmma_wait<0>();
         wgmma::registers_fence(part);
         if constexpr (kB2d) {
-          const float s0 = sa0 * half_scale[h], s1 = sa1 * half_scale[h];
+          const float s0 = sa0 * scale_lo[h], s1 = sa1 * scale_lo[h];
+          const float s0_hi = sa0 * scale_hi[h], s1_hi = sa1 * scale_hi[h];
+          // Column blocks j < split take the first scale block's, the rest the next one's.
+          const int split = kChunkCrossesScaleBlocks ? (128 - (n0 + h * kChunkN) % 128) / 8 : kJ;
 #pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            acc[h][j][0] = fmaf(part[j][0], s0, acc[h][j][0]);
-            acc[h][j][1] = fmaf(part[j][1], s0, acc[h][j][1]);
-            acc[h][j][2] = fmaf(part[j][2], s1, acc[h][j][2]);
-            acc[h][j][3] = fmaf(part[j][3], s1, acc[h][j][3]);
+          for (int j = 0; j < kJ; ++j) {
+            const bool lo = !kChunkCrossesScaleBlocks || j < split;
+            const float t0 = lo ? s0 : s0_hi, t1 = lo ? s1 : s1_hi;
+            acc[h][j][0] = fmaf(part[j][0], t0, acc[h][j][0]);
+            acc[h][j][1] = fmaf(part[j][1], t0, acc[h][j][1]);
+            acc[h][j][2] = fmaf(part[j][2], t1, acc[h][j][2]);
+            acc[h][j][3] = fmaf(part[j][3], t1, acc[h][j][3]);
           }
         } else {
 #pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            const float2 b = *reinterpret_cast<const float2*>(sb + h * 128 + 8 * j + col_in_half);
+          for (int j = 0; j < kJ; ++j) {
+            const float2 b = *reinterpret_cast<const float2*>(sb + h * kChunkN + 8 * j + col_in_half);
             acc[h][j][0] = fmaf(part[j][0], sa0 * b.x, acc[h][j][0]);
             acc[h][j][1] = fmaf(part[j][1], sa0 * b.y, acc[h][j][1]);
             acc[h][j][2] = fmaf(part[j][2], sa1 * b.x, acc[h][j][2]);
@@ -347,13 +366,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // Epilogue: C = alpha * acc (+ beta * S), while the producer already loads the next tile.
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h)
+    for (int h = 0; h < kChunks; ++h)
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
+      for (int j = 0; j < kJ; ++j)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int row = m0 + row_in_tile + 8 * r;
-          const int col = n0 + h * 128 + 8 * j + col_in_half;
+          const int col = n0 + h * kChunkN + 8 * j + col_in_half;
           if (row >= m || col >= n) continue;
           const int64_t at = (int64_t)row * p.ldc + col;
           float v0 = p.alpha * acc[h][j][2 * r], v1 = p.alpha * acc[h][j][2 * r + 1];
@@ -421,10 +440,10 @@ Fp8BlockGemmShape shape_in_effect() {
   return g_shape;
 }
 
-template <int kHalves, bool kB2d, int kCluster>
+template <int kBlockN, bool kB2d, int kCluster>
 void launch_tiled(const Fp8BlockGemmParams& p, int ctas_setting, cudaStream_t stream) {
-  using T = Tiling<kHalves>;
-  auto* kernel = fp8_block_gemm_kernel<kHalves, kB2d, kCluster>;
+  using T = Tiling<kBlockN>;
+  auto* kernel = fp8_block_gemm_kernel<kBlockN, kB2d, kCluster>;
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = T::kSmemBytes;
@@ -460,10 +479,17 @@ void launch_tiled(const Fp8BlockGemmParams& p, int ctas_setting, cudaStream_t st
   FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, p));
 }
 
-template <int kHalves, bool kB2d>
+template <int kBlockN, bool kB2d>
 void launch_clustered(const Fp8BlockGemmParams& p, int cluster, int ctas, cudaStream_t stream) {
-  if (cluster == 2) launch_tiled<kHalves, kB2d, 2>(p, ctas, stream);
-  else launch_tiled<kHalves, kB2d, 1>(p, ctas, stream);
+  if (cluster == 2) launch_tiled<kBlockN, kB2d, 2>(p, ctas, stream);
+  else launch_tiled<kBlockN, kB2d, 1>(p, ctas, stream);
+}
+
+template <bool kB2d>
+void launch_columns(const Fp8BlockGemmParams& p, int block_n, int cluster, int ctas, cudaStream_t stream) {
+  if (block_n == 192) launch_clustered<192, kB2d>(p, cluster, ctas, stream);
+  else if (block_n == 256) launch_clustered<256, kB2d>(p, cluster, ctas, stream);
+  else launch_clustered<128, kB2d>(p, cluster, ctas, stream);
 }
 
 }  // namespace
@@ -477,16 +503,14 @@ void set_fp8_block_gemm_shape(const Fp8BlockGemmShape& shape) {
 void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream) {
   if (p.m == 0 || p.n == 0) return;
   const Fp8BlockGemmShape shape = shape_in_effect();
-  const bool wide = shape.block_n == 256 || (shape.block_n != 128 && p.n > 128);
+  // Columns a tile: the setting's 128, 192 or 256, else 256 where N allows it.
+  const int block_n = shape.block_n == 128 || shape.block_n == 192 || shape.block_n == 256 ? shape.block_n
+                      : p.n > 128                                                         ? 256
+                                                                                          : 128;
   // One CTA along M needs no cluster.
   const int cluster = shape.cluster_m == 1 || p.m <= kBlockM ? 1 : (shape.cluster_m == 2 ? 2 : kDefaultClusterM);
-  if (p.b_2d) {
-    if (wide) launch_clustered<2, true>(p, cluster, shape.ctas, stream);
-    else launch_clustered<1, true>(p, cluster, shape.ctas, stream);
-  } else {
-    if (wide) launch_clustered<2, false>(p, cluster, shape.ctas, stream);
-    else launch_clustered<1, false>(p, cluster, shape.ctas, stream);
-  }
+  if (p.b_2d) launch_columns<true>(p, block_n, cluster, shape.ctas, stream);
+  else launch_columns<false>(p, block_n, cluster, shape.ctas, stream);
 }
 
 }  // namespace fourbit::gemm::kernels
