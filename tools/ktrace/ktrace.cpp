@@ -3,7 +3,8 @@
 // time). It records every kernel and memcpy/memset with the CUPTI activity API (start/end
 // timestamps from the GPU) and, when the program exits, prints one table: per kernel name (template
 // arguments kept, shortened), the launch count, total and mean time, and share of all kernel time,
-// sorted by total.
+// sorted by total; then the GPU's idle time between activities (gaps under 1 ms, the steady
+// state's launch and synchronization losses, by the activity that ended them; longer gaps apart).
 //
 //   LD_PRELOAD=build-gpu/tools/ktrace/libfourbit_ktrace.so fourbit bench train --presets gpt2-124m --recipes nvfp4
 //
@@ -42,8 +43,17 @@ struct Row {
   double total_ns = 0;
 };
 
+// One GPU activity's interval, for the idle-gap summary; `name` points at its g_rows key (map
+// nodes do not move).
+struct Interval {
+  unsigned long long start, end;
+  const std::string* name;
+};
+constexpr size_t kMaxIntervals = size_t{4} << 20;  // 96 MiB at most; later activities are not kept
+
 std::mutex g_mutex;
 std::map<std::string, Row>* g_rows = nullptr;  // leaked on purpose: used from CUPTI's threads at exit
+std::vector<Interval>* g_intervals = nullptr;
 bool g_ok = false;
 std::atomic<bool> g_reported{false};
 std::atomic<long> g_buffers_requested{0}, g_buffers_completed{0};
@@ -79,9 +89,52 @@ std::string short_name(const char* mangled) {
 
 void add(const std::string& name, unsigned long long start, unsigned long long end) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  Row& r = (*g_rows)[name];
-  r.count += 1;
-  r.total_ns += (double)(end - start);
+  auto it = g_rows->try_emplace(name).first;
+  it->second.count += 1;
+  it->second.total_ns += (double)(end - start);
+  if (g_intervals->size() < kMaxIntervals) g_intervals->push_back({start, end, &it->first});
+}
+
+// The GPU's idle time between activities: the intervals sorted by start, a gap wherever one starts
+// after every earlier one has ended. Gaps of 1 ms or more are counted apart (set-up, host phases
+// between benchmark cases); the shorter ones are what a run's steady state loses to launches and
+// host synchronizations, listed by the activity that ended each gap.
+void report_gaps(FILE* out, std::vector<Interval> v) {
+  if (v.empty()) return;
+  std::sort(v.begin(), v.end(), [](const Interval& a, const Interval& b) { return a.start < b.start; });
+  unsigned long long covered = v[0].end;
+  double short_ns = 0, long_ns = 0;
+  long short_count = 0, long_count = 0, over_10us = 0;
+  std::map<const std::string*, std::pair<double, long>> after;  // gap time and count by next activity
+  for (size_t i = 1; i < v.size(); ++i) {
+    if (v[i].start > covered) {
+      const double gap = (double)(v[i].start - covered);
+      if (gap >= 1e6) {
+        long_ns += gap;
+        ++long_count;
+      } else {
+        short_ns += gap;
+        ++short_count;
+        if (gap > 1e4) ++over_10us;
+        auto& a = after[v[i].name];
+        a.first += gap;
+        a.second += 1;
+      }
+    }
+    covered = std::max(covered, v[i].end);
+  }
+  const double span = (double)(covered - v[0].start);
+  std::fprintf(out, "ktrace: GPU span %.3f ms; idle %.3f ms in %ld gaps under 1 ms (%ld over 10 us) and %.3f ms in "
+               "%ld gaps of 1 ms or more%s\n", span * 1e-6, short_ns * 1e-6, short_count, over_10us,
+               long_ns * 1e-6, long_count,
+               v.size() >= kMaxIntervals ? " (interval list full: later activities left out)" : "");
+  std::vector<std::pair<const std::string*, std::pair<double, long>>> rows(after.begin(), after.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+  std::fprintf(out, "%10s %10s %10s  %s\n", "idle ms", "gaps", "mean us", "the gaps under 1 ms ended by");
+  for (size_t i = 0; i < rows.size() && i < 12; ++i) {
+    std::fprintf(out, "%10.3f %10ld %10.2f  %s\n", rows[i].second.first * 1e-6, rows[i].second.second,
+                 rows[i].second.first * 1e-3 / (double)rows[i].second.second, rows[i].first->c_str());
+  }
 }
 
 void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
@@ -149,6 +202,7 @@ void CUPTIAPI on_callback(void*, CUpti_CallbackDomain domain, CUpti_CallbackId i
 
 __attribute__((constructor)) void start() {
   g_rows = new std::map<std::string, Row>();
+  g_intervals = new std::vector<Interval>();
   // Subscribe first (CUPTI's guide: before any other CUPTI call). Failure means another CUPTI
   // client holds the process (it is reported in the table's header), not that tracing is off.
   g_subscribe_result = cuptiSubscribe(&g_subscriber, on_callback, nullptr);
@@ -175,10 +229,12 @@ void report() {
   if (!g_ok || g_reported.exchange(true)) return;
   const CUptiResult flushed = cuptiActivityFlushAll(1);
   std::vector<std::pair<std::string, Row>> rows;
+  std::vector<Interval> intervals;
   double all = 0;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     rows.assign(g_rows->begin(), g_rows->end());
+    intervals = *g_intervals;
   }
   for (const auto& [name, r] : rows) all += r.total_ns;
   std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.total_ns > b.second.total_ns; });
@@ -218,6 +274,7 @@ void report() {
     std::fprintf(out, "%10.3f %10lld %10.2f %6.2f%%  %s\n", r.total_ns * 1e-6, r.count,
                  r.total_ns * 1e-3 / (double)r.count, 100.0 * r.total_ns / all, n.c_str());
   }
+  report_gaps(out, std::move(intervals));
   if (out != stderr) std::fclose(out);
 }
 
