@@ -198,26 +198,24 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[16][4], const uint32_t 
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-// D[64 x 128] (+)= A[64 x 32] B[32 x 128], E4M3 x E4M3 with FP32 accumulators, both operands
-// K-major in shared memory; accumulate = 0 overwrites D. (The tensor cores add FP8 products into
-// the accumulators with less than FP32 precision: callers promote partial sums into FP32 registers
-// at least every 128 elements of K, NUMERICS.md 6.)
-__device__ __forceinline__ void wgmma_ss_e4m3_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" FOURBIT_WGMMA_R64
-               "}, %64, %65, p, 1, 1;\n}\n"
-               : FOURBIT_WGMMA_D64
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// D[64 x 192] (+)= A[64 x 32] B[32 x 192], E4M3: the same with 192 columns (96 accumulators a thread).
-__device__ __forceinline__ void wgmma_ss_e4m3_n192(float (&d)[24][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {" FOURBIT_WGMMA_R96
-               "}, %96, %97, p, 1, 1;\n}\n"
-               : FOURBIT_WGMMA_D96
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
+// D[64 x N] (+)= A[64 x 32] B[32 x N], E4M3 x E4M3 with FP32 accumulators (N / 2 a thread), both
+// operands K-major in shared memory; accumulate = 0 overwrites D; N = 128 or 192 (the wrappers
+// below). The tensor cores add FP8 products into the accumulators with less than FP32 precision:
+// callers promote partial sums into FP32 registers at least every 128 elements of K (NUMERICS.md
+// 6). A, B, P: the operand numbers of the two descriptors and the accumulate flag (after N / 2
+// accumulators).
+#define FOURBIT_WGMMA_SS_E4M3(N, RLIST, DLIST, A, B, P)                                                          \
+  __device__ __forceinline__ void wgmma_ss_e4m3_n##N(float(&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b,     \
+                                                     int accumulate) {                                           \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                               \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" RLIST "}, %" #A ", %" #B           \
+                 ", p, 1, 1;\n}\n"                                                                               \
+                 : DLIST                                                                                        \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                 \
+  }
+FOURBIT_WGMMA_SS_E4M3(128, FOURBIT_WGMMA_R64, FOURBIT_WGMMA_D64, 64, 65, 66)
+FOURBIT_WGMMA_SS_E4M3(192, FOURBIT_WGMMA_R96, FOURBIT_WGMMA_D96, 96, 97, 98)
+#undef FOURBIT_WGMMA_SS_E4M3
 
 #undef FOURBIT_WGMMA_D4
 #undef FOURBIT_WGMMA_D16
