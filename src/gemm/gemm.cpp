@@ -223,9 +223,11 @@ int cuda_sm() {
   return sm;
 }
 
-// An fp8-block operand with 1x128 scales (not 128x128).
-bool fp8_1x128(const OperandInfo& x) {
-  return x.quantized() && x.format() == quant::Format::kFp8Block && !x.config.block_2d;
+// The pairs of the block-scaled FP8 kernels: an fp8-block A with 1x128 scales (not 128x128) and an
+// fp8-block B (either).
+bool fp8_block_pair(const OperandInfo& a, const OperandInfo& b) {
+  const auto fp8_block = [](const OperandInfo& x) { return x.quantized() && x.format() == quant::Format::kFp8Block; };
+  return fp8_block(a) && !a.config.block_2d && fp8_block(b);
 }
 
 Backend auto_backend(const OperandInfo& a, const OperandInfo& b, const TensorView& c,
@@ -240,8 +242,7 @@ Backend auto_backend(const OperandInfo& a, const OperandInfo& b, const TensorVie
                 gemm_name);
   if (!a.quantized() && !b.quantized()) return Backend::kCublasBf16;
   if (a.fp8_format() || b.fp8_format()) {
-    const bool block_pair = fp8_1x128(a) && b.quantized() && b.format() == quant::Format::kFp8Block;
-    return block_pair ? fp8_block_backend(b.config.block_2d) : Backend::kCublasFp8;
+    return fp8_block_pair(a, b) ? fp8_block_backend(b.config.block_2d) : Backend::kCublasFp8;
   }
   return Backend::kEmulated;
 }
@@ -300,7 +301,7 @@ void check_backend(Backend backend, const OperandInfo& a, const OperandInfo& b,
       break;
     }
     case Backend::kWgmmaFp8: {
-      FOURBIT_CHECK(fp8_1x128(a) && b.quantized() && b.format() == quant::Format::kFp8Block,
+      FOURBIT_CHECK(fp8_block_pair(a, b),
                     "{}: backend wgmma-fp8-block multiplies an fp8-block A with 1x128 scales by an "
                     "fp8-block B (1x128 or 128x128 scales); A {} is {}, B {} is {}: use backend "
                     "auto or cublaslt-fp8", gemm_name, a.op->name, a.format_label(), b.op->name, b.format_label());

@@ -23,7 +23,6 @@ using detail::present;
 
 constexpr int32_t kIgnored = -1;
 
-
 template <typename T>
 T row_lse(const T* row, int64_t V) {
   T m = row[0];
