@@ -158,29 +158,36 @@ __device__ __forceinline__ void registers_fence(R (&r)[NB][4], More&... more) {
                                                                           86, 87, 88, 89, 90, 91, \
                                                                           92, 93, 94, 95)
 
-// D[64 x N] (+)= A[64 x 16] B[16 x N], A and B from shared memory, both K-major; accumulate = 0
-// overwrites D. N = 32, 64, 128 (the shape's accumulator count: N / 2 floats a thread).
-__device__ __forceinline__ void wgmma_ss_n32(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" FOURBIT_WGMMA_R16(
-                   0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-               : FOURBIT_WGMMA_D16(0)
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" FOURBIT_WGMMA_R32
-               "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-               : FOURBIT_WGMMA_D32
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_ss_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" FOURBIT_WGMMA_R64
-               "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-               : FOURBIT_WGMMA_D64
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
+// The shared-memory-operand wrappers: D[64 x N] (+)= A B over one k-step, A and B K-major in
+// shared memory; accumulate = 0 overwrites D. NAME(d, desc_a, desc_b, accumulate) with d
+// [NB][4] (N / 2 floats a thread); A, B, P: the operand numbers of the two descriptors and the
+// accumulate flag (after the N / 2 accumulators); FLAGS: the instruction's scale (and, for BF16,
+// transpose) immediates.
+#define FOURBIT_WGMMA_SS(NAME, NB, SHAPE_TYPES, RLIST, DLIST, A, B, P, FLAGS)                              \
+  __device__ __forceinline__ void NAME(float(&d)[NB][4], uint64_t desc_a, uint64_t desc_b, int accumulate) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                            \
+                 "wgmma.mma_async.sync.aligned." SHAPE_TYPES " {" RLIST "}, %" #A ", %" #B ", p, " FLAGS     \
+                 ";\n}\n"                                                                                    \
+                 : DLIST                                                                                     \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                              \
+  }
+
+// BF16, k-steps of 16: N = 32, 64, 128.
+FOURBIT_WGMMA_SS(wgmma_ss_n32, 4, "m64n32k16.f32.bf16.bf16",
+                 FOURBIT_WGMMA_R16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), FOURBIT_WGMMA_D16(0),
+                 16, 17, 18, "1, 1, 0, 0")
+FOURBIT_WGMMA_SS(wgmma_ss_n64, 8, "m64n64k16.f32.bf16.bf16", FOURBIT_WGMMA_R32, FOURBIT_WGMMA_D32, 32, 33, 34,
+                 "1, 1, 0, 0")
+FOURBIT_WGMMA_SS(wgmma_ss_n128, 16, "m64n128k16.f32.bf16.bf16", FOURBIT_WGMMA_R64, FOURBIT_WGMMA_D64, 64, 65, 66,
+                 "1, 1, 0, 0")
+// E4M3 x E4M3, k-steps of 32: N = 128, 192. The tensor cores add FP8 products into the
+// accumulators with less than FP32 precision: callers promote partial sums into FP32 registers at
+// least every 128 elements of K (NUMERICS.md 6).
+FOURBIT_WGMMA_SS(wgmma_ss_e4m3_n128, 16, "m64n128k32.f32.e4m3.e4m3", FOURBIT_WGMMA_R64, FOURBIT_WGMMA_D64, 64, 65,
+                 66, "1, 1")
+FOURBIT_WGMMA_SS(wgmma_ss_e4m3_n192, 24, "m64n192k32.f32.e4m3.e4m3", FOURBIT_WGMMA_R96, FOURBIT_WGMMA_D96, 96, 97,
+                 98, "1, 1")
+#undef FOURBIT_WGMMA_SS
 
 // D[64 x N] += A[64 x 16] B[16 x N], A in registers (the mma.m16n8k16 A layout, warp w holding
 // rows 16 w ..), B from shared memory, MN-major. N = 64, 128 (the attention kernels' N = D; a
@@ -197,25 +204,6 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[16][4], const uint32_t 
                : FOURBIT_WGMMA_D64
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
-
-// D[64 x N] (+)= A[64 x 32] B[32 x N], E4M3 x E4M3 with FP32 accumulators (N / 2 a thread), both
-// operands K-major in shared memory; accumulate = 0 overwrites D; N = 128 or 192 (the wrappers
-// below). The tensor cores add FP8 products into the accumulators with less than FP32 precision:
-// callers promote partial sums into FP32 registers at least every 128 elements of K (NUMERICS.md
-// 6). A, B, P: the operand numbers of the two descriptors and the accumulate flag (after N / 2
-// accumulators).
-#define FOURBIT_WGMMA_SS_E4M3(N, RLIST, DLIST, A, B, P)                                                          \
-  __device__ __forceinline__ void wgmma_ss_e4m3_n##N(float(&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b,     \
-                                                     int accumulate) {                                           \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                               \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" RLIST "}, %" #A ", %" #B           \
-                 ", p, 1, 1;\n}\n"                                                                               \
-                 : DLIST                                                                                        \
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                 \
-  }
-FOURBIT_WGMMA_SS_E4M3(128, FOURBIT_WGMMA_R64, FOURBIT_WGMMA_D64, 64, 65, 66)
-FOURBIT_WGMMA_SS_E4M3(192, FOURBIT_WGMMA_R96, FOURBIT_WGMMA_D96, 96, 97, 98)
-#undef FOURBIT_WGMMA_SS_E4M3
 
 #undef FOURBIT_WGMMA_D4
 #undef FOURBIT_WGMMA_D16
