@@ -63,7 +63,6 @@ constexpr int kBlockM = 128;  // rows of A (and of C) per CTA: two consumer warp
 constexpr int kBlockK = 128;  // one scale block: 128 E4M3 values = one 128-byte swizzled row
 constexpr int kThreads = 384;
 constexpr int kGroupM = 8;    // tiles of M walked together (the CTAs of a wave share B tiles in L2)
-constexpr int kDefaultClusterM = 1;  // CTAs per cluster along M (Fp8BlockGemmShape::cluster_m = 0)
 
 // kBlockN columns a tile (128, 192 or 256), issued as kChunks wgmma chunks of kChunkN columns
 // (256 = two 128-column halves: 128 accumulators plus one chunk's partial sums fit the registers;
@@ -164,6 +163,32 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 }
 
 #endif  // FOURBIT_WGMMA_AVAILABLE
+
+// Elements at and at + 1 of an f32 or bf16 matrix, as one 8- or 4-byte access where `vector` (the
+// caller checked the alignment), else two.
+__device__ __forceinline__ float2 load_pair(const float* x, bool vector) {
+  return vector ? *reinterpret_cast<const float2*>(x) : make_float2(x[0], x[1]);
+}
+__device__ __forceinline__ float2 load_pair(const __nv_bfloat16* x, bool vector) {
+  return vector ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x))
+                : make_float2(__bfloat162float(x[0]), __bfloat162float(x[1]));
+}
+__device__ __forceinline__ void store_pair(float* x, float v0, float v1, bool vector) {
+  if (vector) {
+    *reinterpret_cast<float2*>(x) = make_float2(v0, v1);
+  } else {
+    x[0] = v0;
+    x[1] = v1;
+  }
+}
+__device__ __forceinline__ void store_pair(__nv_bfloat16* x, float v0, float v1, bool vector) {
+  if (vector) {
+    *reinterpret_cast<__nv_bfloat162*>(x) = __floats2bfloat162_rn(v0, v1);
+  } else {
+    x[0] = __float2bfloat16_rn(v0);
+    x[1] = __float2bfloat16_rn(v1);
+  }
+}
 
 // Tile (tm, tn) of `index`: group_m row tiles at a time, column by column within the group.
 __device__ __forceinline__ void tile_of(int index, int tiles_m, int tiles_n, int group_m, int& tm, int& tn) {
@@ -364,52 +389,33 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
 
-    // Epilogue: C = alpha * acc (+ beta * S), while the producer already loads the next tile.
+    // Epilogue: C = alpha * acc (+ beta * S), while the producer already loads the next tile; one
+    // loop per output type (out: C, src: S, both of that type).
+    const auto write_tile = [&](auto* out, const auto* src) {
 #pragma unroll
-    for (int h = 0; h < kChunks; ++h)
+      for (int h = 0; h < kChunks; ++h)
 #pragma unroll
-      for (int j = 0; j < kJ; ++j)
+        for (int j = 0; j < kJ; ++j)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = m0 + row_in_tile + 8 * r;
-          const int col = n0 + h * kChunkN + 8 * j + col_in_half;
-          if (row >= m || col >= n) continue;
-          const int64_t at = (int64_t)row * p.ldc + col;
-          float v0 = p.alpha * acc[h][j][2 * r], v1 = p.alpha * acc[h][j][2 * r + 1];
-          if (p.c_bf16) {
-            const auto* src = static_cast<const __nv_bfloat16*>(source);
-            auto* out = static_cast<__nv_bfloat16*>(p.c);
-            if (pairs) {
-              if (read_source) {
-                const float2 sv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + at));
-                v0 = fmaf(p.beta, sv.x, v0);
-                v1 = fmaf(p.beta, sv.y, v1);
-              }
-              *reinterpret_cast<__nv_bfloat162*>(out + at) = __floats2bfloat162_rn(v0, v1);
-            } else {
-              if (read_source) v0 = fmaf(p.beta, __bfloat162float(src[at]), v0);
-              if (read_source) v1 = fmaf(p.beta, __bfloat162float(src[at + 1]), v1);
-              out[at] = __float2bfloat16_rn(v0);
-              out[at + 1] = __float2bfloat16_rn(v1);
+          for (int r = 0; r < 2; ++r) {
+            const int row = m0 + row_in_tile + 8 * r;
+            const int col = n0 + h * kChunkN + 8 * j + col_in_half;
+            if (row >= m || col >= n) continue;
+            const int64_t at = (int64_t)row * p.ldc + col;
+            float v0 = p.alpha * acc[h][j][2 * r], v1 = p.alpha * acc[h][j][2 * r + 1];
+            if (read_source) {
+              const float2 sv = load_pair(src + at, pairs);
+              v0 = fmaf(p.beta, sv.x, v0);
+              v1 = fmaf(p.beta, sv.y, v1);
             }
-          } else {
-            const auto* src = static_cast<const float*>(source);
-            auto* out = static_cast<float*>(p.c);
-            if (pairs) {
-              if (read_source) {
-                const float2 sv = *reinterpret_cast<const float2*>(src + at);
-                v0 = fmaf(p.beta, sv.x, v0);
-                v1 = fmaf(p.beta, sv.y, v1);
-              }
-              *reinterpret_cast<float2*>(out + at) = make_float2(v0, v1);
-            } else {
-              if (read_source) v0 = fmaf(p.beta, src[at], v0);
-              if (read_source) v1 = fmaf(p.beta, src[at + 1], v1);
-              out[at] = v0;
-              out[at + 1] = v1;
-            }
+            store_pair(out + at, v0, v1, pairs);
           }
-        }
+    };
+    if (p.c_bf16) {
+      write_tile(static_cast<__nv_bfloat16*>(p.c), static_cast<const __nv_bfloat16*>(source));
+    } else {
+      write_tile(static_cast<float*>(p.c), static_cast<const float*>(source));
+    }
   }
   __syncwarp();
   // No CTA leaves while a peer may still arrive on its barriers (its last releases).
@@ -420,7 +426,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// The tile shape in effect: set_fp8_block_gemm_shape's, else FOURBIT_GEMM_FP8_BN (128 | 256),
+// The tile shape in effect: set_fp8_block_gemm_shape's, else FOURBIT_GEMM_FP8_BN (128 | 192 | 256),
 // FOURBIT_GEMM_FP8_CLUSTER (1 | 2) and FOURBIT_GEMM_FP8_CTAS (-1 | n) as read at the first launch,
 // else the defaults (0 fields).
 std::mutex g_shape_mutex;
@@ -507,8 +513,8 @@ void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream) {
   const int block_n = shape.block_n == 128 || shape.block_n == 192 || shape.block_n == 256 ? shape.block_n
                       : p.n > 128                                                         ? 256
                                                                                           : 128;
-  // One CTA along M needs no cluster.
-  const int cluster = shape.cluster_m == 1 || p.m <= kBlockM ? 1 : (shape.cluster_m == 2 ? 2 : kDefaultClusterM);
+  // Clusters only where asked for (no faster in session 26) and where there are two row tiles.
+  const int cluster = shape.cluster_m == 2 && p.m > kBlockM ? 2 : 1;
   if (p.b_2d) launch_columns<true>(p, block_n, cluster, shape.ctas, stream);
   else launch_columns<false>(p, block_n, cluster, shape.ctas, stream);
 }
