@@ -279,9 +279,9 @@ TEST_F(GemmCuda, Fp8BlockScaled) {
 }
 
 // fourbit's FP8 block kernel (Backend::kWgmmaFp8), forced, with a 1x128 A and a 1x128 or 128x128
-// B: shapes with row, column and K tails (zero-filled by TMA), tiles of 128 and 256 columns (the
-// default: 128 when N <= 128) and of 192 (one m64n192k32 chunk, whose 128x128 B scale changes
-// inside the chunk), more K blocks than pipeline stages, several CTAs, every epilogue; each
+// B: shapes with row, column and K tails (zero-filled by TMA), tiles of 256 columns (the default
+// for N > 128) and of 128 (double-buffered partial sums: one, odd and even numbers of K blocks),
+// more K blocks than pipeline stages, several CTAs, every epilogue; each
 // without and with 2-CTA clusters sharing B by multicast (odd row-tile counts leave a cluster's
 // second CTA wholly beyond M) and with a grid small enough that every CTA walks several tiles
 // (the persistent loop's stage and phase counting across tiles); the Wgrad orientation
@@ -296,16 +296,16 @@ TEST_F(GemmCuda, Fp8WgmmaBlockKernelMatchesTheReference) {
   } reset_shape;
   const std::vector<S> shapes = {S{256, 384, 640}, S{128, 128, 576}, S{300, 200, 256}, S{40, 24, 48},
                                  S{520, 1000, 2176}, S{384, 128, 1664}, S{64, 132, 256}};
-  // The clustered and 192-column variants: the same kinds of shape without the large one (the
-  // float64 reference is most of the test's time); 384x1000 has 192-column tiles starting at
-  // column offsets 0 and 64 of a 128x128 scale block and a column tail, and odd row-tile counts.
+  // The clustered and 128-column variants: the same kinds of shape without the large one (the
+  // float64 reference is most of the test's time); 384x1000 has a column tail and an odd number
+  // of row tiles.
   const std::vector<S> shapes_small = {S{256, 384, 640}, S{128, 128, 576}, S{300, 200, 256}, S{384, 1000, 640},
                                        S{40, 24, 48}, S{64, 132, 256}};
-  // (columns, cluster, grid): the default tile width and 192; the default persistent grid (at
+  // (columns, cluster, grid): the default tile width and 128; the default persistent grid (at
   // least as many CTAs as these shapes have tiles on an H100/H200), and one of 3 or 4 CTAs, each
   // then walking several tiles.
   struct Grid { int block_n, cluster, ctas; };
-  const Grid grids[] = {{0, 1, 0}, {0, 1, 3}, {0, 2, 0}, {0, 2, 4}, {192, 1, 0}, {192, 2, 4}};
+  const Grid grids[] = {{0, 1, 0}, {0, 1, 3}, {0, 2, 0}, {0, 2, 4}, {128, 1, 0}, {128, 2, 4}};
   for (const auto& [block_n, cluster, ctas] : grids) {
     for (const quant::QuantConfig& bcfg : {one_d, two_d}) {
       kernels::set_fp8_block_gemm_shape({block_n, cluster, ctas});

@@ -140,7 +140,6 @@ __device__ __forceinline__ void registers_fence(R (&r)[NB][4], More&... more) {
 #define FOURBIT_WGMMA_D16(i) FOURBIT_WGMMA_D4(i), FOURBIT_WGMMA_D4(i + 1), FOURBIT_WGMMA_D4(i + 2), FOURBIT_WGMMA_D4(i + 3)
 #define FOURBIT_WGMMA_D32 FOURBIT_WGMMA_D16(0), FOURBIT_WGMMA_D16(4)
 #define FOURBIT_WGMMA_D64 FOURBIT_WGMMA_D32, FOURBIT_WGMMA_D16(8), FOURBIT_WGMMA_D16(12)
-#define FOURBIT_WGMMA_D96 FOURBIT_WGMMA_D64, FOURBIT_WGMMA_D16(16), FOURBIT_WGMMA_D16(20)
 #define FOURBIT_WGMMA_R16(a, b, c, d_, e, f, g, h, i, j, k, l, m, n, o, p)                                    \
   "%" #a ", %" #b ", %" #c ", %" #d_ ", %" #e ", %" #f ", %" #g ", %" #h ", %" #i ", %" #j ", %" #k ", %" #l \
   ", %" #m ", %" #n ", %" #o ", %" #p
@@ -152,12 +151,6 @@ __device__ __forceinline__ void registers_fence(R (&r)[NB][4], More&... more) {
                                            46, 47) ", " FOURBIT_WGMMA_R16(48, 49, 50, 51, 52, 53, \
                                                                           54, 55, 56, 57, 58, 59, \
                                                                           60, 61, 62, 63)
-#define FOURBIT_WGMMA_R96                                                                          \
-  FOURBIT_WGMMA_R64 ", " FOURBIT_WGMMA_R16(64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, \
-                                           78, 79) ", " FOURBIT_WGMMA_R16(80, 81, 82, 83, 84, 85, \
-                                                                          86, 87, 88, 89, 90, 91, \
-                                                                          92, 93, 94, 95)
-
 // The shared-memory-operand wrappers: D[64 x N] (+)= A B over one k-step, A and B K-major in
 // shared memory; accumulate = 0 overwrites D. NAME(d, desc_a, desc_b, accumulate) with d
 // [NB][4] (N / 2 floats a thread); A, B, P: the operand numbers of the two descriptors and the
@@ -180,13 +173,11 @@ FOURBIT_WGMMA_SS(wgmma_ss_n64, 8, "m64n64k16.f32.bf16.bf16", FOURBIT_WGMMA_R32, 
                  "1, 1, 0, 0")
 FOURBIT_WGMMA_SS(wgmma_ss_n128, 16, "m64n128k16.f32.bf16.bf16", FOURBIT_WGMMA_R64, FOURBIT_WGMMA_D64, 64, 65, 66,
                  "1, 1, 0, 0")
-// E4M3 x E4M3, k-steps of 32: N = 128, 192. The tensor cores add FP8 products into the
+// E4M3 x E4M3, k-steps of 32: N = 128. The tensor cores add FP8 products into the
 // accumulators with less than FP32 precision: callers promote partial sums into FP32 registers at
 // least every 128 elements of K (NUMERICS.md 6).
 FOURBIT_WGMMA_SS(wgmma_ss_e4m3_n128, 16, "m64n128k32.f32.e4m3.e4m3", FOURBIT_WGMMA_R64, FOURBIT_WGMMA_D64, 64, 65,
                  66, "1, 1")
-FOURBIT_WGMMA_SS(wgmma_ss_e4m3_n192, 24, "m64n192k32.f32.e4m3.e4m3", FOURBIT_WGMMA_R96, FOURBIT_WGMMA_D96, 96, 97,
-                 98, "1, 1")
 #undef FOURBIT_WGMMA_SS
 
 // D[64 x N] += A[64 x 16] B[16 x N], A in registers (the mma.m16n8k16 A layout, warp w holding
@@ -209,11 +200,9 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[16][4], const uint32_t 
 #undef FOURBIT_WGMMA_D16
 #undef FOURBIT_WGMMA_D32
 #undef FOURBIT_WGMMA_D64
-#undef FOURBIT_WGMMA_D96
 #undef FOURBIT_WGMMA_R16
 #undef FOURBIT_WGMMA_R32
 #undef FOURBIT_WGMMA_R64
-#undef FOURBIT_WGMMA_R96
 #endif  // FOURBIT_WGMMA_AVAILABLE
 
 // D[64 x N] (+)= A B over one k-step, A and B K-major in shared memory; accumulate = 0 overwrites D.
@@ -242,14 +231,12 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
 #endif
 }
 
-// D[64 x N] (+)= A B over one k-step of 32 E4M3 values, A and B K-major in shared memory; N = 128
-// or 192.
+// D[64 x N] (+)= A B over one k-step of 32 E4M3 values, A and B K-major in shared memory; N = 128.
 template <int N>
 __device__ __forceinline__ void mma_ss_e4m3(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  static_assert(N == 128 || N == 192, "E4M3 products with N = 128 or 192");
+  static_assert(N == 128, "E4M3 products with N = 128");
 #if FOURBIT_WGMMA_AVAILABLE
-  if constexpr (N == 128) wgmma_ss_e4m3_n128(d, desc_a, desc_b, accumulate);
-  else wgmma_ss_e4m3_n192(d, desc_a, desc_b, accumulate);
+  wgmma_ss_e4m3_n128(d, desc_a, desc_b, accumulate);
 #else
   (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
   __trap();

@@ -7,7 +7,7 @@
 // FLOPs under the fp8 recipe.
 //
 // Structure (the warp-specialized design of DeepGEMM and CUTLASS's sm90 kernels, written from the
-// PTX ISA): 128 x kBlockN tiles of C (kBlockN = 128, 192 or 256), 384 threads a CTA, a persistent grid
+// PTX ISA): 128 x kBlockN tiles of C (kBlockN = 128 or 256), 384 threads a CTA, a persistent grid
 // (as many CTAs as can be resident; each walks tiles first, first + grid, ... in groups of row
 // tiles that share B tiles in L2), optionally clusters of 2 CTAs along M that share each B tile
 // by TMA multicast (half of it loaded by each).
@@ -18,11 +18,14 @@
 //     memory by the consumers instead, one per half) with bulk copies; an mbarrier per stage counts
 //     the bytes ("full"), another the consumer warps' releases ("empty").
 //   - Warpgroups 1 and 2 are the consumers: each owns 64 rows of the tile. Per K block and per
-//     chunk of columns (kBlockN 256: two 128-column halves; 128 and 192: one chunk) it issues four
-//     m64nNk32 E4M3 wgmmas (N = 128 or 192) into a partial-sum register tile (FP32, restarted each
-//     block), waits, and promotes: acc += part * (sa[row] * sb[col]) (128x128 B: sb of the column's
-//     128-column block, which can change inside a 192-column chunk). The two consumers are not
-//     synchronized with each other, so one promotes while the other's wgmmas run.
+//     128-column chunk (kBlockN 256: two) it issues four m64n128k32 E4M3 wgmmas into a partial-sum
+//     register tile (FP32, restarted each block) and promotes it: acc += part * (sa[row] *
+//     sb[col]) (128x128 B: sb of the chunk's 128-column block). With 256 columns each chunk is
+//     waited for and promoted in turn (128 accumulators leave room for one partial tile), and only
+//     the other consumer's wgmmas keep the tensor cores busy meanwhile. With 128 columns (64
+//     accumulators) the partial tiles are double-buffered: block kb + 1's wgmmas are issued before
+//     block kb is waited for (wait_group 1) and promoted, as cuBLASLt's 128 x 128 kernels for these
+//     pairs do (the nvjet_sm90_qqtst_128x128_128x6_1x2 kernels: 6 stages, clusters of 2).
 //   - Epilogue: C = alpha * acc (+ beta * S) straight from registers (column pairs as one store),
 //     rows and columns checked against M and N, while the producer already loads the next tile.
 //   - Stages and phases run on over tiles (a count of K blocks passed); with clusters each stage's
@@ -31,12 +34,14 @@
 //     CTA leaves while its peer may still arrive on its barriers) bracket the kernel.
 // Registers: the producer gives its registers up (setmaxnreg 40), the consumers take 232 each
 // (40 + 2 * 232 = 3 * 168, the launch bound's share), enough for kBlockN = 256 (128 accumulators,
-// 64 partial sums) and 192 (96 and 96).
+// 64 partial sums) and 128 (64 accumulators, 2 x 64 partial sums).
 // Measured (H100, bench gemm; bench/notes-train.md "Session 25"): correct (the GPU tests), but
 // 10-25% slower than cuBLASLt's 1x128 x 1x128 kernels at the 1.3b Wgrad shapes and slower than
 // its 1x128 x 128x128 ones everywhere, so backend auto does not pick it by default. Tried and
 // dropped: 128 x 128 and 128 x 192 tiles as two halves of 64 / 96 columns issued together, half 0
-// promoted while half 1 runs (450-680 TFLOP/s against 715-800 for this 128 x 256 tile).
+// promoted while half 1 runs (450-680 TFLOP/s against 715-800 for this 128 x 256 tile); 192
+// columns as one m64n192k32 chunk (0.6-0.9x of the 256-column tile at every 1.3b Wgrad shape,
+// 684dbaa; notes-train.md "Session 27").
 //
 // Numerics: every product of two E4M3 values is exact in FP32; the tensor cores sum the 128
 // products of a block with their own (reduced) precision, as in cuBLASLt's split accumulator; the
@@ -55,6 +60,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
+#include <type_traits>
 
 namespace fourbit::gemm::kernels {
 namespace {
@@ -64,19 +70,17 @@ constexpr int kBlockK = 128;  // one scale block: 128 E4M3 values = one 128-byte
 constexpr int kThreads = 384;
 constexpr int kGroupM = 8;    // tiles of M walked together (the CTAs of a wave share B tiles in L2)
 
-// kBlockN columns a tile (128, 192 or 256), issued as kChunks wgmma chunks of kChunkN columns
-// (256 = two 128-column halves: 128 accumulators plus one chunk's partial sums fit the registers;
-// 192 = one m64n192k32 chunk: 96 + 96).
+// kBlockN columns a tile (128 or 256), issued as kChunks wgmma chunks of 128 columns.
 template <int kBlockN_>
 struct Tiling {
-  static_assert(kBlockN_ == 128 || kBlockN_ == 192 || kBlockN_ == 256, "tiles of 128, 192 or 256 columns");
+  static_assert(kBlockN_ == 128 || kBlockN_ == 256, "tiles of 128 or 256 columns");
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kChunkN = kBlockN == 256 ? 128 : kBlockN;
+  static constexpr int kChunkN = 128;
   static constexpr int kChunks = kBlockN / kChunkN;
   static constexpr int kABytes = kBlockM * kBlockK;
   static constexpr int kBBytes = kBlockN * kBlockK;
   static constexpr int kStageBytes = kABytes + kBBytes;   // 1024-byte multiple: tiles stay aligned
-  static constexpr int kStages = 200 * 1024 / kStageBytes < 6 ? 200 * 1024 / kStageBytes : 6;  // 6, 5, 4
+  static constexpr int kStages = 200 * 1024 / kStageBytes < 6 ? 200 * 1024 / kStageBytes : 6;  // 6, 4
   static constexpr int kScaleFloats = kBlockM + kBlockN;  // sa then sb, per stage
   static constexpr size_t kSmemBytes =
       1024 + (size_t)kStages * kStageBytes + (size_t)kStages * kScaleFloats * 4 + 2 * kStages * 8;
@@ -211,8 +215,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if FOURBIT_WGMMA_AVAILABLE
   using T = Tiling<kBlockN>;
   constexpr int kChunks = T::kChunks, kChunkN = T::kChunkN, kJ = kChunkN / 8;  // kJ column blocks of 8 a chunk
-  // A 128x128 B's scale can change inside a chunk (192 columns from a multiple of 64).
-  constexpr bool kChunkCrossesScaleBlocks = kB2d && kChunkN != 128;
+  // One chunk (128 columns): its partial sums are double-buffered (see the consumer loop).
+  constexpr bool kPipelined = kChunks == 1;
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs along M");
   constexpr int kBRowsPerCta = T::kBlockN / kCluster;  // rows of the B tile this CTA loads (and multicasts)
   extern __shared__ uint8_t smem_raw[];
@@ -307,8 +311,69 @@ __global__ void __launch_bounds__(kThreads, 1)
                      (!read_source || reinterpret_cast<uintptr_t>(source) % pair_bytes == 0);
 
   float acc[kChunks][kJ][4];
-  float part[kJ][4];
   int it = 0;
+
+  // The steps of one K block, shared by both schedules below.
+  // The 128x128 B scale of chunk h's columns at K block kb, from global memory (L2), loaded
+  // before the stage's wait so that its latency hides behind it; a block beyond N gets 0.
+  const auto b_scale = [&](int n0, int h, int kb) {
+    const int c0 = n0 + h * kChunkN;
+    return kB2d && c0 < n ? __ldg(p.scales_b + (int64_t)(c0 / 128) * p.scales_b_ld + kb) : 0.0f;
+  };
+  // Chunk h's four m64n128k32 wgmmas over stage s, into `part`, as one commit group.
+  const auto issue = [&](float(&part)[kJ][4], int s, int h) {
+    const uint32_t stage = smem_u32(tiles + (size_t)s * T::kStageBytes);
+    const uint32_t a_tile = stage + (uint32_t)(consumer * 64 * 128);
+    const uint32_t b_tile = stage + (uint32_t)(T::kABytes + h * kChunkN * 128);
+    wgmma::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      wgmma::mma_ss_e4m3<kChunkN>(part, wgmma::k_major<64>(a_tile, kk), wgmma::k_major<kChunkN>(b_tile, kk), kk > 0);
+    }
+    wgmma::wgmma_commit();
+  };
+  // acc[h] += part * (sa[row] * sb[col]) with stage s's scales (sb: the 128x128 B's `scale_b`).
+  const auto promote = [&](const float(&part)[kJ][4], int s, int h, float scale_b) {
+    const float* sa = scales + s * T::kScaleFloats;
+    const float* sb = sa + kBlockM;
+    const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
+    if constexpr (kB2d) {
+      const float s0 = sa0 * scale_b, s1 = sa1 * scale_b;
+#pragma unroll
+      for (int j = 0; j < kJ; ++j) {
+        acc[h][j][0] = fmaf(part[j][0], s0, acc[h][j][0]);
+        acc[h][j][1] = fmaf(part[j][1], s0, acc[h][j][1]);
+        acc[h][j][2] = fmaf(part[j][2], s1, acc[h][j][2]);
+        acc[h][j][3] = fmaf(part[j][3], s1, acc[h][j][3]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kJ; ++j) {
+        const float2 b = *reinterpret_cast<const float2*>(sb + h * kChunkN + 8 * j + col_in_half);
+        acc[h][j][0] = fmaf(part[j][0], sa0 * b.x, acc[h][j][0]);
+        acc[h][j][1] = fmaf(part[j][1], sa0 * b.y, acc[h][j][1]);
+        acc[h][j][2] = fmaf(part[j][2], sa1 * b.x, acc[h][j][2]);
+        acc[h][j][3] = fmaf(part[j][3], sa1 * b.y, acc[h][j][3]);
+      }
+    }
+  };
+  // This warp's reads of stage s (wgmma operands, waited for; scales) are done: one release per
+  // warp to the stage's empty barrier in every CTA of the cluster.
+  const auto release = [&](int s) {
+    __syncwarp();
+    if (lane == 0) {
+      if constexpr (kCluster == 1) {
+        mbar_arrive(&empty[s]);
+      } else {
+#pragma unroll
+        for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty[s], (uint32_t)r);
+      }
+    }
+  };
+  const auto wait_full = [&](int it_kb) {
+    mbar_wait(&full[it_kb % T::kStages], (uint32_t)(it_kb / T::kStages) & 1u);
+  };
+
   for (int t = first_tile; t < cluster_tiles; t += tile_stride) {
     int m0, n0;
     tile_origin(t, m0, n0);
@@ -319,73 +384,68 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[h][j][e] = 0.0f;
 
-    for (int kb = 0; kb < blocks; ++kb, ++it) {
-      const int s = it % T::kStages;
-      // 128x128 B: per chunk and K block the scale of its first 128-column block (and of the
-      // next, where the chunk crosses into it), from global memory (L2), loaded before the wait so
-      // that their latency hides behind it; a block wholly beyond N gets 0.
-      float scale_lo[kChunks], scale_hi[kChunks];
-#pragma unroll
-      for (int h = 0; h < kChunks; ++h) {
-        const int c0 = n0 + h * kChunkN, first = c0 / 128;
-        scale_lo[h] = kB2d && c0 < n ? __ldg(p.scales_b + (int64_t)first * p.scales_b_ld + kb) : 0.0f;
-        scale_hi[h] = kChunkCrossesScaleBlocks && (first + 1) * 128 < n
-                          ? __ldg(p.scales_b + (int64_t)(first + 1) * p.scales_b_ld + kb)
-                          : 0.0f;
-      }
-      mbar_wait(&full[s], (uint32_t)(it / T::kStages) & 1u);
-      const uint8_t* stage = tiles + (size_t)s * T::kStageBytes;
-      const float* sa = scales + s * T::kScaleFloats;
-      const float* sb = sa + kBlockM;
-      const uint32_t a_tile = smem_u32(stage) + (uint32_t)(consumer * 64 * 128);
-      const uint32_t b_tile = smem_u32(stage + T::kABytes);
-      const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
-#pragma unroll
-      for (int h = 0; h < kChunks; ++h) {
-        wgmma::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          wgmma::mma_ss_e4m3<kChunkN>(part, wgmma::k_major<64>(a_tile, kk),
-                                      wgmma::k_major<kChunkN>(b_tile + (uint32_t)(h * kChunkN * 128), kk), kk > 0);
-        }
-        wgmma::wgmma_commit();
-        wgmma::wgmma_wait<0>();
-        wgmma::registers_fence(part);
-        if constexpr (kB2d) {
-          const float s0 = sa0 * scale_lo[h], s1 = sa1 * scale_lo[h];
-          const float s0_hi = sa0 * scale_hi[h], s1_hi = sa1 * scale_hi[h];
-          // Column blocks j < split take the first scale block's, the rest the next one's.
-          const int split = kChunkCrossesScaleBlocks ? (128 - (n0 + h * kChunkN) % 128) / 8 : kJ;
-#pragma unroll
-          for (int j = 0; j < kJ; ++j) {
-            const bool lo = !kChunkCrossesScaleBlocks || j < split;
-            const float t0 = lo ? s0 : s0_hi, t1 = lo ? s1 : s1_hi;
-            acc[h][j][0] = fmaf(part[j][0], t0, acc[h][j][0]);
-            acc[h][j][1] = fmaf(part[j][1], t0, acc[h][j][1]);
-            acc[h][j][2] = fmaf(part[j][2], t1, acc[h][j][2]);
-            acc[h][j][3] = fmaf(part[j][3], t1, acc[h][j][3]);
-          }
+    if constexpr (kPipelined) {
+      // 128 columns: two partial-sum tiles, so that block kb + 1's wgmmas run while block kb is
+      // promoted (wait_group 1): the tensor cores never wait for this warpgroup's promotion.
+      float part[2][kJ][4];
+      float scale_b[2];
+      const auto start = [&](auto buf, int kb) {
+        scale_b[buf] = b_scale(n0, 0, kb);
+        wait_full(it + kb);
+        issue(part[buf], (it + kb) % T::kStages, 0);
+      };
+      // Block kb (in part[buf]) once it is done: with `next`, block kb + 1 is issued first.
+      const auto finish = [&](auto buf, int kb, bool next) {
+        constexpr int kOther = 1 - decltype(buf)::value;
+        if (next) {
+          start(std::integral_constant<int, kOther>{}, kb + 1);
+          wgmma::wgmma_wait<1>();
         } else {
-#pragma unroll
-          for (int j = 0; j < kJ; ++j) {
-            const float2 b = *reinterpret_cast<const float2*>(sb + h * kChunkN + 8 * j + col_in_half);
-            acc[h][j][0] = fmaf(part[j][0], sa0 * b.x, acc[h][j][0]);
-            acc[h][j][1] = fmaf(part[j][1], sa0 * b.y, acc[h][j][1]);
-            acc[h][j][2] = fmaf(part[j][2], sa1 * b.x, acc[h][j][2]);
-            acc[h][j][3] = fmaf(part[j][3], sa1 * b.y, acc[h][j][3]);
-          }
+          wgmma::wgmma_wait<0>();
+        }
+        wgmma::registers_fence(part[buf]);
+        const int s = (it + kb) % T::kStages;
+        promote(part[buf], s, 0, scale_b[buf]);
+        release(s);
+      };
+      // Two blocks an iteration, so that the buffers' indices are constants; the loop body always
+      // issues ahead (ptxas serializes every wgmma where a branch leaves it unsure which group a
+      // wait retires), the last one or two blocks are the tail.
+      constexpr std::integral_constant<int, 0> kBuf0{};
+      constexpr std::integral_constant<int, 1> kBuf1{};
+      if (blocks > 0) {
+        start(kBuf0, 0);
+        int kb = 0;
+        for (; kb + 2 < blocks; kb += 2) {
+          finish(kBuf0, kb, true);
+          finish(kBuf1, kb + 1, true);
+        }
+        if (kb + 1 < blocks) {
+          finish(kBuf0, kb, true);
+          finish(kBuf1, kb + 1, false);
+        } else {
+          finish(kBuf0, kb, false);
         }
       }
-      // This warp's reads of the stage (wgmma operands, waited for above; scales) are done: one
-      // release per warp to the stage's empty barrier in every CTA of the cluster.
-      __syncwarp();
-      if (lane == 0) {
-        if constexpr (kCluster == 1) {
-          mbar_arrive(&empty[s]);
-        } else {
+      it += blocks;
+    } else {
+      // 256 columns: 128 accumulators leave room for one chunk's partial sums only, so each chunk
+      // is issued, waited for and promoted in turn (the other consumer's wgmmas fill the gaps).
+      float part[kJ][4];
+      for (int kb = 0; kb < blocks; ++kb, ++it) {
+        const int s = it % T::kStages;
+        float scale_b[kChunks];
 #pragma unroll
-          for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty[s], (uint32_t)r);
+        for (int h = 0; h < kChunks; ++h) scale_b[h] = b_scale(n0, h, kb);
+        wait_full(it);
+#pragma unroll
+        for (int h = 0; h < kChunks; ++h) {
+          issue(part, s, h);
+          wgmma::wgmma_wait<0>();
+          wgmma::registers_fence(part);
+          promote(part, s, h, scale_b[h]);
         }
+        release(s);
       }
     }
 
@@ -426,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// The tile shape in effect: set_fp8_block_gemm_shape's, else FOURBIT_GEMM_FP8_BN (128 | 192 | 256),
+// The tile shape in effect: set_fp8_block_gemm_shape's, else FOURBIT_GEMM_FP8_BN (128 | 256),
 // FOURBIT_GEMM_FP8_CLUSTER (1 | 2) and FOURBIT_GEMM_FP8_CTAS (-1 | n) as read at the first launch,
 // else the defaults (0 fields).
 std::mutex g_shape_mutex;
@@ -493,8 +553,7 @@ void launch_clustered(const Fp8BlockGemmParams& p, int cluster, int ctas, cudaSt
 
 template <bool kB2d>
 void launch_columns(const Fp8BlockGemmParams& p, int block_n, int cluster, int ctas, cudaStream_t stream) {
-  if (block_n == 192) launch_clustered<192, kB2d>(p, cluster, ctas, stream);
-  else if (block_n == 256) launch_clustered<256, kB2d>(p, cluster, ctas, stream);
+  if (block_n == 256) launch_clustered<256, kB2d>(p, cluster, ctas, stream);
   else launch_clustered<128, kB2d>(p, cluster, ctas, stream);
 }
 
@@ -509,10 +568,8 @@ void set_fp8_block_gemm_shape(const Fp8BlockGemmShape& shape) {
 void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream) {
   if (p.m == 0 || p.n == 0) return;
   const Fp8BlockGemmShape shape = shape_in_effect();
-  // Columns a tile: the setting's 128, 192 or 256, else 256 where N allows it.
-  const int block_n = shape.block_n == 128 || shape.block_n == 192 || shape.block_n == 256 ? shape.block_n
-                      : p.n > 128                                                         ? 256
-                                                                                          : 128;
+  // Columns a tile: the setting's 128 or 256, else 256 where N allows it.
+  const int block_n = shape.block_n == 128 || shape.block_n == 256 ? shape.block_n : p.n > 128 ? 256 : 128;
   // Clusters only where asked for (no faster in session 26) and where there are two row tiles.
   const int cluster = shape.cluster_m == 2 && p.m > kBlockM ? 2 : 1;
   if (p.b_2d) launch_columns<true>(p, block_n, cluster, shape.ctas, stream);

@@ -44,9 +44,8 @@ struct Fp8BlockGemmParams {
 
 void launch_fp8_block_gemm(const Fp8BlockGemmParams& p, cudaStream_t stream);
 
-// The kernel's tile shape and grid, for tests and A/B runs (0: the default). block_n: 128, 192 or
-// 256 columns per CTA (default 256 when N > 128; 192 is one m64n192k32 chunk instead of two
-// 128-column halves); cluster_m: 1 or 2 CTAs along M sharing each B tile
+// The kernel's tile shape and grid, for tests and A/B runs (0: the default). block_n: 128 or 256
+// columns per CTA (default 256 when N > 128); cluster_m: 1 or 2 CTAs along M sharing each B tile
 // by TMA multicast; ctas: the persistent grid's size (default: as many CTAs as can be resident,
 // each walking tiles first, first + grid, ...; -1: one CTA per tile; n > 0: at most n, which the
 // tests use to make every CTA take several tiles). Process-wide; replaces FOURBIT_GEMM_FP8_BN,
