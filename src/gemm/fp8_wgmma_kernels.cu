@@ -347,9 +347,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         acc[h][j][3] = fmaf(part[j][3], s1, acc[h][j][3]);
       }
     } else {
+      // The column pairs' scales through one shared-memory address and immediate offsets (ptxas
+      // spilled with the 128-column tiles' two partial-sum tiles when each load had its own
+      // address register).
+      const uint32_t sb_addr = smem_u32(sb + h * kChunkN + col_in_half);
 #pragma unroll
       for (int j = 0; j < kJ; ++j) {
-        const float2 b = *reinterpret_cast<const float2*>(sb + h * kChunkN + 8 * j + col_in_half);
+        float2 b;
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(b.x), "=f"(b.y) : "r"(sb_addr + 32 * j));
         acc[h][j][0] = fmaf(part[j][0], sa0 * b.x, acc[h][j][0]);
         acc[h][j][1] = fmaf(part[j][1], sa0 * b.y, acc[h][j][1]);
         acc[h][j][2] = fmaf(part[j][2], sa1 * b.x, acc[h][j][2]);
