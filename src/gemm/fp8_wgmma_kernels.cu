@@ -138,14 +138,19 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorM
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar)), "h"(cta_mask)
       : "memory");
 }
-// Arrives on the mbarrier at `bar`'s offset in CTA `rank` of the cluster (this CTA included), with
-// the default (.release.cta) semantics: what it orders is this thread's completed shared-memory
-// reads before the peer's TMA overwrites them. (.release.cluster put a full memory barrier, ERRBAR,
-// before every arrival: 23% of the stall samples and half the speed, ncu at 1602b9f.)
-__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
+// The shared::cluster address of `x`'s offset in CTA `rank` of the cluster (this CTA included);
+// offsets from it address the same offsets in that CTA.
+__device__ __forceinline__ uint32_t cluster_address(const void* x, uint32_t rank) {
   uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_u32(bar)), "r"(rank));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_u32(x)), "r"(rank));
+  return remote;
+}
+// Arrives on the mbarrier at shared::cluster address `bar` (cluster_address), with the default
+// (.release.cta) semantics: what it orders is this thread's completed shared-memory reads before
+// the peer's TMA overwrites them. (.release.cluster put a full memory barrier, ERRBAR, before
+// every arrival: 23% of the stall samples and half the speed, ncu at 1602b9f.)
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;
@@ -363,7 +368,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   // This warp's reads of stage s (wgmma operands, waited for; scales) are done: one release per
-  // warp to the stage's empty barrier in every CTA of the cluster.
+  // warp to the stage's empty barrier in every CTA of the cluster (addresses from the barriers'
+  // base in each CTA, mapped once).
+  uint32_t empty_in_cta[kCluster];
+#pragma unroll
+  for (int r = 0; r < kCluster; ++r) empty_in_cta[r] = kCluster == 1 ? 0u : cluster_address(empty, (uint32_t)r);
   const auto release = [&](int s) {
     __syncwarp();
     if (lane == 0) {
@@ -371,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive(&empty[s]);
       } else {
 #pragma unroll
-        for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty[s], (uint32_t)r);
+        for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(empty_in_cta[r] + 8u * (uint32_t)s);
       }
     }
   };
