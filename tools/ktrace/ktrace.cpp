@@ -7,6 +7,8 @@
 // state's launch and synchronization losses, by the activity that ended them; longer gaps apart).
 //
 //   LD_PRELOAD=build-gpu/tools/ktrace/libfourbit_ktrace.so fourbit bench train --presets gpt2-124m --recipes nvfp4
+//   CUDA_INJECTION64_PATH=build-gpu/tools/ktrace/libfourbit_ktrace.so fourbit ...   (the same, loaded by the
+//                                        driver at cuInit: CUPTI's injection, where LD_PRELOAD records nothing)
 //
 // Environment: FOURBIT_KTRACE_OUT=file writes the table there (default: stderr);
 // FOURBIT_KTRACE_TOP=n keeps the n largest rows (default 60); FOURBIT_KTRACE_WIDTH=n cuts names
@@ -200,7 +202,7 @@ void CUPTIAPI on_callback(void*, CUpti_CallbackDomain domain, CUpti_CallbackId i
   }
 }
 
-__attribute__((constructor)) void start() {
+void start_tracing() {
   g_rows = new std::map<std::string, Row>();
   g_intervals = new std::vector<Interval>();
   // Subscribe first (CUPTI's guide: before any other CUPTI call). Failure means another CUPTI
@@ -222,6 +224,16 @@ __attribute__((constructor)) void start() {
     return;
   }
   g_ok = true;
+}
+std::once_flag g_started;
+
+// Loaded by LD_PRELOAD: tracing starts with the library. Loaded by the driver through
+// CUDA_INJECTION64_PATH (CUPTI's own injection: the driver calls InitializeInjection inside
+// cuInit): it starts there instead, after the driver is up (session 27 saw an LD_PRELOAD run whose
+// subscriber never got a callback).
+__attribute__((constructor)) void start() {
+  if (std::getenv("CUDA_INJECTION64_PATH") != nullptr) return;
+  std::call_once(g_started, start_tracing);
 }
 
 // Flushes CUPTI's buffers and writes the table, once.
@@ -281,3 +293,8 @@ void report() {
 __attribute__((destructor)) void finish() { report(); }
 
 }  // namespace
+
+extern "C" __attribute__((visibility("default"))) int InitializeInjection() {
+  std::call_once(g_started, start_tracing);
+  return 1;
+}
