@@ -139,6 +139,42 @@ TEST(OpsAdamW, ClipScale) {
   EXPECT_EQ(clip_grad_scale(std::numeric_limits<float>::infinity(), 1.0f), 0.0f);
 }
 
+// adamw_update_many: each tensor with its own parameters, the same values as one adamw_update
+// per tensor; an invalid update is named by its index.
+TEST(OpsAdamW, ManyEqualsOnePerTensor) {
+  const int64_t sizes[] = {5, 0, 130, 1};
+  std::vector<Tensor> p1, p2, m1, m2, v1, v2, g;
+  std::vector<AdamWUpdate> updates;
+  std::vector<AdamWParams> params;
+  for (size_t i = 0; i < std::size(sizes); ++i) {
+    const int64_t n = sizes[i];
+    p1.push_back(host_tensor({n}, DType::kF32, random_normal(n, 10 + i)));
+    p2.push_back(p1.back().to(Device::kCpu));
+    g.push_back(host_tensor({n}, DType::kF32, random_normal(n, 20 + i)));
+    for (auto* t : {&m1, &m2, &v1, &v2}) t->push_back(Tensor::zeros({n}, DType::kF32, Device::kCpu));
+    AdamWParams a;
+    a.lr = 0.01f * (float)(i + 1);
+    a.weight_decay = i % 2 == 0 ? 0.1f : 0.0f;
+    a.grad_scale = 0.5f + 0.25f * (float)i;
+    a.step = 1 + (int64_t)i;
+    params.push_back(a);
+  }
+  for (size_t i = 0; i < std::size(sizes); ++i) {
+    adamw_update(p1[i], g[i], m1[i], v1[i], TensorView{}, params[i]);
+    updates.push_back({p2[i], g[i], m2[i], v2[i], TensorView{}, params[i]});
+  }
+  adamw_update_many(updates);
+  for (size_t i = 0; i < std::size(sizes); ++i) {
+    SCOPED_TRACE(::testing::Message() << "tensor " << i);
+    EXPECT_EQ(values_of(p2[i]), values_of(p1[i]));
+    if (sizes[i] > 0) EXPECT_NE(values_of(p2[i]), values_of(host_tensor({sizes[i]}, DType::kF32, random_normal(sizes[i], 10 + i))));
+    EXPECT_EQ(values_of(m2[i]), values_of(m1[i]));
+    EXPECT_EQ(values_of(v2[i]), values_of(v1[i]));
+  }
+  updates[2].p.step = 0;
+  EXPECT_NE(error_of([&] { adamw_update_many(updates); }).find("updates[2]: step must be >= 1"), std::string::npos);
+}
+
 TEST(OpsAdamW, Errors) {
   Tensor p = host_tensor({4}, DType::kF32, {1, 2, 3, 4}), g = host_tensor({4}, DType::kF32, {1, 1, 1, 1});
   Tensor m = Tensor::zeros({4}, DType::kF32, Device::kCpu), v = Tensor::zeros({4}, DType::kF32, Device::kCpu);

@@ -1,7 +1,9 @@
 // ops adamw (gpu): the CUDA AdamW update (three consecutive steps, weight decay, gradient scale,
 // the fused bf16 copy) against the CPU f32 reference, on odd sizes and misaligned buffers with
-// guard regions; and the two-stage global gradient norm against the float64 CPU reference over a
-// list of f32 and bf16 tensors (empty ones included), its determinism and NaN propagation.
+// guard regions, and the batched update (adamw_update_many) against one update per tensor; the
+// two-stage global gradient norm against the float64 CPU reference over a list of f32 and bf16
+// tensors (empty ones included; more than one launch's batch), its determinism and NaN
+// propagation.
 //
 // Tolerances (u = 2^-24).
 //   AdamW: both sides evaluate the same FP32 formulas with IEEE division and square root; CUDA
@@ -134,6 +136,73 @@ TEST_F(OpsAdamWCuda, GlobalGradNorm) {
   Tensor norm = Tensor::empty({1}, DType::kF32, Device::kCuda);
   global_grad_norm(norm, views, ws2.view);
   EXPECT_TRUE(std::isnan(values_of(norm)[0])) << "a NaN gradient must give a NaN norm";
+}
+
+// adamw_update_many over more tensors than one launch takes (kAdamWBatch = 32), of odd, empty and
+// misaligned sizes, each with its own parameters and some with a bf16 copy: the same bits as one
+// adamw_update per tensor on the GPU.
+TEST_F(OpsAdamWCuda, ManyEqualsOnePerTensor) {
+  constexpr int kTensors = 70;
+  std::vector<Guarded> p1, p2, m1, m2, v1, v2, b1, b2, g;
+  std::vector<AdamWParams> params;
+  for (int i = 0; i < kTensors; ++i) {
+    const int64_t n = i % 9 == 0 ? 0 : i % 5 == 0 ? 70000 + i : 3 * i + 1;
+    const int64_t shift = i % 3 == 0 ? 4 : 0;
+    const Tensor hp = host_tensor({n}, DType::kF32, random_normal(n, 1000 + i));
+    const Tensor hz = Tensor::zeros({n}, DType::kF32, Device::kCpu);
+    p1.push_back(Guarded::copy_of(hp, kPoison, shift));
+    p2.push_back(Guarded::copy_of(hp, kPoison, shift));
+    for (auto* t : {&m1, &m2, &v1, &v2}) t->push_back(Guarded::copy_of(hz, kPoison, shift));
+    for (auto* t : {&b1, &b2}) t->push_back(Guarded::make({n}, DType::kBF16, kPoison, i % 4 == 1 ? 2 : 0));
+    g.push_back(Guarded::copy_of(host_tensor({n}, DType::kF32, random_normal(n, 2000 + i)), kPoison, shift));
+    AdamWParams a;
+    a.lr = 1e-3f * (float)(1 + i % 7);
+    a.weight_decay = i % 2 == 0 ? 0.1f : 0.0f;
+    a.grad_scale = i % 4 == 0 ? 0.3f : 1.0f;
+    a.step = 1 + i % 3;
+    params.push_back(a);
+  }
+  for (int step = 0; step < 2; ++step) {
+    std::vector<AdamWUpdate> updates;
+    for (int i = 0; i < kTensors; ++i) {
+      const bool bf16 = i % 4 < 2;
+      adamw_update(p1[i].view, g[i].view, m1[i].view, v1[i].view, bf16 ? b1[i].view : TensorView{}, params[i]);
+      updates.push_back({p2[i].view, g[i].view, m2[i].view, v2[i].view, bf16 ? b2[i].view : TensorView{}, params[i]});
+    }
+    adamw_update_many(updates);
+  }
+  for (int i = 0; i < kTensors; ++i) {
+    SCOPED_TRACE(::testing::Message() << "tensor " << i);
+    EXPECT_EQ(p2[i].values(), p1[i].values());
+    EXPECT_EQ(m2[i].values(), m1[i].values());
+    EXPECT_EQ(v2[i].values(), v1[i].values());
+    if (i % 4 < 2) {
+      EXPECT_EQ(b2[i].values(), b1[i].values());
+    }
+    for (const Guarded* x : {&p2[i], &m2[i], &v2[i], &b2[i]}) EXPECT_EQ(x->damaged_guard_bytes(), 0);
+  }
+}
+
+// The norm over more tensors than one launch takes (kSumsqBatch = 64, so three launches) of f32 and
+// bf16, empty and misaligned: the float64 reference.
+TEST_F(OpsAdamWCuda, GlobalGradNormOverManyTensors) {
+  std::vector<Guarded> dev;
+  std::vector<TensorView> views;
+  double sum = 0;
+  for (int i = 0; i < 150; ++i) {
+    const int64_t n = i % 10 == 0 ? 0 : i % 7 == 0 ? 100000 + i : 37 * i;
+    const DType dt = i % 3 == 0 ? DType::kBF16 : DType::kF32;
+    const std::vector<double> x = rounded(random_normal(n, 500 + i, 0.01), dt);
+    for (double v : x) sum += v * v;
+    dev.push_back(Guarded::copy_of(host_tensor({n}, dt, x), kPoison, i % 2 == 0 ? 0 : dt == DType::kBF16 ? 2 : 4));
+    views.push_back(dev.back().view);
+  }
+  const double want = (double)(float)std::sqrt(sum);
+  const Guarded ws = Guarded::make({grad_norm_workspace_bytes(views)}, DType::kU8, kPoison);
+  const Guarded norm = Guarded::make({1}, DType::kF32, kPoison);
+  global_grad_norm(norm.view, views, ws.view);
+  EXPECT_EQ(ws.damaged_guard_bytes(), 0) << "wrote outside the workspace";
+  EXPECT_NEAR(norm.values()[0], want, std::ldexp(want, -22)) << "global grad norm over 150 tensors";
 }
 
 }  // namespace

@@ -5,7 +5,10 @@
 #include "formats/element.h"
 #include "ops/arg_checks.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
+#include <string>
 
 #if defined(FOURBIT_WITH_CUDA)
 #include "ops/adamw_kernels.h"
@@ -48,79 +51,100 @@ void adamw_reference(T* p, const T* g, T* m, T* v, uint16_t* p_bf16, int64_t n,
 void adamw_update(const TensorView& params, const TensorView& grads, const TensorView& m,
                   const TensorView& v, const TensorView& params_bf16, const AdamWParams& a,
                   void* stream) {
-  constexpr std::string_view op = "adamw_update";
-  const Device dev = detail::common_device(op, {{"params", &params},
-                                                {"grads", &grads},
-                                                {"m", &m},
-                                                {"v", &v},
-                                                {"params_bf16", &params_bf16}});
-  for (const detail::Named& t : {detail::Named{"params", &params}, detail::Named{"grads", &grads},
-                                 detail::Named{"m", &m}, detail::Named{"v", &v}}) {
-    FOURBIT_CHECK(t.t->numel() == params.numel() && t.t->is_contiguous(),
-                  "{}: {} must be contiguous with {} elements (as params), got {}", op, t.name,
-                  params.numel(), t.t->describe());
-  }
-  if (present(params_bf16)) {
-    FOURBIT_CHECK(params_bf16.numel() == params.numel() && params_bf16.is_contiguous(),
-                  "{}: params_bf16 must be contiguous with {} elements, got {}", op, params.numel(),
-                  params_bf16.describe());
-    check_dtype(op, "params_bf16", params_bf16, {DType::kBF16});
-  }
-  FOURBIT_CHECK(detail::distinct(params, grads) && detail::distinct(params, m) &&
-                    detail::distinct(params, v) && detail::distinct(m, v) &&
-                    detail::distinct(grads, m) && detail::distinct(grads, v),
-                "{}: params, grads, m and v must be distinct buffers", op);
-  FOURBIT_CHECK(a.step >= 1, "{}: step must be >= 1 (1-based), got {}", op, a.step);
-  FOURBIT_CHECK(std::isfinite(a.lr) && a.lr >= 0, "{}: lr must be finite and >= 0, got {}", op,
-                a.lr);
-  FOURBIT_CHECK(a.beta1 >= 0 && a.beta1 < 1 && a.beta2 >= 0 && a.beta2 < 1,
-                "{}: beta1 and beta2 must lie in [0, 1), got {} and {}", op, a.beta1, a.beta2);
-  FOURBIT_CHECK(std::isfinite(a.eps) && a.eps >= 0 && std::isfinite(a.weight_decay) &&
-                    a.weight_decay >= 0 && std::isfinite(a.grad_scale),
-                "{}: eps and weight_decay must be finite and >= 0 and grad_scale finite, got {}, "
-                "{}, {}",
-                op, a.eps, a.weight_decay, a.grad_scale);
-  const double bc1 = 1.0 - std::pow((double)a.beta1, (double)a.step);
-  const double bc2 = 1.0 - std::pow((double)a.beta2, (double)a.step);
-  const int64_t n = params.numel();
+  const AdamWUpdate u{params, grads, m, v, params_bf16, a};
+  adamw_update_many(std::span<const AdamWUpdate>(&u, 1), stream);
+}
 
-  if (dev == Device::kCpu) {
-    const DType dt =
-        detail::cpu_float_dtype(op, {{"params", &params}, {"grads", &grads}, {"m", &m}, {"v", &v}});
-    uint16_t* pb = present(params_bf16) ? params_bf16.ptr<uint16_t>() : nullptr;
-    if (dt == DType::kF64) {
-      FOURBIT_CHECK(pb == nullptr, "{}: params_bf16 needs f32 params on the CPU", op);
-      adamw_reference<double>(params.ptr<double>(), grads.ptr<const double>(), m.ptr<double>(),
-                              v.ptr<double>(), nullptr, n, a, bc1, bc2);
-    } else {
-      adamw_reference<float>(params.ptr<float>(), grads.ptr<const float>(), m.ptr<float>(),
-                             v.ptr<float>(), pb, n, a, (float)bc1, (float)bc2);
+void adamw_update_many(std::span<const AdamWUpdate> updates, void* stream) {
+#if defined(FOURBIT_WITH_CUDA)
+  kernels::AdamWBatch batch;
+  const auto flush = [&] {
+    if (batch.count > 0) kernels::launch_adamw(batch, static_cast<cudaStream_t>(stream));
+    batch.count = 0;
+  };
+#endif
+  for (size_t i = 0; i < updates.size(); ++i) {
+    const auto& [params, grads, m, v, params_bf16, a] = updates[i];
+    // Messages name the update where there are several.
+    const std::string op = updates.size() == 1 ? std::string("adamw_update") : fmt::format("adamw_update_many: updates[{}]", i);
+    const Device dev = detail::common_device(op, {{"params", &params},
+                                                  {"grads", &grads},
+                                                  {"m", &m},
+                                                  {"v", &v},
+                                                  {"params_bf16", &params_bf16}});
+    for (const detail::Named& t : {detail::Named{"params", &params}, detail::Named{"grads", &grads},
+                                   detail::Named{"m", &m}, detail::Named{"v", &v}}) {
+      FOURBIT_CHECK(t.t->numel() == params.numel() && t.t->is_contiguous(),
+                    "{}: {} must be contiguous with {} elements (as params), got {}", op, t.name,
+                    params.numel(), t.t->describe());
     }
-    return;
+    if (present(params_bf16)) {
+      FOURBIT_CHECK(params_bf16.numel() == params.numel() && params_bf16.is_contiguous(),
+                    "{}: params_bf16 must be contiguous with {} elements, got {}", op, params.numel(),
+                    params_bf16.describe());
+      check_dtype(op, "params_bf16", params_bf16, {DType::kBF16});
+    }
+    FOURBIT_CHECK(detail::distinct(params, grads) && detail::distinct(params, m) &&
+                      detail::distinct(params, v) && detail::distinct(m, v) &&
+                      detail::distinct(grads, m) && detail::distinct(grads, v),
+                  "{}: params, grads, m and v must be distinct buffers", op);
+    FOURBIT_CHECK(a.step >= 1, "{}: step must be >= 1 (1-based), got {}", op, a.step);
+    FOURBIT_CHECK(std::isfinite(a.lr) && a.lr >= 0, "{}: lr must be finite and >= 0, got {}", op,
+                  a.lr);
+    FOURBIT_CHECK(a.beta1 >= 0 && a.beta1 < 1 && a.beta2 >= 0 && a.beta2 < 1,
+                  "{}: beta1 and beta2 must lie in [0, 1), got {} and {}", op, a.beta1, a.beta2);
+    FOURBIT_CHECK(std::isfinite(a.eps) && a.eps >= 0 && std::isfinite(a.weight_decay) &&
+                      a.weight_decay >= 0 && std::isfinite(a.grad_scale),
+                  "{}: eps and weight_decay must be finite and >= 0 and grad_scale finite, got {}, "
+                  "{}, {}",
+                  op, a.eps, a.weight_decay, a.grad_scale);
+    const double bc1 = 1.0 - std::pow((double)a.beta1, (double)a.step);
+    const double bc2 = 1.0 - std::pow((double)a.beta2, (double)a.step);
+    const int64_t n = params.numel();
+
+    if (dev == Device::kCpu) {
+      const DType dt =
+          detail::cpu_float_dtype(op, {{"params", &params}, {"grads", &grads}, {"m", &m}, {"v", &v}});
+      uint16_t* pb = present(params_bf16) ? params_bf16.ptr<uint16_t>() : nullptr;
+      if (dt == DType::kF64) {
+        FOURBIT_CHECK(pb == nullptr, "{}: params_bf16 needs f32 params on the CPU", op);
+        adamw_reference<double>(params.ptr<double>(), grads.ptr<const double>(), m.ptr<double>(),
+                                v.ptr<double>(), nullptr, n, a, bc1, bc2);
+      } else {
+        adamw_reference<float>(params.ptr<float>(), grads.ptr<const float>(), m.ptr<float>(),
+                               v.ptr<float>(), pb, n, a, (float)bc1, (float)bc2);
+      }
+      continue;
+    }
+#if defined(FOURBIT_WITH_CUDA)
+    for (const detail::Named& t : {detail::Named{"params", &params}, detail::Named{"grads", &grads},
+                                   detail::Named{"m", &m}, detail::Named{"v", &v}})
+      check_dtype(op, t.name, *t.t, {DType::kF32});
+    kernels::AdamWSegment& k = batch.seg[batch.count++];
+    k = {};
+    k.params = params.ptr<float>();
+    k.grads = grads.ptr<const float>();
+    k.m = m.ptr<float>();
+    k.v = v.ptr<float>();
+    k.params_bf16 = present(params_bf16) ? params_bf16.ptr<uint16_t>() : nullptr;
+    k.n = n;
+    k.lr = a.lr;
+    k.beta1 = a.beta1;
+    k.beta2 = a.beta2;
+    k.eps = a.eps;
+    k.weight_decay = a.weight_decay;
+    k.grad_scale = a.grad_scale;
+    k.bias_correction1 = (float)bc1;
+    k.bias_correction2 = (float)bc2;
+    if (batch.count == kernels::kAdamWBatch) flush();
+#else
+    detail::no_cuda_build(op);
+#endif
   }
 #if defined(FOURBIT_WITH_CUDA)
-  for (const detail::Named& t : {detail::Named{"params", &params}, detail::Named{"grads", &grads},
-                                 detail::Named{"m", &m}, detail::Named{"v", &v}})
-    check_dtype(op, t.name, *t.t, {DType::kF32});
-  kernels::AdamWArgs k{};
-  k.params = params.ptr<float>();
-  k.grads = grads.ptr<const float>();
-  k.m = m.ptr<float>();
-  k.v = v.ptr<float>();
-  k.params_bf16 = present(params_bf16) ? params_bf16.ptr<uint16_t>() : nullptr;
-  k.n = n;
-  k.lr = a.lr;
-  k.beta1 = a.beta1;
-  k.beta2 = a.beta2;
-  k.eps = a.eps;
-  k.weight_decay = a.weight_decay;
-  k.grad_scale = a.grad_scale;
-  k.bias_correction1 = (float)bc1;
-  k.bias_correction2 = (float)bc2;
-  kernels::launch_adamw(k, static_cast<cudaStream_t>(stream));
+  flush();
 #else
   (void)stream;
-  detail::no_cuda_build(op);
 #endif
 }
 
@@ -178,14 +202,20 @@ void global_grad_norm(const TensorView& norm, std::span<const TensorView> tensor
                 op, need, present(workspace) ? workspace.describe() : "none");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   double* partials = static_cast<double*>(workspace.data);
+  // Up to kSumsqBatch tensors a launch; each tensor's partials where its own launch put them.
+  kernels::SumsqBatch batch;
   int64_t first = 0;
   for (const TensorView& t : tensors) {
     const int64_t blocks = sumsq_blocks(t.numel());
-    kernels::launch_sumsq_partials(
-        t.data, t.dtype == DType::kBF16 ? kernels::FloatType::kBF16 : kernels::FloatType::kF32,
-        t.numel(), blocks, partials + first, s);
+    batch.seg[batch.count++] = {t.data, t.numel(), (int32_t)first, (int32_t)blocks,
+                                t.dtype == DType::kBF16 ? kernels::FloatType::kBF16 : kernels::FloatType::kF32};
     first += blocks;
+    if (batch.count == kernels::kSumsqBatch) {
+      kernels::launch_sumsq_partials(batch, partials, s);
+      batch.count = 0;
+    }
   }
+  if (batch.count > 0) kernels::launch_sumsq_partials(batch, partials, s);
   kernels::launch_norm_from_partials(partials, first, norm.ptr<float>(), s);
 #else
   (void)workspace;

@@ -44,6 +44,16 @@ void adamw_update(const TensorView& params, const TensorView& grads, const Tenso
                   const TensorView& v, const TensorView& params_bf16, const AdamWParams& p,
                   void* stream = nullptr);
 
+// adamw_update over several tensors, each with its own AdamWParams: on CUDA one launch per up to
+// 32 tensors (a model's optimizer step: one launch per parameter tensor left the GPU waiting for
+// the host between the small kernels), the same bits as one adamw_update per tensor.
+struct AdamWUpdate {
+  TensorView params, grads, m, v;
+  TensorView params_bf16;  // optional
+  AdamWParams p;
+};
+void adamw_update_many(std::span<const AdamWUpdate> updates, void* stream = nullptr);
+
 // Bytes of CUDA workspace global_grad_norm needs for these tensors (the CPU needs none).
 int64_t grad_norm_workspace_bytes(std::span<const TensorView> tensors);
 

@@ -1,5 +1,7 @@
 // Optimizer kernels: the AdamW update (elementwise, 8 elements per thread and step, optional
-// fused bf16 copy) and the two-stage sum of squares behind the global gradient norm.
+// fused bf16 copy) and the two-stage sum of squares behind the global gradient norm, each over a
+// batch of tensors per launch (adamw_kernels.h: every tensor's CTAs do what a launch for it
+// alone would).
 #include "ops/adamw_kernels.h"
 
 #include "core/error.h"
@@ -12,9 +14,27 @@ constexpr int kThreads = 256;
 constexpr int kSumThreads = 256;
 constexpr int kNormThreads = 1024;
 
-__global__ void adamw_kernel(AdamWArgs a, bool vec) {
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x * 8;
-  for (int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 8; i < a.n; i += stride) {
+// The segment whose run of CTAs holds blockIdx.x: the last one with first_block <= blockIdx.x
+// (first_block ascending).
+template <typename Segment>
+__device__ __forceinline__ int segment_of_block(const Segment* seg, int count) {
+  const int b = (int)blockIdx.x;
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (seg[mid].first_block <= b) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWBatch batch) {
+  const AdamWSegment& a = batch.seg[segment_of_block(batch.seg, batch.count)];
+  const bool vec = is_aligned16(a.params) && is_aligned16(a.grads) && is_aligned16(a.m) &&
+                   is_aligned16(a.v) && (!a.params_bf16 || is_aligned16(a.params_bf16));
+  const int64_t block = (int64_t)blockIdx.x - a.first_block;
+  const int64_t stride = (int64_t)a.blocks * blockDim.x * 8;
+  for (int64_t i = (block * blockDim.x + threadIdx.x) * 8; i < a.n; i += stride) {
     float p[8], g[8], m[8], v[8];
     load8(a.params, i, a.n, vec, p);
     load8(a.grads, i, a.n, vec, g);
@@ -37,17 +57,26 @@ __global__ void adamw_kernel(AdamWArgs a, bool vec) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kSumThreads)
-    sumsq_kernel(const T* __restrict__ x, int64_t n, bool vec, double* __restrict__ partials) {
-  __shared__ double scratch[32];
+__device__ __forceinline__ double sumsq_slice(const T* __restrict__ x, int64_t n, int64_t block, int64_t blocks) {
+  const bool vec = is_aligned16(x);
   double acc = 0.0;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x * 8;
-  for (int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 8; i < n; i += stride) {
+  const int64_t stride = blocks * blockDim.x * 8;
+  for (int64_t i = (block * blockDim.x + threadIdx.x) * 8; i < n; i += stride) {
     float v[8];
     load8(x, i, n, vec, v);
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc = fma((double)v[k], (double)v[k], acc);
   }
+  return acc;
+}
+
+__global__ void __launch_bounds__(kSumThreads) sumsq_kernel(SumsqBatch batch, double* __restrict__ partials) {
+  __shared__ double scratch[32];
+  const SumsqSegment& s = batch.seg[segment_of_block(batch.seg, batch.count)];
+  const int64_t block = (int64_t)blockIdx.x - s.first_block;
+  double acc = s.type == FloatType::kBF16
+                   ? sumsq_slice(static_cast<const bf16_t*>(s.x), s.n, block, s.blocks)
+                   : sumsq_slice(static_cast<const float*>(s.x), s.n, block, s.blocks);
   acc = block_sum(acc, scratch);
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
@@ -63,22 +92,31 @@ __global__ void __launch_bounds__(kNormThreads)
 
 }  // namespace
 
-void launch_adamw(const AdamWArgs& a, cudaStream_t stream) {
-  if (a.n == 0) return;
-  const bool vec = is_aligned16(a.params) && is_aligned16(a.grads) && is_aligned16(a.m) &&
-                   is_aligned16(a.v) && (!a.params_bf16 || is_aligned16(a.params_bf16));
-  adamw_kernel<<<grid_for((a.n + 7) / 8, kThreads), kThreads, 0, stream>>>(a, vec);
+void launch_adamw(AdamWBatch& batch, cudaStream_t stream) {
+  // Each tensor's CTAs: as many as its own launch had (grid_for), empty tensors none.
+  int kept = 0;
+  int64_t blocks = 0;
+  for (int i = 0; i < batch.count; ++i) {
+    AdamWSegment s = batch.seg[i];
+    if (s.n == 0) continue;
+    s.first_block = (int32_t)blocks;
+    s.blocks = (int32_t)grid_for((s.n + 7) / 8, kThreads);
+    blocks += s.blocks;
+    batch.seg[kept++] = s;
+  }
+  batch.count = kept;
+  if (kept == 0) return;
+  adamw_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(batch);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 
-void launch_sumsq_partials(const void* x, FloatType type, int64_t n, int64_t blocks,
-                           double* partials, cudaStream_t stream) {
-  const bool vec = is_aligned16(x);
-  with_float_type(type, [&](auto t) {
-    using T = decltype(t);
-    sumsq_kernel<T><<<(unsigned)blocks, kSumThreads, 0, stream>>>(static_cast<const T*>(x), n,
-                                                                  vec, partials);
-  });
+void launch_sumsq_partials(const SumsqBatch& batch, double* partials, cudaStream_t stream) {
+  const SumsqSegment& last = batch.seg[batch.count - 1];
+  const int64_t blocks = (int64_t)last.first_block + last.blocks - batch.seg[0].first_block;
+  // The kernel indexes partials and first_block from this launch's first CTA.
+  SumsqBatch local = batch;
+  for (int i = 0; i < local.count; ++i) local.seg[i].first_block -= batch.seg[0].first_block;
+  sumsq_kernel<<<(unsigned)blocks, kSumThreads, 0, stream>>>(local, partials + batch.seg[0].first_block);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 

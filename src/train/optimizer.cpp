@@ -99,11 +99,14 @@ StepResult AdamW::step(double lr) {
   const float scale = (float)r.clip_scale;
   const model::ParamBuffer& compute = model_.compute_params();
   const bool write_bf16 = compute.dtype() == DType::kBF16 && &compute != &model_.params();
+  std::vector<ops::AdamWUpdate> updates;
+  updates.reserve(trainable_.size());
   for (int i : trainable_) {
-    const ops::AdamWParams a = adamw_update_params(config_, lr, steps_ + 1, decay_[(size_t)i], scale);
-    ops::adamw_update(model_.params().view(i), model_.grads().view(i), m_.view(i), v_.view(i),
-                      write_bf16 ? compute.view(i) : TensorView{}, a, config_.stream);
+    updates.push_back({model_.params().view(i), model_.grads().view(i), m_.view(i), v_.view(i),
+                       write_bf16 ? compute.view(i) : TensorView{},
+                       adamw_update_params(config_, lr, steps_ + 1, decay_[(size_t)i], scale)});
   }
+  ops::adamw_update_many(updates, config_.stream);
   ++steps_;
   r.applied = true;
   return r;
