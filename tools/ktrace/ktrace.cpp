@@ -165,7 +165,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       }
       case CUPTI_ACTIVITY_KIND_MEMSET: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(record);
-        add("[memset]", m->start, m->end);
+        add("[memset " + std::to_string((unsigned long long)m->bytes) + " B]", m->start, m->end);
         break;
       }
       default:
