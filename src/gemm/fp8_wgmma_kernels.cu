@@ -42,7 +42,7 @@
 // promoted while half 1 runs (450-680 TFLOP/s against 715-800 for this 128 x 256 tile); 192
 // columns as one m64n192k32 chunk (0.6-0.9x of the 256-column tile at every 1.3b Wgrad shape,
 // 684dbaa; notes-train.md "Session 27"). The double-buffered 128-column tiles (H200, db1b55b) run
-// at 0.91-1.0x of the 256-column ones (clusters of 2: 0.95-1.04x), so the tensor cores' wait for
+// at 0.91-1.0x of the 256-column ones (clusters of 2: 0.93-1.04x), so the tensor cores' wait for
 // one warpgroup's promotion is not what holds the kernel back either; 256 stays the default.
 //
 // Numerics: every product of two E4M3 values is exact in FP32; the tensor cores sum the 128
