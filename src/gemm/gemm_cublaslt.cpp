@@ -24,6 +24,7 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "core/log.h"
 #include "gemm/fp8_wgmma_kernels.h"
 #include "gemm/gemm_kernels.h"
 
@@ -31,9 +32,11 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string_view>
 
 namespace fourbit::gemm::detail {
 namespace {
@@ -182,11 +185,35 @@ const Plan& get_plan(const PlanKey& key, const MatmulOperand& a, const MatmulOpe
   FOURBIT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_b, sizeof(key.align_b)));
   FOURBIT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c, sizeof(key.align_c)));
   FOURBIT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof(key.align_c)));
-  cublasLtMatmulHeuristicResult_t result{};
+  // FOURBIT_CUBLASLT_SPLITK=0 (A/B runs): the heuristic's best algorithm that does not split K,
+  // where it offers one among its first kCandidates. The default takes its first choice. (At
+  // gpt2-124m every split-K GEMM of a step came with idle gaps before memsets, 0.7 ms a step on an
+  // H200 by ktrace, session 27.)
+  static const bool no_split_k = [] {
+    const char* v = std::getenv("FOURBIT_CUBLASLT_SPLITK");
+    return v != nullptr && std::string_view(v) == "0";
+  }();
+  constexpr int kCandidates = 16;
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(lt().handle(), p.desc, p.layout_a, p.layout_b,
-                                                               p.layout_c, p.layout_c, pref, 1, &result, &found);
+  const cublasStatus_t status =
+      cublasLtMatmulAlgoGetHeuristic(lt().handle(), p.desc, p.layout_a, p.layout_b, p.layout_c, p.layout_c, pref,
+                                     no_split_k ? kCandidates : 1, results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
+  int pick = 0;
+  if (no_split_k && status == CUBLAS_STATUS_SUCCESS) {
+    const auto split_k_of = [](const cublasLtMatmulAlgo_t& algo) {
+      int32_t splits = 1;
+      size_t written = 0;
+      cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits), &written);
+      return splits;
+    };
+    while (pick < found && split_k_of(results[pick].algo) > 1) ++pick;
+    if (pick == found) pick = 0;
+    log_info("{}: FOURBIT_CUBLASLT_SPLITK=0: C[{}, {}], K {}: candidate {} of {} (split-K {}; the first choice's: {})",
+             gemm_name, key.n, key.m, key.k, pick, found, split_k_of(results[pick].algo), split_k_of(results[0].algo));
+  }
+  const cublasLtMatmulHeuristicResult_t& result = results[pick];
   FOURBIT_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0,
                 "{}: cuBLASLt has no algorithm for C[{}, {}] = A[{}, {}] . B[{}, {}]^T (cuBLAS types: "
                 "A {}, B {}, C {}; scale modes A {}, B {}; leading dimensions A {}, B {}, C {}; "
