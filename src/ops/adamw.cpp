@@ -120,22 +120,22 @@ void adamw_update_many(std::span<const AdamWUpdate> updates, void* stream) {
     for (const detail::Named& t : {detail::Named{"params", &params}, detail::Named{"grads", &grads},
                                    detail::Named{"m", &m}, detail::Named{"v", &v}})
       check_dtype(op, t.name, *t.t, {DType::kF32});
-    kernels::AdamWSegment& k = batch.seg[batch.count++];
-    k = {};
-    k.params = params.ptr<float>();
-    k.grads = grads.ptr<const float>();
-    k.m = m.ptr<float>();
-    k.v = v.ptr<float>();
-    k.params_bf16 = present(params_bf16) ? params_bf16.ptr<uint16_t>() : nullptr;
-    k.n = n;
-    k.lr = a.lr;
-    k.beta1 = a.beta1;
-    k.beta2 = a.beta2;
-    k.eps = a.eps;
-    k.weight_decay = a.weight_decay;
-    k.grad_scale = a.grad_scale;
-    k.bias_correction1 = (float)bc1;
-    k.bias_correction2 = (float)bc2;
+    batch.seg[batch.count++] = {.params = params.ptr<float>(),
+                                .grads = grads.ptr<const float>(),
+                                .m = m.ptr<float>(),
+                                .v = v.ptr<float>(),
+                                .params_bf16 = present(params_bf16) ? params_bf16.ptr<uint16_t>() : nullptr,
+                                .n = n,
+                                .first_block = 0,
+                                .blocks = 0,
+                                .lr = a.lr,
+                                .beta1 = a.beta1,
+                                .beta2 = a.beta2,
+                                .eps = a.eps,
+                                .weight_decay = a.weight_decay,
+                                .grad_scale = a.grad_scale,
+                                .bias_correction1 = (float)bc1,
+                                .bias_correction2 = (float)bc2};
     if (batch.count == kernels::kAdamWBatch) flush();
 #else
     detail::no_cuda_build(op);
