@@ -402,7 +402,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     if constexpr (kPipelined) {
       // 128 columns: two partial-sum tiles, so that block kb + 1's wgmmas run while block kb is
-      // promoted (wait_group 1): the tensor cores never wait for this warpgroup's promotion.
+      // promoted (wait_group 1) and the tensor cores do not wait for this warpgroup's promotion
+      // (measured no faster than the 256-column tiles: see the file comment).
       float part[2][kJ][4];
       float scale_b[2];
       const auto start = [&](auto buf, int kb) {
