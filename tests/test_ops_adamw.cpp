@@ -167,7 +167,9 @@ TEST(OpsAdamW, ManyEqualsOnePerTensor) {
   for (size_t i = 0; i < std::size(sizes); ++i) {
     SCOPED_TRACE(::testing::Message() << "tensor " << i);
     EXPECT_EQ(values_of(p2[i]), values_of(p1[i]));
-    if (sizes[i] > 0) EXPECT_NE(values_of(p2[i]), values_of(host_tensor({sizes[i]}, DType::kF32, random_normal(sizes[i], 10 + i))));
+    if (sizes[i] > 0) {
+      EXPECT_NE(values_of(p2[i]), values_of(host_tensor({sizes[i]}, DType::kF32, random_normal(sizes[i], 10 + i))));
+    }
     EXPECT_EQ(values_of(m2[i]), values_of(m1[i]));
     EXPECT_EQ(values_of(v2[i]), values_of(v1[i]));
   }

@@ -2,6 +2,7 @@
 #include "core/device.h"
 
 #include "core/check.h"
+#include "core/fill.h"
 
 #if defined(FOURBIT_WITH_CUDA)
 #include <cuda_runtime_api.h>
@@ -146,6 +147,7 @@ DeviceMemoryStats device_memory_stats() { return {}; }
 void reset_device_memory_peak() {}
 void device_memcpy(void*, Device, const void*, Device, int64_t) { no_cuda("device copy"); }
 void device_memset(void*, uint8_t, int64_t) { no_cuda("device memset"); }
+void device_fill_async(void*, uint8_t, int64_t, void*) { no_cuda("device fill"); }
 void device_synchronize() {}
 
 #endif

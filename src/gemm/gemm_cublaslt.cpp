@@ -24,6 +24,7 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "core/fill.h"
 #include "core/log.h"
 #include "gemm/fp8_wgmma_kernels.h"
 #include "gemm/gemm_kernels.h"
@@ -421,7 +422,7 @@ void cuda_gemm(const CudaGemmCall& call) {
   for (const OperandInfo* info : to_convert) {
     auto* out = static_cast<uint16_t*>(scratch.take(2 * info->rows * info->k, "scaled-domain bf16 operand"));
     if (info->format() == quant::Format::kMxfp8 && !call.error_flag && !check_flag_here) {
-      FOURBIT_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int), stream));
+      device_fill_async(flag, 0, sizeof(int), stream);
       check_flag_here = true;
     }
     kernels::launch_scaled_bf16({info->format(), info->data->data.ptr<const uint8_t>(),

@@ -15,6 +15,7 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "core/fill.h"
 #include "core/env.h"
 #include "core/rng.h"
 #include "formats/element.h"
@@ -366,7 +367,7 @@ std::optional<ops::OutputAmaxes> Model::Impl::producer_amaxes(int block, LinearK
   if (!one_pass || !gemm::takes_given_amax(*cfg)) return std::nullopt;
 #if defined(FOURBIT_WITH_CUDA)
   float* slot = producer_amax.ptr<float>() + 2 * (dy ? 1 : 0);
-  FOURBIT_CUDA_CHECK(cudaMemsetAsync(slot, 0, 2 * sizeof(float), (cudaStream_t)stream()));
+  device_fill_async(slot, 0, 2 * sizeof(float), (cudaStream_t)stream());
   ops::OutputAmaxes a;
   a.amax = slot;
   a.rht_amax = cfg->rht ? slot + 1 : nullptr;

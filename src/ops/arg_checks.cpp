@@ -1,6 +1,8 @@
 // Implementation of arg_checks.h.
 #include "ops/arg_checks.h"
 
+#include "core/fill.h"
+
 #if defined(FOURBIT_WITH_CUDA)
 #include <cuda_runtime_api.h>
 
@@ -76,7 +78,7 @@ DeviceFlag::DeviceFlag(int* caller_flag, void* stream)
       internal_(caller_flag == nullptr),
       stream_(stream) {
   if (internal_) {
-    FOURBIT_CUDA_CHECK(cudaMemsetAsync(flag_, 0, sizeof(int), static_cast<cudaStream_t>(stream_)));
+    device_fill_async(flag_, 0, sizeof(int), static_cast<cudaStream_t>(stream_));
   }
 }
 

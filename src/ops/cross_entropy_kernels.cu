@@ -16,6 +16,7 @@
 // two CTAs of staged rows fit an SM (kMaxStageBytes).
 #include "ops/cross_entropy_kernels.h"
 
+#include "core/fill.h"
 #include "core/error.h"
 #include "ops/error_flags.h"
 #include "ops/kernel_support.cuh"
@@ -252,7 +253,7 @@ __global__ void __launch_bounds__(kMeanThreads)
 
 void launch_cross_entropy(const CrossEntropyArgs& a, cudaStream_t stream) {
   if (a.n_rows == 0) {
-    if (a.mean_loss) FOURBIT_CUDA_CHECK(cudaMemsetAsync(a.mean_loss, 0, sizeof(float), stream));
+    if (a.mean_loss) device_fill_async(a.mean_loss, 0, sizeof(float), stream);
     return;
   }
   int threads = (int)((a.vocab + 7) / 8);

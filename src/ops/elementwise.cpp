@@ -1,6 +1,7 @@
 // Host side of the elementwise helpers: checks, dispatch, and the CPU reference loops.
 #include "ops/elementwise.h"
 
+#include "core/fill.h"
 #include "formats/element.h"
 #include "ops/arg_checks.h"
 #include "ops/error_flags.h"
@@ -249,7 +250,7 @@ int read_and_clear_error_flag(int* device_flag, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   int bits = 0;
   FOURBIT_CUDA_CHECK(cudaMemcpyAsync(&bits, device_flag, sizeof(int), cudaMemcpyDeviceToHost, s));
-  FOURBIT_CUDA_CHECK(cudaMemsetAsync(device_flag, 0, sizeof(int), s));
+  device_fill_async(device_flag, 0, sizeof(int), s);
   FOURBIT_CUDA_CHECK(cudaStreamSynchronize(s));
   return bits;
 #else

@@ -19,6 +19,7 @@
 //   d_gates          one warp per slot: a dot product with a fixed butterfly.
 #include "ops/moe_kernels.h"
 
+#include "core/fill.h"
 #include "core/error.h"
 #include "ops/error_flags.h"
 #include "ops/kernel_support.cuh"
@@ -488,9 +489,9 @@ void with_router_width(int E, F&& f) {
 }  // namespace
 
 void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
-  FOURBIT_CUDA_CHECK(cudaMemsetAsync(a.expert_counts, 0, sizeof(int32_t) * a.n_experts, stream));
+  device_fill_async(a.expert_counts, 0, sizeof(int32_t) * a.n_experts, stream);
   if (a.n_tokens == 0) {
-    if (a.losses) FOURBIT_CUDA_CHECK(cudaMemsetAsync(a.losses, 0, 2 * sizeof(float), stream));
+    if (a.losses) device_fill_async(a.losses, 0, 2 * sizeof(float), stream);
     return;
   }
   const int64_t chunk = std::max<int64_t>(256, (a.n_tokens + kLossChunks - 1) / kLossChunks);
@@ -526,7 +527,7 @@ void launch_router_backward(const RouterBackwardArgs& a, cudaStream_t stream) {
 
 void launch_moe_plan(const MoePlanArgs& a, cudaStream_t stream) {
   const int E = a.n_experts;
-  if (a.rows > 0) FOURBIT_CUDA_CHECK(cudaMemsetAsync(a.row_slots, 0xFF, sizeof(int32_t) * a.rows, stream));
+  if (a.rows > 0) device_fill_async(a.row_slots, 0xFF, sizeof(int32_t) * a.rows, stream);
   const int n_chunks = (int)((a.n_slots + kPlanChunk - 1) / kPlanChunk);
   StreamScratch scratch(sizeof(int32_t) * 2 * (size_t)std::max(n_chunks, 1) * E, stream);
   int32_t* chunk_counts = scratch.as<int32_t>();

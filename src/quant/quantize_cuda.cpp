@@ -3,6 +3,7 @@
 #include "quant/quantize.h"
 
 #include "core/check.h"
+#include "core/fill.h"
 #include "quant/quantize_kernels.h"
 
 #include <cuda_runtime_api.h>
@@ -97,7 +98,7 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
   p.nvfp4_scale_constant = cfg.nvfp4_scale_constant();
   p.nvfp4_element_constant = cfg.nvfp4_global_constant();
   int* flags = o.nonfinite_flag ? o.nonfinite_flag : default_error_flag();
-  if (!o.nonfinite_flag) FOURBIT_CUDA_CHECK(cudaMemsetAsync(flags, 0, sizeof(int), stream));
+  if (!o.nonfinite_flag) device_fill_async(flags, 0, sizeof(int), stream);
   p.error_flags = flags;
 
   // Streams are bound even for an absent orientation: 2D column-wise SR uses the row-wise draws.

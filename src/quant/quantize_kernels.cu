@@ -48,6 +48,7 @@
 // quantizer -> the next one's); FOURBIT_PDL=0 turns it off for A/B runs.
 #include "quant/quantize_kernels.h"
 
+#include "core/fill.h"
 #include "quant/amax_device.cuh"
 #include "quant/scaled_bf16_device.cuh"
 
@@ -1341,8 +1342,8 @@ void launch_quantize(Format format, bool block_2d, bool bf16_source, const Param
 void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, bool rht,
                  uint16_t sign_mask, float* row_amax, float* col_amax, int* error_flags,
                  cudaStream_t stream) {
-  FOURBIT_CUDA_CHECK(cudaMemsetAsync(row_amax, 0, sizeof(float), stream));
-  if (col_amax) FOURBIT_CUDA_CHECK(cudaMemsetAsync(col_amax, 0, sizeof(float), stream));
+  device_fill_async(row_amax, 0, sizeof(float), stream);
+  if (col_amax) device_fill_async(col_amax, 0, sizeof(float), stream);
   const int sms = current_device_sm_count();
   const int64_t bytes = rows * cols * (bf16_source ? 2 : 4);
   if (!rht && bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
