@@ -54,7 +54,9 @@ TEST(TrainBench, CpuRowsAndCsv) {
   const std::string table = train_bench_table(rows);
   EXPECT_NE(table.find("1.00x"), std::string::npos) << table;
   o.device = Device::kCuda;
-  if (cuda_device_count() == 0) EXPECT_THROW(run_train_bench(o), Error);
+  if (cuda_device_count() == 0) {
+    EXPECT_THROW(run_train_bench(o), Error);
+  }
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #   summary.txt                  machine, commit and the step table
 #   results-<date>-<commit>.md   commit, GPU, driver, CUDA, date and every benchmark table: copy it
 #                                into bench/results/ (see bench/results/README.md)
+#   ktrace.txt                   with FOURBIT_TRACE only: tools/ktrace's per-kernel table and idle gaps
 #
 # Environment:
 #   FOURBIT_GPU_BUILD_DIR  build folder (default: build-gpu/ in the repository)
@@ -31,6 +32,9 @@
 #                          device time is short: no test is timed, and they fit the GPU's memory)
 #   FOURBIT_GPU_TEST_TIMEOUT  seconds after which ctest stops a gpu test (default 600): a kernel
 #                          that hangs fails its test instead of using up the device call
+#   FOURBIT_TRACE          fourbit arguments to run once under tools/ktrace (loaded through
+#                          CUDA_INJECTION64_PATH) after the tests, e.g. "bench train --presets
+#                          gpt2-124m --recipes bf16 --warmup 1 --steps 3"; the table goes to ktrace.txt
 set -u -o pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -164,6 +168,12 @@ elif python3 -c 'import torch, numpy' >/dev/null 2>&1; then
     python3 "$root/tools/torch_crosscheck.py" --fourbit "$fourbit" --device cuda
 else
   echo "torch cross-check skipped: python3 cannot import torch and numpy" | tee -a "$test_log"
+fi
+
+if [ -n "${FOURBIT_TRACE:-}" ]; then
+  read -r -a trace_args <<<"$FOURBIT_TRACE"
+  step trace "$bench_log" 5 env FOURBIT_KTRACE_OUT="$out/ktrace.txt" \
+    CUDA_INJECTION64_PATH="$build/tools/ktrace/libfourbit_ktrace.so" "$fourbit" "${trace_args[@]}"
 fi
 
 bench_names=()
