@@ -24,6 +24,7 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "core/env.h"
 #include "core/fill.h"
 #include "core/log.h"
 #include "gemm/fp8_wgmma_kernels.h"
@@ -33,7 +34,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -190,10 +190,7 @@ const Plan& get_plan(const PlanKey& key, const MatmulOperand& a, const MatmulOpe
   // where it offers one among its first kCandidates. The default takes its first choice. (At
   // gpt2-124m every split-K GEMM of a step came with idle gaps before memsets, 0.7 ms a step on an
   // H200 by ktrace, session 27.)
-  static const bool no_split_k = [] {
-    const char* v = std::getenv("FOURBIT_CUBLASLT_SPLITK");
-    return v != nullptr && std::string_view(v) == "0";
-  }();
+  static const bool no_split_k = env_switch("FOURBIT_CUBLASLT_SPLITK") == 0;
   constexpr int kCandidates = 16;
   cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;

@@ -15,8 +15,8 @@
 
 #include "core/check.h"
 #include "core/device.h"
-#include "core/fill.h"
 #include "core/env.h"
+#include "core/fill.h"
 #include "core/rng.h"
 #include "formats/element.h"
 #include "model/expert_linear.h"
