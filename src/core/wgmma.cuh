@@ -231,10 +231,8 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
 #endif
 }
 
-// D[64 x N] (+)= A B over one k-step of 32 E4M3 values, A and B K-major in shared memory; N = 128.
-template <int N>
-__device__ __forceinline__ void mma_ss_e4m3(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  static_assert(N == 128, "E4M3 products with N = 128");
+// D[64 x 128] (+)= A B over one k-step of 32 E4M3 values, A and B K-major in shared memory.
+__device__ __forceinline__ void mma_ss_e4m3_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #if FOURBIT_WGMMA_AVAILABLE
   wgmma_ss_e4m3_n128(d, desc_a, desc_b, accumulate);
 #else

@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      wgmma::mma_ss_e4m3<kChunkN>(part, wgmma::k_major<64>(a_tile, kk), wgmma::k_major<kChunkN>(b_tile, kk), kk > 0);
+      wgmma::mma_ss_e4m3_n128(part, wgmma::k_major<64>(a_tile, kk), wgmma::k_major<kChunkN>(b_tile, kk), kk > 0);
     }
     wgmma::wgmma_commit();
   };
