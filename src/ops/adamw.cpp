@@ -46,6 +46,43 @@ void adamw_reference(T* p, const T* g, T* m, T* v, uint16_t* p_bf16, int64_t n,
   }
 }
 
+// The checks of one update (op names it in the messages); returns its device.
+Device check_update(std::string_view op, const AdamWUpdate& u) {
+  const auto& [params, grads, m, v, params_bf16, a] = u;
+  const Device dev = detail::common_device(op, {{"params", &params},
+                                                {"grads", &grads},
+                                                {"m", &m},
+                                                {"v", &v},
+                                                {"params_bf16", &params_bf16}});
+  for (const detail::Named& t : {detail::Named{"params", &params}, detail::Named{"grads", &grads},
+                                 detail::Named{"m", &m}, detail::Named{"v", &v}}) {
+    FOURBIT_CHECK(t.t->numel() == params.numel() && t.t->is_contiguous(),
+                  "{}: {} must be contiguous with {} elements (as params), got {}", op, t.name,
+                  params.numel(), t.t->describe());
+  }
+  if (present(params_bf16)) {
+    FOURBIT_CHECK(params_bf16.numel() == params.numel() && params_bf16.is_contiguous(),
+                  "{}: params_bf16 must be contiguous with {} elements, got {}", op, params.numel(),
+                  params_bf16.describe());
+    check_dtype(op, "params_bf16", params_bf16, {DType::kBF16});
+  }
+  FOURBIT_CHECK(detail::distinct(params, grads) && detail::distinct(params, m) &&
+                    detail::distinct(params, v) && detail::distinct(m, v) &&
+                    detail::distinct(grads, m) && detail::distinct(grads, v),
+                "{}: params, grads, m and v must be distinct buffers", op);
+  FOURBIT_CHECK(a.step >= 1, "{}: step must be >= 1 (1-based), got {}", op, a.step);
+  FOURBIT_CHECK(std::isfinite(a.lr) && a.lr >= 0, "{}: lr must be finite and >= 0, got {}", op,
+                a.lr);
+  FOURBIT_CHECK(a.beta1 >= 0 && a.beta1 < 1 && a.beta2 >= 0 && a.beta2 < 1,
+                "{}: beta1 and beta2 must lie in [0, 1), got {} and {}", op, a.beta1, a.beta2);
+  FOURBIT_CHECK(std::isfinite(a.eps) && a.eps >= 0 && std::isfinite(a.weight_decay) &&
+                    a.weight_decay >= 0 && std::isfinite(a.grad_scale),
+                "{}: eps and weight_decay must be finite and >= 0 and grad_scale finite, got {}, "
+                "{}, {}",
+                op, a.eps, a.weight_decay, a.grad_scale);
+  return dev;
+}
+
 }  // namespace
 
 void adamw_update(const TensorView& params, const TensorView& grads, const TensorView& m,
@@ -67,37 +104,7 @@ void adamw_update_many(std::span<const AdamWUpdate> updates, void* stream) {
     const auto& [params, grads, m, v, params_bf16, a] = updates[i];
     // Messages name the update where there are several.
     const std::string op = updates.size() == 1 ? std::string("adamw_update") : fmt::format("adamw_update_many: updates[{}]", i);
-    const Device dev = detail::common_device(op, {{"params", &params},
-                                                  {"grads", &grads},
-                                                  {"m", &m},
-                                                  {"v", &v},
-                                                  {"params_bf16", &params_bf16}});
-    for (const detail::Named& t : {detail::Named{"params", &params}, detail::Named{"grads", &grads},
-                                   detail::Named{"m", &m}, detail::Named{"v", &v}}) {
-      FOURBIT_CHECK(t.t->numel() == params.numel() && t.t->is_contiguous(),
-                    "{}: {} must be contiguous with {} elements (as params), got {}", op, t.name,
-                    params.numel(), t.t->describe());
-    }
-    if (present(params_bf16)) {
-      FOURBIT_CHECK(params_bf16.numel() == params.numel() && params_bf16.is_contiguous(),
-                    "{}: params_bf16 must be contiguous with {} elements, got {}", op, params.numel(),
-                    params_bf16.describe());
-      check_dtype(op, "params_bf16", params_bf16, {DType::kBF16});
-    }
-    FOURBIT_CHECK(detail::distinct(params, grads) && detail::distinct(params, m) &&
-                      detail::distinct(params, v) && detail::distinct(m, v) &&
-                      detail::distinct(grads, m) && detail::distinct(grads, v),
-                  "{}: params, grads, m and v must be distinct buffers", op);
-    FOURBIT_CHECK(a.step >= 1, "{}: step must be >= 1 (1-based), got {}", op, a.step);
-    FOURBIT_CHECK(std::isfinite(a.lr) && a.lr >= 0, "{}: lr must be finite and >= 0, got {}", op,
-                  a.lr);
-    FOURBIT_CHECK(a.beta1 >= 0 && a.beta1 < 1 && a.beta2 >= 0 && a.beta2 < 1,
-                  "{}: beta1 and beta2 must lie in [0, 1), got {} and {}", op, a.beta1, a.beta2);
-    FOURBIT_CHECK(std::isfinite(a.eps) && a.eps >= 0 && std::isfinite(a.weight_decay) &&
-                      a.weight_decay >= 0 && std::isfinite(a.grad_scale),
-                  "{}: eps and weight_decay must be finite and >= 0 and grad_scale finite, got {}, "
-                  "{}, {}",
-                  op, a.eps, a.weight_decay, a.grad_scale);
+    const Device dev = check_update(op, updates[i]);
     const double bc1 = 1.0 - std::pow((double)a.beta1, (double)a.step);
     const double bc2 = 1.0 - std::pow((double)a.beta2, (double)a.step);
     const int64_t n = params.numel();
