@@ -111,12 +111,17 @@ __global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : 1024)  // kA
     TX* dxr = dx + row * cols;
     const bool vec = w_vec && is_aligned16(xr) && is_aligned16(dyr) && is_aligned16(dxr);
     float xv[8], g[8];  // x and g = dy * w of the current group (of the only group when kCache)
+    // kCache: the gradient dx is accumulated into is loaded with x and dy, before the row's
+    // reduction (it does not depend on it), so its round trip overlaps theirs instead of following
+    // the reduction.
+    float prev[8];
     float dot = 0.0f;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const int64_t c = (int64_t)(j * blockDim.x + threadIdx.x) * 8;
       load8(xr, c, cols, vec, xv);
       load8(dyr, c, cols, vec, g);
+      if (kCache && kAccumulate) load8(dxr, c, cols, vec, prev);
       if (!kCache) load8(w, c, cols, w_vec, wv);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -141,8 +146,7 @@ __global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : 1024)  // kA
 #pragma unroll
       for (int k = 0; k < 8; ++k) g[k] = r * (g[k] - xv[k] * coef);
       if constexpr (kAccumulate) {
-        float prev[8];
-        load8(dxr, c, cols, vec, prev);
+        if (!kCache) load8(dxr, c, cols, vec, prev);
 #pragma unroll
         for (int k = 0; k < 8; ++k) g[k] = __fadd_rn(prev[k], to_float<TX>(from_float<TX>(g[k])));
       }
