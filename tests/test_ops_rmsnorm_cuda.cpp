@@ -3,7 +3,9 @@
 // large shapes (both register-group counts J = 1, 2 of the kernel, the C limit, multi-row backward chunks,
 // a grid-stride forward), misaligned rows (the scalar path), with guard regions around every
 // output and the workspace; determinism of the backward (same bits twice); and
-// rmsnorm_backward_accumulate equal bit for bit to the backward followed by add_inplace.
+// rmsnorm_backward_accumulate equal bit for bit to the backward followed by add_inplace (BF16 rows of
+// C <= 4096 go through the backward's two-rows-at-a-time loop; with amaxes through the one-row loop,
+// so AccumulateWithAmaxesEqualsTheSeparateAdd also checks that the two loops give the same bits).
 //
 // Tolerances (u = 2^-24; a sum of n FP32 terms, in any order, is within n u sum|terms| of the
 // exact sum, and both sides make such an error):
@@ -150,6 +152,10 @@ TEST_F(OpsRmsnormCuda, MatchesReference) {
       {8192, 768, DType::kBF16, DType::kBF16, false},  // GPT-2 small at B 8: 4-row chunks
       {3000, 2100, DType::kBF16, DType::kF32, false},  // wide rows: <= 1997 chunks (workspace), 2-row chunks
       {70001, 64, DType::kBF16, DType::kBF16, false},  // grid-stride forward, 35-row chunks
+      // The BF16 backward's paired rows (C <= 4096): odd chunks (a last row without a partner),
+      // a ragged last group, misaligned rows.
+      {4099, 1001, DType::kBF16, DType::kF32, false},  // 3-row chunks, ragged last group
+      {33, 1004, DType::kBF16, DType::kBF16, true},    // misaligned rows: scalar loads of both rows
   };
   for (const Case& cs : cases) run_case(cs);
 }

@@ -122,6 +122,23 @@ __device__ __forceinline__ T block_sum(T v, T* scratch) {
   return total;
 }
 
+// Two block_sums in one pass (one pair of barriers): each component summed exactly as block_sum
+// sums it, so the bits are block_sum's. `scratch`: shared float2[32].
+__device__ __forceinline__ float2 block_sum2(float2 v, float2* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  v.x = warp_sum(v.x);
+  v.y = warp_sum(v.y);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float2 total = make_float2(0.0f, 0.0f);
+  for (int w = 0; w < n_warps; ++w) {
+    total.x += scratch[w].x;
+    total.y += scratch[w].y;
+  }
+  __syncthreads();  // scratch may be reused right away
+  return total;
+}
+
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   v = warp_max(v);

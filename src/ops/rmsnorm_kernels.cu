@@ -3,11 +3,13 @@
 //
 // Forward: grid-stride over rows.
 // Backward: CTA b processes the rows of chunk b in order, writes dx per row and keeps its
-// partial dweight sums in registers, then stores them to partial[b, :]; a second kernel sums the
+// partial dweight sums in registers (BF16 rows of C <= 4096: two rows per iteration, the same
+// arithmetic in the same order), then stores them to partial[b, :]; a second kernel sums the
 // partials over b in a fixed order (32 columns x 8 row-groups per CTA, then the 8 groups in order)
 // and adds the result to dweight. No float atomics: deterministic.
 #include "ops/rmsnorm_kernels.h"
 
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/error_flags.h"
 #include "ops/kernel_support.cuh"
@@ -73,6 +75,33 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
+// Eight BF16 values as their bits (word i: value 2i in the low half, 2i + 1 in the high half, as
+// load8_aligned reads them); missing values past the row's end are 0, as load8 reads them.
+struct Bf16x8 {
+  uint32_t w[4];
+  __device__ __forceinline__ float at(int k) const {
+    return __uint_as_float(k % 2 == 0 ? w[k / 2] << 16 : w[k / 2] & 0xFFFF0000u);
+  }
+};
+__device__ __forceinline__ Bf16x8 load8_bits(const bf16_t* row, int64_t c, int64_t n, bool vec) {
+  Bf16x8 r;
+  if (vec && c + 8 <= n) {
+    const uint4 a = *reinterpret_cast<const uint4*>(row + c);
+    r.w[0] = a.x;
+    r.w[1] = a.y;
+    r.w[2] = a.z;
+    r.w[3] = a.w;
+    return r;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = c + 2 * i < n ? (uint32_t)row[c + 2 * i] : 0u;
+    const uint32_t hi = c + 2 * i + 1 < n ? (uint32_t)row[c + 2 * i + 1] : 0u;
+    r.w[i] = lo | hi << 16;
+  }
+  return r;
+}
+
 // kAccumulate: dx holds a gradient that the result is added to, dx = dx + round(result) with
 // add_kernel's arithmetic (the result rounded to TX first), so the bits equal this kernel into a
 // temporary followed by add_inplace.
@@ -82,8 +111,11 @@ __global__ void __launch_bounds__(1024)
 // dynamic shared memory ([16][blockDim.x] x 16 bytes; only the thread itself reads them back, so
 // no barrier), and after every 16th row of its chunk (a 16-row segment: chunks start on multiples
 // of 16) folds each column's Hadamard transform into the RHT amax.
-template <typename TX, typename TW, int J, bool kAccumulate, bool kAmax = false>
-__global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : 1024)  // kAmax: C <= 2048, 256 threads
+// kPairRows (BF16, J = 1, no amaxes, C <= 8 kPairMaxThreads): two rows per iteration (see there);
+// its own launch bounds leave the registers that both rows' values need.
+constexpr int kPairMaxThreads = 512;
+template <typename TX, typename TW, int J, bool kAccumulate, bool kAmax = false, bool kPairRows = false>
+__global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : kPairRows ? kPairMaxThreads : 1024)  // kAmax: C <= 2048, 256 threads
     rmsnorm_backward_kernel(TX* __restrict__ dx, float* __restrict__ partial,
                             const TX* __restrict__ dy, const TX* __restrict__ x,
                             const TW* __restrict__ w, const float* __restrict__ rstd,
@@ -104,6 +136,64 @@ __global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : 1024)  // kA
 
   const int64_t first = (int64_t)blockIdx.x * rows_per_chunk;
   const int64_t last = min(n_rows, first + rows_per_chunk);
+  static_assert(!kPairRows || (kCache && !kAmax && std::is_same_v<TX, bf16_t>), "pairs: bf16, one group, no amaxes");
+  if constexpr (kPairRows) {
+    // Two rows per iteration: both rows' loads are in flight together and their reductions share
+    // one pair of barriers, so a chunk takes half as many dependent round trips. The rows are held
+    // as their BF16 bits (4 registers per 8 values, so that the 64 registers of the launch bounds
+    // hold both) and widened where used. The arithmetic is the one-row loop's below, row by row in
+    // the same order (acc gets row a, then row b), so the bits are the same. An odd chunk's last
+    // row pairs with nothing (has_b false: row b reads as zeros and is neither summed nor stored).
+    __shared__ float2 scratch2[32];
+    const int64_t c = (int64_t)threadIdx.x * 8;
+    for (int64_t row = first; row < last; row += 2) {
+      const bool has_b = row + 1 < last;
+      const float ra = rstd[row], rb = has_b ? rstd[row + 1] : 0.0f;
+      const TX* xa = x + row * cols;
+      const TX* dya = dy + row * cols;
+      TX* dxa = dx + row * cols;
+      const TX* xb = xa + cols;
+      const TX* dyb = dya + cols;
+      TX* dxb = dxa + cols;
+      const bool vec_a = w_vec && is_aligned16(xa) && is_aligned16(dya) && is_aligned16(dxa);
+      const bool vec_b = w_vec && is_aligned16(xb) && is_aligned16(dyb) && is_aligned16(dxb);
+      const int64_t cols_b = has_b ? cols : 0;  // no row b: every value reads as 0
+      const Bf16x8 xva = load8_bits(xa, c, cols, vec_a), dya_bits = load8_bits(dya, c, cols, vec_a);
+      const Bf16x8 xvb = load8_bits(xb, c, cols_b, vec_b), dyb_bits = load8_bits(dyb, c, cols_b, vec_b);
+      Bf16x8 preva{}, prevb{};
+      if constexpr (kAccumulate) {
+        preva = load8_bits(dxa, c, cols, vec_a);
+        prevb = load8_bits(dxb, c, cols_b, vec_b);
+      }
+      float2 dot = make_float2(0.0f, 0.0f);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float g = dya_bits.at(k);
+        acc[0][k] = fmaf(g, xva.at(k) * ra, acc[0][k]);
+        dot.x = fmaf(g * wv[k], xva.at(k), dot.x);
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float g = dyb_bits.at(k);
+        if (has_b) acc[0][k] = fmaf(g, xvb.at(k) * rb, acc[0][k]);
+        dot.y = fmaf(g * wv[k], xvb.at(k), dot.y);
+      }
+      dot = block_sum2(dot, scratch2);
+      const float coef_a = ra * ra * dot.x / (float)cols, coef_b = rb * rb * dot.y / (float)cols;
+      float outa[8], outb[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        outa[k] = ra * fmaf(-xva.at(k), coef_a, dya_bits.at(k) * wv[k]);
+        outb[k] = rb * fmaf(-xvb.at(k), coef_b, dyb_bits.at(k) * wv[k]);
+        if constexpr (kAccumulate) {
+          outa[k] = __fadd_rn(preva.at(k), to_float<TX>(from_float<TX>(outa[k])));
+          outb[k] = __fadd_rn(prevb.at(k), to_float<TX>(from_float<TX>(outb[k])));
+        }
+      }
+      store8(dxa, c, cols, vec_a, outa);
+      store8(dxb, c, cols_b, vec_b, outb);
+    }
+  } else {
   for (int64_t row = first; row < last; ++row) {
     const float r = rstd[row];
     const TX* xr = x + row * cols;
@@ -144,7 +234,7 @@ __global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : 1024)  // kA
         for (int k = 0; k < 8; ++k) g[k] *= wv[k];
       }
 #pragma unroll
-      for (int k = 0; k < 8; ++k) g[k] = r * (g[k] - xv[k] * coef);
+      for (int k = 0; k < 8; ++k) g[k] = r * fmaf(-xv[k], coef, g[k]);  // the contraction explicit
       if constexpr (kAccumulate) {
         if (!kCache) load8(dxr, c, cols, vec, prev);
 #pragma unroll
@@ -188,6 +278,7 @@ __global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : 1024)  // kA
       }
     }
   }
+  }  // the one-row loop
   if constexpr (kAmax) {
     quant::device::publish_amaxes(out_amax, rht_amax, amaxes.amax, amaxes.rht_amax, bad, amaxes.nonfinite_flag,
                                   kErrNonFinite);
@@ -274,6 +365,11 @@ void launch_rmsnorm_backward(const RmsnormBackwardArgs& a, cudaStream_t stream) 
                                    : rmsnorm_backward_kernel<TX, TW, kJ, false>;
         size_t smem = 0;
         if constexpr (kJ == 1 && std::is_same_v<TX, bf16_t>) {
+          static const bool pair_rows = env_switch("FOURBIT_RMSNORM_PAIR_ROWS") != 0;  // A/B: =0 off
+          if (pair_rows && a.amaxes.amax == nullptr && rs.threads <= kPairMaxThreads) {
+            kernel = a.accumulate ? rmsnorm_backward_kernel<TX, TW, 1, true, false, true>
+                                  : rmsnorm_backward_kernel<TX, TW, 1, false, false, true>;
+          }
           if (a.amaxes.amax != nullptr) {
             kernel = rmsnorm_backward_kernel<TX, TW, 1, true, true>;
             smem = (size_t)16 * rs.threads * sizeof(uint4);
