@@ -102,15 +102,28 @@ void add(const std::string& name, unsigned long long start, unsigned long long e
 // between benchmark cases); the shorter ones are what a run's steady state loses to launches and
 // host synchronizations, listed by the activity that ended each gap.
 void report_gaps(FILE* out, std::vector<Interval> v) {
+  // CUPTI reports some records without timestamps (start 0): they would open a span from the
+  // clock's origin (session 28's traces showed a "GPU span" of 1.8e12 ms).
+  const size_t n_all = v.size();
+  v.erase(std::remove_if(v.begin(), v.end(), [](const Interval& a) { return a.start == 0 || a.end < a.start; }),
+          v.end());
+  if (v.size() != n_all) std::fprintf(out, "ktrace: %zu records without timestamps left out of the gaps\n", n_all - v.size());
   if (v.empty()) return;
   std::sort(v.begin(), v.end(), [](const Interval& a, const Interval& b) { return a.start < b.start; });
   unsigned long long covered = v[0].end;
+  struct LongGap {
+    double at_ms, us;
+    const std::string *before, *after;
+  };
+  std::vector<LongGap> long_gaps;  // gaps of 100 us or more, in time order
+  const std::string* last_ended = v[0].name;
   double short_ns = 0, long_ns = 0;
   long short_count = 0, long_count = 0, over_10us = 0;
   std::map<const std::string*, std::pair<double, long>> after;  // gap time and count by next activity
   for (size_t i = 1; i < v.size(); ++i) {
     if (v[i].start > covered) {
       const double gap = (double)(v[i].start - covered);
+      if (gap >= 1e5) long_gaps.push_back({(double)(covered - v[0].start) * 1e-6, gap * 1e-3, last_ended, v[i].name});
       if (gap >= 1e6) {
         long_ns += gap;
         ++long_count;
@@ -123,6 +136,7 @@ void report_gaps(FILE* out, std::vector<Interval> v) {
         a.second += 1;
       }
     }
+    if (v[i].end >= covered) last_ended = v[i].name;
     covered = std::max(covered, v[i].end);
   }
   const double span = (double)(covered - v[0].start);
@@ -136,6 +150,15 @@ void report_gaps(FILE* out, std::vector<Interval> v) {
   for (size_t i = 0; i < rows.size() && i < 12; ++i) {
     std::fprintf(out, "%10.3f %10ld %10.2f  %s\n", rows[i].second.first * 1e-6, rows[i].second.second,
                  rows[i].second.first * 1e-3 / (double)rows[i].second.second, rows[i].first->c_str());
+  }
+  // The long gaps one by one (the last 40): in a training benchmark, the step boundaries (host
+  // synchronizations and what the host does before the next step's first launch).
+  std::fprintf(out, "ktrace: %zu gaps of 100 us or more; the last %zu (at: ms after the first activity):\n",
+               long_gaps.size(), std::min<size_t>(long_gaps.size(), 40));
+  std::fprintf(out, "%12s %12s  %s\n", "at ms", "gap us", "after -> before");
+  for (size_t i = long_gaps.size() > 40 ? long_gaps.size() - 40 : 0; i < long_gaps.size(); ++i) {
+    const LongGap& g = long_gaps[i];
+    std::fprintf(out, "%12.3f %12.1f  %.60s -> %.60s\n", g.at_ms, g.us, g.before->c_str(), g.after->c_str());
   }
 }
 
