@@ -462,6 +462,46 @@ TEST_F(QuantCuda, GivenAmaxIsUsedInsteadOfAPass) {
   EXPECT_FALSE(same_bytes(a.rowwise->scales, b.rowwise->scales.to(Device::kCpu), "scales"));
 }
 
+// Given amaxes equal to the ones a pass computes give the same bytes as the pass, and each lands in
+// its bundle (the quantize kernel copies it there: no memcpy launch), for both orientations, with
+// and without RHT (the column-wise amax given after the transform), BF16-only copies included.
+TEST_F(QuantCuda, GivenAmaxesReproduceThePassAndReachTheBundles) {
+  const Tensor dev = make_source(Fill::kNormal, 256, 512, true, 5).to(Device::kCuda);
+  for (bool rht : {false, true})
+    for (bool bf16_only : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "rht " << rht << " bf16-only " << bf16_only);
+      QuantConfig cfg;
+      cfg.rht = rht;
+      cfg.rht_signs = HadamardSigns::kRandom;
+      cfg.rht_seed = 7;
+      QuantizedTensor a = allocate_quantized(cfg, 256, 512, {true, true}, Device::kCuda);
+      QuantizedTensor b = allocate_quantized(cfg, 256, 512, {true, true}, Device::kCuda);
+      Tensor a_row = Tensor::zeros({256, 512}, DType::kBF16, Device::kCuda), a_col = Tensor::zeros({512, 256}, DType::kBF16, Device::kCuda);
+      Tensor b_row = Tensor::zeros({256, 512}, DType::kBF16, Device::kCuda), b_col = Tensor::zeros({512, 256}, DType::kBF16, Device::kCuda);
+      CudaQuantizeOptions ca;
+      ca.write_bf16_scaled = bf16_only;
+      ca.write_packed = !bf16_only;
+      const TensorView ar = a_row.view(), ac = a_col.view(), br = b_row.view(), bc = b_col.view();
+      quantize_cuda(dev.view(), a, ca, bf16_only ? &ar : nullptr, bf16_only ? &ac : nullptr);
+      const Tensor row_amax = a.rowwise->amax.to(Device::kCuda), col_amax = a.colwise->amax.to(Device::kCuda);
+      CudaQuantizeOptions cb = ca;
+      cb.given_rowwise_amax = row_amax.ptr<float>();
+      cb.given_colwise_amax = rht ? col_amax.ptr<float>() : nullptr;
+      quantize_cuda(dev.view(), b, cb, bf16_only ? &br : nullptr, bf16_only ? &bc : nullptr);
+      EXPECT_TRUE(same_bytes(b.rowwise->amax, a.rowwise->amax.to(Device::kCpu), "row amax"));
+      EXPECT_TRUE(same_bytes(b.colwise->amax, a.colwise->amax.to(Device::kCpu), "column amax"));
+      if (bf16_only) {
+        EXPECT_TRUE(same_bytes(b_row, a_row.to(Device::kCpu), "row bf16"));
+        EXPECT_TRUE(same_bytes(b_col, a_col.to(Device::kCpu), "column bf16"));
+      } else {
+        EXPECT_TRUE(same_bytes(b.rowwise->data, a.rowwise->data.to(Device::kCpu), "row data"));
+        EXPECT_TRUE(same_bytes(b.rowwise->scales, a.rowwise->scales.to(Device::kCpu), "row scales"));
+        EXPECT_TRUE(same_bytes(b.colwise->data, a.colwise->data.to(Device::kCpu), "column data"));
+        EXPECT_TRUE(same_bytes(b.colwise->scales, a.colwise->scales.to(Device::kCpu), "column scales"));
+      }
+    }
+}
+
 TEST_F(QuantCuda, NonFiniteInputIsReportedWithTheTensorName) {
   // NaN and Inf, BF16 (checked on BF16 pairs by the NVFP4 1x16 kernels) and FP32 sources, each
   // orientation alone and both, the bad value in either column of a BF16 pair; with the global

@@ -149,15 +149,17 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
       col_amax = (out.rowwise && out.colwise) ? out.colwise->amax.ptr<float>() : nullptr;
     }
     const bool given = o.given_rowwise_amax != nullptr;
+    // Given amaxes: the kernel reads them where they are and copies them into the bundles
+    // (OrientationOut::amax_copy), so no memcpy launch precedes it.
+    const float* given_row = nullptr;
+    const float* given_col = nullptr;
     if (given) {
-      if (out.rowwise && out.rowwise->amax.defined())
-        FOURBIT_CUDA_CHECK(cudaMemcpyAsync(out.rowwise->amax.data(), o.given_rowwise_amax, sizeof(float), cudaMemcpyDeviceToDevice, stream));
+      if (out.rowwise && out.rowwise->amax.defined()) given_row = o.given_rowwise_amax;
       if (out.colwise && out.colwise->amax.defined()) {
-        const float* g = (cfg.rht && o.given_colwise_amax) ? o.given_colwise_amax : o.given_rowwise_amax;
         FOURBIT_CHECK(!cfg.rht || o.given_colwise_amax != nullptr,
                       "quantize_cuda('{}'): with RHT the column-wise amax (after the transform) "
                       "must be given too", o.tensor_name);
-        FOURBIT_CUDA_CHECK(cudaMemcpyAsync(out.colwise->amax.data(), g, sizeof(float), cudaMemcpyDeviceToDevice, stream));
+        given_col = (cfg.rht && o.given_colwise_amax) ? o.given_colwise_amax : o.given_rowwise_amax;
       }
     } else {
       float* first = row_amax ? row_amax : col_amax;
@@ -173,6 +175,14 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
     if (out.rowwise) p.row.amax = out.rowwise->amax.defined() ? out.rowwise->amax.ptr<float>() : row_amax;
     if (out.colwise) p.col.amax = out.colwise->amax.defined() ? out.colwise->amax.ptr<float>() : row_amax;
     if (cfg.format == Format::kFp8Tensor) p.row.amax = any->amax.ptr<float>();
+    if (given_row != nullptr) {
+      p.row.amax_copy = out.rowwise->amax.ptr<float>();
+      p.row.amax = given_row;
+    }
+    if (given_col != nullptr) {
+      p.col.amax_copy = out.colwise->amax.ptr<float>();
+      p.col.amax = given_col;
+    }
   }
 
   kernels::launch_quantize(cfg.format, cfg.block_2d, src.dtype == DType::kBF16, p, stream);

@@ -371,10 +371,20 @@ struct Tile {
 // the row copy from the grid, the column copy encoded (FOURBIT_QUANT_X_ROW_GRID=0 turns it off).
 enum Variant : int { kRoundNearest = 0, kSrRht = 1, kAll = 2, kSrRhtBf16Only = 3, kSrRhtRowGrid = 4 };
 
+// The given amaxes' copies into their bundles (OrientationOut::amax_copy), by one thread; called by
+// every quantize kernel after its PDL wait (the given amax is the producer's output).
+__device__ __forceinline__ void store_amax_copies(const Params& p) {
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    if (p.row.amax_copy != nullptr) *p.row.amax_copy = *p.row.amax;
+    if (p.col.amax_copy != nullptr) *p.col.amax_copy = *p.col.amax;
+  }
+}
+
 template <typename InT, Format F, bool kTwoD, int kVariant>
 __global__ void __launch_bounds__(kThreads, 4) quantize_tile_kernel(Params p) {
   core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
   core::pdl_wait_for_producer();
+  store_amax_copies(p);
   constexpr bool kBf16Only = kVariant == kSrRhtBf16Only;
   constexpr bool kRowGrid = kBf16Only || kVariant == kSrRhtRowGrid;  // row copy from the grid
   const bool stochastic = kVariant != kRoundNearest && p.stochastic;
@@ -919,6 +929,7 @@ template <typename InT, Format F, bool kStochastic>
 __global__ void __launch_bounds__(kThreads) rowwise_kernel(Params p) {
   core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
   core::pdl_wait_for_producer();
+  store_amax_copies(p);
   constexpr int kGroup = F == Format::kMxfp8 ? 2 : (F == Format::kFp8Block ? 8 : 1);
   const int64_t n_blocks = p.rows * (p.cols / 16);
   const int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x;

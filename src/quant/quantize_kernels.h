@@ -23,6 +23,9 @@ struct OrientationOut {
   uint16_t* bf16 = nullptr;       // optional scaled-domain BF16, stored [R, C]
   const float* amax = nullptr;    // NVFP4 / FP8-tensor global amax of this orientation (device)
   bool amax_per_row = false;      // NVFP4 row-wise: amax[r] for row r (QuantConfig::nvfp4_row_amax)
+  // Not null: the kernel also stores *amax here (block 0, thread 0; a per-tensor amax only), the
+  // copy of a given amax into the bundle without a memcpy launch of its own.
+  float* amax_copy = nullptr;
   RandomStream sr;
 };
 
