@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace fourbit::quant {
@@ -500,6 +501,25 @@ TEST_F(QuantCuda, GivenAmaxesReproduceThePassAndReachTheBundles) {
         EXPECT_TRUE(same_bytes(b.colwise->scales, a.colwise->scales.to(Device::kCpu), "column scales"));
       }
     }
+  // FP8 per-tensor scaling reads one amax for both orientations, also when only the column-wise
+  // bundle exists.
+  for (Orientations o : {Orientations{true, true}, Orientations{false, true}}) {
+    SCOPED_TRACE(::testing::Message() << "fp8 tensor, row " << o.rowwise << " col " << o.colwise);
+    QuantConfig cfg;
+    cfg.format = Format::kFp8Tensor;
+    QuantizedTensor a = allocate_quantized(cfg, 256, 512, o, Device::kCuda);
+    QuantizedTensor b = allocate_quantized(cfg, 256, 512, o, Device::kCuda);
+    quantize_cuda(dev.view(), a, CudaQuantizeOptions{});
+    const Tensor amax = (o.rowwise ? a.rowwise : a.colwise)->amax.to(Device::kCuda);
+    CudaQuantizeOptions cb;
+    cb.given_rowwise_amax = amax.ptr<float>();
+    quantize_cuda(dev.view(), b, cb);
+    for (auto [qa, qb, what] : {std::tuple{&a.rowwise, &b.rowwise, "row"}, std::tuple{&a.colwise, &b.colwise, "column"}}) {
+      if (!*qa) continue;
+      EXPECT_TRUE(same_bytes((*qb)->amax, (*qa)->amax.to(Device::kCpu), std::string(what) + " amax"));
+      EXPECT_TRUE(same_bytes((*qb)->data, (*qa)->data.to(Device::kCpu), std::string(what) + " data"));
+    }
+  }
 }
 
 TEST_F(QuantCuda, NonFiniteInputIsReportedWithTheTensorName) {

@@ -183,6 +183,10 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
       p.col.amax_copy = out.colwise->amax.ptr<float>();
       p.col.amax = given_col;
     }
+    // FP8 per-tensor: the kernel reads p.row.amax for either orientation, so it must be the given
+    // amax too when only the column-wise bundle exists (never a bundle slot that the same launch
+    // is writing).
+    if (given && cfg.format == Format::kFp8Tensor) p.row.amax = o.given_rowwise_amax;
   }
 
   kernels::launch_quantize(cfg.format, cfg.block_2d, src.dtype == DType::kBF16, p, stream);
