@@ -3,6 +3,7 @@
 #include "quant/quantize.h"
 
 #include "core/check.h"
+#include "core/env.h"
 #include "core/fill.h"
 #include "quant/quantize_kernels.h"
 
@@ -175,6 +176,15 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
     if (out.rowwise) p.row.amax = out.rowwise->amax.defined() ? out.rowwise->amax.ptr<float>() : row_amax;
     if (out.colwise) p.col.amax = out.colwise->amax.defined() ? out.colwise->amax.ptr<float>() : row_amax;
     if (cfg.format == Format::kFp8Tensor) p.row.amax = any->amax.ptr<float>();
+    // FOURBIT_QUANT_AMAX_COPY=0 (A/B): the given amaxes copied by memcpy launches, as before 0589d4a.
+    static const bool copy_in_kernel = env_switch("FOURBIT_QUANT_AMAX_COPY") != 0;
+    if (!copy_in_kernel) {
+      if (given_row != nullptr)
+        FOURBIT_CUDA_CHECK(cudaMemcpyAsync(out.rowwise->amax.data(), given_row, sizeof(float), cudaMemcpyDeviceToDevice, stream));
+      if (given_col != nullptr)
+        FOURBIT_CUDA_CHECK(cudaMemcpyAsync(out.colwise->amax.data(), given_col, sizeof(float), cudaMemcpyDeviceToDevice, stream));
+      given_row = given_col = nullptr;  // the kernel reads the bundles, as without given amaxes
+    }
     if (given_row != nullptr) {
       p.row.amax_copy = out.rowwise->amax.ptr<float>();
       p.row.amax = given_row;
@@ -186,7 +196,7 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
     // FP8 per-tensor: the kernel reads p.row.amax for either orientation, so it must be the given
     // amax too when only the column-wise bundle exists (never a bundle slot that the same launch
     // is writing).
-    if (given && cfg.format == Format::kFp8Tensor) p.row.amax = o.given_rowwise_amax;
+    if (given && copy_in_kernel && cfg.format == Format::kFp8Tensor) p.row.amax = o.given_rowwise_amax;
   }
 
   kernels::launch_quantize(cfg.format, cfg.block_2d, src.dtype == DType::kBF16, p, stream);
