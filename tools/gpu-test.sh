@@ -26,12 +26,17 @@
 #                          gets a copy of the working tree whose .git it cannot use)
 #   FOURBIT_BENCHES        space-separated benchmark names to run (default: all of them); "none"
 #                          runs none. A run that must fit a time limit splits them over calls.
+#                          "anchor" (in "all" too) is BENCHMARKS.md's PyTorch training-step anchor
+#                          (tools/torch_train_anchor.py, where torch imports); with "train" in the
+#                          same run the results file gives fourbit bf16's ratio to it.
 #   FOURBIT_SKIP           space-separated steps to skip: test-cpu, torch-check (the gpu tests and
 #                          the build are never skipped)
 #   FOURBIT_GPU_TEST_JOBS  gpu tests run at once on the one GPU (default 1; more saves time when
 #                          device time is short: no test is timed, and they fit the GPU's memory)
 #   FOURBIT_GPU_TEST_TIMEOUT  seconds after which ctest stops a gpu test (default 600): a kernel
 #                          that hangs fails its test instead of using up the device call
+#   FOURBIT_GPU_TESTS      a ctest regular expression: only the gpu tests it matches run (default:
+#                          all), e.g. "test_quant_cuda|test_model_cuda" when device time is short
 #   FOURBIT_TRACE          fourbit arguments to run once under tools/ktrace (loaded through
 #                          CUDA_INJECTION64_PATH) after the tests, e.g. "bench train --presets
 #                          gpt2-124m --recipes bf16 --warmup 1 --steps 3"; the table goes to ktrace.txt
@@ -151,7 +156,7 @@ step gpu-info "$test_log" 20 \
   --format=csv
 step test-gpu "$test_log" 3 \
   ctest --test-dir "$build" -L gpu --output-on-failure --no-tests=error -j "${FOURBIT_GPU_TEST_JOBS:-1}" \
-    --timeout "${FOURBIT_GPU_TEST_TIMEOUT:-600}"
+    --timeout "${FOURBIT_GPU_TEST_TIMEOUT:-600}" ${FOURBIT_GPU_TESTS:+-R "$FOURBIT_GPU_TESTS"}
 skip=" ${FOURBIT_SKIP:-} "
 if [[ "$skip" != *" test-cpu "* ]]; then
   step test-cpu "$test_log" 3 \
@@ -190,6 +195,19 @@ for line in "${benches[@]}"; do
     bench_names+=("$name")
   fi
 done
+
+# BENCHMARKS.md's bf16 target is a ratio to a PyTorch + torch.compile step measured on an H200;
+# measured here, on the machine of this run, the ratio means something on any GPU.
+anchor_csv="$build/bench/anchor.csv"
+rm -f "$anchor_csv"
+if [ "$wanted" = " all " ] || [[ "$wanted" == *" anchor "* ]]; then
+  if python3 -c 'import torch' >/dev/null 2>&1; then
+    step bench-anchor "$bench_log" 3 python3 "$root/tools/torch_train_anchor.py" --csv "$anchor_csv"
+    [ -s "$anchor_csv" ] && sed "1s/^/bench,/; 2,\$s/^/anchor,/" "$anchor_csv" >>"$bench_csv"
+  else
+    echo "anchor skipped: python3 cannot import torch" | tee -a "$bench_log"
+  fi
+fi
 
 # --- reports -------------------------------------------------------------------------------------
 csv_to_markdown() {  # CSV file -> markdown table (python3's csv module; awk if there is none)
@@ -251,6 +269,29 @@ cxx_version=$([ -n "$cxx" ] && "$cxx" -dumpfullversion 2>/dev/null)
       csv_to_markdown "$build/bench/$name.csv"
     done
   done
+  if [ -s "$anchor_csv" ]; then
+    echo
+    echo "## anchor"
+    echo
+    echo "\`python3 tools/torch_train_anchor.py\` (PyTorch + torch.compile, SDPA, fused AdamW, B 32 x T 1024)"
+    echo
+    csv_to_markdown "$anchor_csv"
+    if [ -s "$build/bench/train.csv" ]; then
+      echo
+      python3 - "$build/bench/train.csv" "$anchor_csv" <<'EOF' || true
+import csv, sys
+train = [r for r in csv.DictReader(open(sys.argv[1])) if r["preset"] == "gpt2-124m" and r["recipe"] == "bf16"]
+anchor = {r["arch"]: float(r["tokens_per_s"]) for r in csv.DictReader(open(sys.argv[2]))}
+if train:
+    ours = float(train[0]["tokens_per_s"])
+    for arch, name in (("gpt2", "nanoGPT's GPT-2, the anchor BENCHMARKS.md names"),
+                       ("fourbit", "fourbit's gpt2-124m architecture")):
+        if arch in anchor:
+            print(f"- fourbit bf16 gpt2-124m {ours:.0f} tokens/s over the anchor ({name}) "
+                  f"{anchor[arch]:.0f}: {ours / anchor[arch]:.3f}x (target 1.1x)")
+EOF
+    fi
+  fi
 } >"$results_md"
 
 {

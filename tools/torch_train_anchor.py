@@ -9,6 +9,7 @@ that the ratio can be taken against a fourbit run on the same machine in the sam
 
     python3 tools/torch_train_anchor.py                     # both architectures below
     python3 tools/torch_train_anchor.py --arch gpt2 --steps 20
+    python3 tools/torch_train_anchor.py --csv anchor.csv   # also one CSV row per architecture
 
 Two architectures, both trained in BF16 autocast over FP32 master weights with fused AdamW:
   gpt2     nanoGPT's GPT-2 small: learned positions, LayerNorm with biases, GELU(tanh) MLP of 4d,
@@ -24,7 +25,7 @@ memory. Needs torch with CUDA (not a fourbit dependency).
 """
 
 import argparse
-import math
+import csv
 import statistics
 import time
 
@@ -134,10 +135,15 @@ def measure(arch, B, T, warmup, steps, compile_model):
             times.append(time.perf_counter() - t0)
     ms = 1e3 * statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30
+    row = {"arch": arch, "batch": B, "seq_len": T, "step_ms": f"{ms:.3f}",
+           "tokens_per_s": f"{B * T / (ms / 1e3):.0f}", "peak_gib": f"{peak:.3f}",
+           "params_m": f"{n_params / 1e6:.1f}", "torch": torch.__version__,
+           "mode": "compiled" if compile_model else "eager", "gpu": torch.cuda.get_device_name()}
     print(f"torch anchor {arch:8s} B {B} T {T}: {ms:.2f} ms/step, {B * T / (ms / 1e3):.0f} tokens/s, "
           f"peak {peak:.2f} GiB, {n_params / 1e6:.1f}M parameters, loss {loss.item():.4f}, "
           f"warm-up {t_compile:.1f} s (torch {torch.__version__}, "
           f"{'compiled' if compile_model else 'eager'}, {torch.cuda.get_device_name()})", flush=True)
+    return row
 
 
 def main():
@@ -148,14 +154,21 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
+    ap.add_argument("--csv", help="also write the figures to this CSV file (one row per architecture)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("torch_train_anchor: torch sees no CUDA device; this anchor is a GPU figure")
     torch.backends.cuda.matmul.allow_tf32 = True
-    for arch in a.arch.split(","):
+    archs = a.arch.split(",")
+    for arch in archs:
         if arch not in ("gpt2", "fourbit"):
             raise SystemExit(f"torch_train_anchor: --arch '{arch}' is neither gpt2 nor fourbit")
-        measure(arch, a.batch, a.seq, a.warmup, a.steps, not a.eager)
+    rows = [measure(arch, a.batch, a.seq, a.warmup, a.steps, not a.eager) for arch in archs]
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
 
 
 if __name__ == "__main__":
