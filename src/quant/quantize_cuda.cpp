@@ -177,7 +177,9 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
     if (out.colwise) p.col.amax = out.colwise->amax.defined() ? out.colwise->amax.ptr<float>() : row_amax;
     if (cfg.format == Format::kFp8Tensor) p.row.amax = any->amax.ptr<float>();
     // FOURBIT_QUANT_AMAX_COPY=0 (A/B): the given amaxes copied by memcpy launches, as before 0589d4a.
-    static const bool copy_in_kernel = env_switch("FOURBIT_QUANT_AMAX_COPY") != 0;
+    // An empty source launches no quantize kernel, so its bundles get their copies that way too.
+    static const bool copy_switch = env_switch("FOURBIT_QUANT_AMAX_COPY") != 0;
+    const bool copy_in_kernel = copy_switch && M > 0 && K > 0;
     if (!copy_in_kernel) {
       if (given_row != nullptr)
         FOURBIT_CUDA_CHECK(cudaMemcpyAsync(out.rowwise->amax.data(), given_row, sizeof(float), cudaMemcpyDeviceToDevice, stream));
