@@ -445,6 +445,57 @@ TEST_F(QuantCuda, QuantReportOnTheGpuEqualsTheCpuReport) {
   }
 }
 
+// amax_cuda's ticket reduction (set_amax_reduction(1): no zeroed outputs, the last CTA writes) gives
+// the bits of the atomic one (outputs zeroed by fills, atomicMax), for the flat and the RHT kernel,
+// BF16 and FP32, a one-CTA and a full grid, a NaN / Inf (left out of the amax / kept, flagged), on
+// outputs that hold garbage beforehand; the ticket is reusable (the same call twice) and per stream.
+TEST_F(QuantCuda, AmaxTicketReductionEqualsTheAtomicOne) {
+  cudaStream_t other = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+  struct Case {
+    int64_t rows, cols;
+    bool bf16, rht;
+    int poke;  // 0: none, 1: NaN, 2: Inf at one element
+  };
+  for (const Case& k : {Case{16, 128, true, false, 0}, Case{16, 128, false, true, 0}, Case{1024, 1024, true, false, 0},
+                        Case{1024, 1024, true, true, 0}, Case{4096, 4096, true, true, 0}, Case{4096, 4096, false, false, 0},
+                        Case{2048, 512, true, false, 1}, Case{2048, 512, true, true, 2}, Case{2048, 512, false, true, 1}}) {
+    SCOPED_TRACE(::testing::Message() << k.rows << " x " << k.cols << (k.bf16 ? " bf16" : " f32")
+                                      << (k.rht ? " rht" : "") << " poke " << k.poke);
+    Tensor host = make_source(Fill::kNormal, k.rows, k.cols, k.bf16, 11);
+    if (k.poke != 0) {
+      const int64_t at = k.rows * k.cols / 3 + 5;
+      if (k.bf16) {
+        host.ptr<uint16_t>()[at] = k.poke == 1 ? 0x7FC0 : 0x7F80;
+      } else {
+        host.ptr<float>()[at] = k.poke == 1 ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+      }
+    }
+    const Tensor dev = host.to(Device::kCuda);
+    auto run = [&](int mode, void* stream) {
+      set_amax_reduction(mode);
+      Tensor garbage = Tensor::empty({2}, DType::kF32, Device::kCpu);
+      garbage.ptr<float>()[0] = garbage.ptr<float>()[1] = 12345.0f;  // a ticket call must overwrite it
+      Tensor amax = garbage.to(Device::kCuda);
+      Tensor flag = Tensor::zeros({1}, DType::kI32, Device::kCuda);
+      amax_cuda(dev.view(), amax.ptr<float>(), amax.ptr<float>() + 1, k.rht, 0xB5A3, flag.ptr<int>(), stream);
+      if (stream != nullptr) EXPECT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), cudaSuccess);
+      const Tensor a = amax.to(Device::kCpu), f = flag.to(Device::kCpu);
+      return std::tuple{a.ptr<float>()[0], a.ptr<float>()[1], f.ptr<int>()[0]};
+    };
+    const auto [want_row, want_col, want_flag] = run(0, nullptr);
+    EXPECT_EQ(want_flag != 0, k.poke != 0);
+    for (void* stream : {static_cast<void*>(nullptr), static_cast<void*>(nullptr), static_cast<void*>(other)}) {
+      const auto [row, col, flag] = run(1, stream);
+      EXPECT_EQ(std::memcmp(&row, &want_row, 4), 0) << "row amax " << row << " want " << want_row;
+      EXPECT_EQ(std::memcmp(&col, &want_col, 4), 0) << "column amax " << col << " want " << want_col;
+      EXPECT_EQ(flag, want_flag);
+    }
+  }
+  set_amax_reduction(-1);
+  cudaStreamDestroy(other);
+}
+
 TEST_F(QuantCuda, GivenAmaxIsUsedInsteadOfAPass) {
   const Tensor host = make_source(Fill::kNormal, 128, 256, true, 3);
   const Tensor dev = host.to(Device::kCuda);

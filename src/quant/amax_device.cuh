@@ -11,7 +11,8 @@
 // RN to FP32 and then to BF16 are monotone and odd, so max_i |round(y_i)| = round(max_i |y_i|):
 // the rounding is applied once per segment (rht_segment_amax) instead of to each of its values.
 // Both amaxes are non-negative floats, whose bit patterns order like their values, so they are
-// published with an integer atomicMax into device floats that the caller zeroed.
+// published with an integer atomicMax into device floats that the caller zeroed, or (the global
+// amax kernels with a ticket: publish_amaxes_ticket) written once by the kernel's last CTA.
 #pragma once
 
 #include "formats/element.h"
@@ -58,6 +59,57 @@ __device__ __forceinline__ void publish_amaxes(float a_row, float a_col, float* 
     if (col_amax) atomicMax(reinterpret_cast<unsigned int*>(col_amax), __float_as_uint(a_col));
   }
   if (bad && error_flags) atomicOr(error_flags, nonfinite_bit);
+}
+
+// A global-amax reduction that needs no zeroed outputs (AmaxTicket, quantize_kernels.h): each CTA
+// stores its (row, column) maxima in ticket->partial[blockIdx.x] and takes a ticket; the CTA that
+// takes the last one reduces all partials and stores the two amaxes with plain stores, then sets
+// the count back to 0 for the ticket's next use. The maxima are those of publish_amaxes (a max of
+// non-negative floats does not depend on the order): the same bits, without a fill launch before
+// the kernel. Every thread of the CTA must call it (it has barriers); blockDim.x <= 1024.
+__device__ __forceinline__ void publish_amaxes_ticket(float a_row, float a_col, float* row_amax, float* col_amax,
+                                                      bool bad, int* error_flags, int nonfinite_bit,
+                                                      unsigned int* count, float2* partial) {
+  __shared__ float2 warp_max[32];
+  __shared__ bool last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
+  auto warp_reduce = [&](float2 v) {
+    for (int off = 16; off > 0; off >>= 1) {
+      v.x = fmaxf(v.x, __shfl_xor_sync(0xFFFFFFFFu, v.x, off));
+      v.y = fmaxf(v.y, __shfl_xor_sync(0xFFFFFFFFu, v.y, off));
+    }
+    return v;
+  };
+  auto block_reduce = [&](float2 v) {  // every thread gets the CTA's maxima
+    v = warp_reduce(v);
+    if (lane == 0) warp_max[warp] = v;
+    __syncthreads();
+    float2 m = make_float2(0.0f, 0.0f);
+    for (int w = 0; w < n_warps; ++w) m = make_float2(fmaxf(m.x, warp_max[w].x), fmaxf(m.y, warp_max[w].y));
+    __syncthreads();  // warp_max may be reused
+    return m;
+  };
+  if (bad && error_flags) atomicOr(error_flags, nonfinite_bit);
+  const float2 mine = block_reduce(make_float2(a_row, a_col));
+  if (threadIdx.x == 0) {
+    partial[blockIdx.x] = mine;
+    __threadfence();  // the partial is visible before the ticket says so
+    last = atomicAdd(count, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  float2 m = make_float2(0.0f, 0.0f);
+  for (unsigned int b = threadIdx.x; b < gridDim.x; b += blockDim.x) {
+    const float2 v = __ldcg(partial + b);  // from L2: written by other CTAs
+    m = make_float2(fmaxf(m.x, v.x), fmaxf(m.y, v.y));
+  }
+  m = block_reduce(m);
+  if (threadIdx.x == 0) {
+    *row_amax = m.x;
+    if (col_amax) *col_amax = m.y;
+    *count = 0u;  // ready for the next kernel that takes this ticket (same stream: after this one)
+  }
 }
 
 }  // namespace fourbit::quant::device

@@ -192,6 +192,12 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
 void amax_cuda(const TensorView& src, float* rowwise_amax, float* colwise_amax, bool colwise_rht,
                uint16_t rht_sign_mask, int* nonfinite_flag, void* stream);
 
+// How amax_cuda's fast kernels combine their CTAs' maxima: 0 zeroes the outputs first (a fill
+// launch each) and maxes into them with atomics; 1 takes a per-stream ticket and lets the last CTA
+// write them (no fills; session 28, not yet the default: FOURBIT_QUANT_AMAX_TICKET=1 turns it on);
+// -1 (the start) follows the environment. The same bits either way. For A/B runs and tests.
+void set_amax_reduction(int mode);
+
 // Dequantizes one orientation on the device to f32 [R, C] (stored layout).
 void dequantize_cuda(const QuantizedTensor& q, bool colwise, const TensorView& out, void* stream);
 

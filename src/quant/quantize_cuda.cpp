@@ -5,11 +5,15 @@
 #include "core/check.h"
 #include "core/env.h"
 #include "core/fill.h"
+#include "core/sm_count.h"
 #include "quant/quantize_kernels.h"
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <map>
 #include <mutex>
+#include <utility>
 
 namespace fourbit::quant {
 namespace {
@@ -45,7 +49,42 @@ void report_error_flags(int flags, std::string_view tensor_name, const TensorVie
                 tensor_name);
 }
 
+std::atomic<int> g_amax_reduction{-1};
+
+// The amax ticket of (device, stream) when the ticket reduction is on (set_amax_reduction), else
+// none. Created on first use: count zeroed on the stream itself, partials for 8 CTAs an SM (the
+// amax kernels' largest grid). Never freed: one per stream the process quantizes on.
+kernels::AmaxTicket amax_ticket_for(cudaStream_t stream) {
+  int mode = g_amax_reduction.load();
+  if (mode < 0) {
+    static const int env = env_switch("FOURBIT_QUANT_AMAX_TICKET");
+    mode = env == 1 ? 1 : 0;
+  }
+  if (mode != 1) return {};
+  int device = 0;
+  FOURBIT_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::pair<int, cudaStream_t>, kernels::AmaxTicket> tickets;
+  std::lock_guard<std::mutex> lock(mutex);
+  kernels::AmaxTicket& t = tickets[{device, stream}];
+  if (t.count == nullptr) {
+    const int capacity = current_device_sm_count() * 8;
+    void* mem = nullptr;
+    FOURBIT_CUDA_CHECK(cudaMalloc(&mem, 16 + sizeof(float2) * (size_t)capacity));
+    FOURBIT_CUDA_CHECK(cudaMemsetAsync(mem, 0, 16, stream));
+    t.count = static_cast<unsigned int*>(mem);
+    t.partial = reinterpret_cast<float2*>(static_cast<char*>(mem) + 16);
+    t.capacity = capacity;
+  }
+  return t;
+}
+
 }  // namespace
+
+void set_amax_reduction(int mode) {
+  FOURBIT_CHECK(mode >= -1 && mode <= 1, "set_amax_reduction: mode must be -1, 0 or 1, got {}", mode);
+  g_amax_reduction.store(mode);
+}
 
 void amax_cuda(const TensorView& src, float* rowwise_amax, float* colwise_amax, bool colwise_rht,
                uint16_t rht_sign_mask, int* nonfinite_flag, void* stream_ptr) {
@@ -56,9 +95,9 @@ void amax_cuda(const TensorView& src, float* rowwise_amax, float* colwise_amax, 
                 src.describe());
   FOURBIT_CHECK(rows % 16 == 0 && cols % 2 == 0,
                 "amax_cuda: {} needs rows % 16 == 0 and an even number of columns", src.describe());
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   kernels::launch_amax(src.data, src.dtype == DType::kBF16, rows, cols, colwise_rht, rht_sign_mask,
-                       rowwise_amax, colwise_amax, nonfinite_flag,
-                       static_cast<cudaStream_t>(stream_ptr));
+                       rowwise_amax, colwise_amax, nonfinite_flag, stream, amax_ticket_for(stream));
 }
 
 void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuantizeOptions& o,

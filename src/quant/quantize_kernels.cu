@@ -1084,7 +1084,8 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const InT* src, int64_t 
 template <typename InT>
 __global__ void __launch_bounds__(kThreads) amax_rht_kernel(const InT* src, int64_t rows, int64_t cols,
                                                             uint16_t sign_mask, float* row_amax,
-                                                            float* col_amax, int* error_flags) {
+                                                            float* col_amax, int* error_flags,
+                                                            kernels::AmaxTicket ticket) {
   core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
   core::pdl_wait_for_producer();
   constexpr int kPer = 8 / (int)sizeof(InT);
@@ -1117,7 +1118,12 @@ __global__ void __launch_bounds__(kThreads) amax_rht_kernel(const InT* src, int6
       a_col = fmaxf(a_col, device::rht_segment_amax(v, sign_mask));
     }
   }
-  publish_amaxes(a_row, a_col, row_amax, col_amax, bad, error_flags);
+  if (ticket.count != nullptr) {
+    device::publish_amaxes_ticket(a_row, a_col, row_amax, col_amax, bad, error_flags, kErrNonFinite,
+                                  ticket.count, ticket.partial);
+  } else {
+    publish_amaxes(a_row, a_col, row_amax, col_amax, bad, error_flags);
+  }
 }
 
 // Folds the 8 BF16 or 4 FP32 values of a 16-byte chunk into the running amax `a`; a NaN is left out
@@ -1145,7 +1151,7 @@ __device__ __forceinline__ void amax_chunk(const uint4& q, float& a, bool& bad) 
 template <typename InT>
 __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const uint4* src, int64_t n_chunks,
                                                              float* row_amax, float* col_amax,
-                                                             int* error_flags) {
+                                                             int* error_flags, kernels::AmaxTicket ticket) {
   core::pdl_allow_dependents();  // launched with PDL (core/pdl.cuh): nothing is read before the wait
   core::pdl_wait_for_producer();
   constexpr int kUnroll = 4;
@@ -1162,6 +1168,11 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const uint4* src, i
     for (int u = 0; u < kUnroll; ++u) take(q[u]);
   }
   for (; i < n_chunks; i += stride) take(__ldg(src + i));
+  if (ticket.count != nullptr) {
+    device::publish_amaxes_ticket(a, a, row_amax, col_amax, bad, error_flags, kErrNonFinite, ticket.count,
+                                  ticket.partial);
+    return;
+  }
   for (int off = 16; off > 0; off >>= 1) a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
   if ((threadIdx.x & 31) == 0) {
     atomicMax(reinterpret_cast<unsigned int*>(row_amax), __float_as_uint(a));
@@ -1352,39 +1363,47 @@ void launch_quantize(Format format, bool block_2d, bool bf16_source, const Param
 
 void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, bool rht,
                  uint16_t sign_mask, float* row_amax, float* col_amax, int* error_flags,
-                 cudaStream_t stream) {
-  device_fill_async(row_amax, 0, sizeof(float), stream);
-  if (col_amax) device_fill_async(col_amax, 0, sizeof(float), stream);
+                 cudaStream_t stream, AmaxTicket ticket) {
   const int sms = current_device_sm_count();
   const int64_t bytes = rows * cols * (bf16_source ? 2 : 4);
-  if (!rht && bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+  const bool flat = !rht && bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0;
+  const bool rht_fast = rht && (cols * (bf16_source ? 2 : 4)) % 8 == 0 && reinterpret_cast<uintptr_t>(src) % 8 == 0;
+  // The ticket reduction (no zeroed outputs needed) serves the two fast kernels; the general
+  // amax_kernel and a call without a ticket publish with atomicMax into zeroed amaxes.
+  // A ticket with fewer partials than the grid may have CTAs (another device's) is not taken.
+  if (!(flat || rht_fast) || ticket.capacity < sms * 8) ticket = AmaxTicket{};
+  if (ticket.count == nullptr) {
+    device_fill_async(row_amax, 0, sizeof(float), stream);
+    if (col_amax) device_fill_async(col_amax, 0, sizeof(float), stream);
+  }
+  if (flat) {
     const int64_t chunks = bytes / 16;
     const int blocks = (int)std::max<int64_t>(
         1, std::min<int64_t>((chunks + 4 * kThreads - 1) / (4 * kThreads), (int64_t)sms * 8));
     const uint4* s4 = static_cast<const uint4*>(src);
     if (bf16_source) {
       FOURBIT_CUDA_CHECK(core::launch_pdl(amax_flat_kernel<uint16_t>, dim3(blocks), dim3(kThreads), 0, stream, s4, chunks,
-                                          row_amax, col_amax, error_flags));
+                                          row_amax, col_amax, error_flags, ticket));
     } else {
       FOURBIT_CUDA_CHECK(core::launch_pdl(amax_flat_kernel<float>, dim3(blocks), dim3(kThreads), 0, stream, s4, chunks,
-                                          row_amax, col_amax, error_flags));
+                                          row_amax, col_amax, error_flags, ticket));
     }
     FOURBIT_CUDA_CHECK_LAUNCH();
     return;
   }
   const int element_bytes = bf16_source ? 2 : 4;
-  if (rht && (cols * element_bytes) % 8 == 0 && reinterpret_cast<uintptr_t>(src) % 8 == 0) {
+  if (rht_fast) {
     const int64_t strips = (rows / 16) * (cols * element_bytes / 8);
     const int blocks = (int)std::max<int64_t>(
         1, std::min<int64_t>((strips + kThreads - 1) / kThreads, (int64_t)sms * 8));
     if (bf16_source) {
       FOURBIT_CUDA_CHECK(core::launch_pdl(amax_rht_kernel<uint16_t>, dim3(blocks), dim3(kThreads), 0, stream,
                                           static_cast<const uint16_t*>(src), rows, cols, sign_mask,
-                                          row_amax, col_amax, error_flags));
+                                          row_amax, col_amax, error_flags, ticket));
     } else {
       FOURBIT_CUDA_CHECK(core::launch_pdl(amax_rht_kernel<float>, dim3(blocks), dim3(kThreads), 0, stream,
                                           static_cast<const float*>(src), rows, cols, sign_mask,
-                                          row_amax, col_amax, error_flags));
+                                          row_amax, col_amax, error_flags, ticket));
     }
     FOURBIT_CUDA_CHECK_LAUNCH();
     return;

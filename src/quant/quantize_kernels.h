@@ -62,9 +62,22 @@ int tile_cols(Format format);
 
 void launch_quantize(Format format, bool block_2d, bool bf16_source, const Params& p,
                      cudaStream_t stream);
+// Device scratch for a global-amax reduction without zeroed outputs (the amax kernels'
+// publish_amaxes_ticket, amax_device.cuh): `count` starts at 0 and is 0 again after every kernel
+// that used it; `partial` holds `capacity` (row, column) maxima, one per CTA. One ticket serves one
+// stream (kernels on it run one after another); count == nullptr: no ticket (zeroed outputs and
+// atomicMax).
+struct AmaxTicket {
+  unsigned int* count = nullptr;
+  float2* partial = nullptr;
+  int capacity = 0;
+};
+
+// The global amaxes of src into row_amax / col_amax (col_amax may be null). Without a ticket the
+// two are zeroed first (a fill launch each) and then maxed into; with one, written once.
 void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, bool rht,
                  uint16_t sign_mask, float* row_amax, float* col_amax, int* error_flags,
-                 cudaStream_t stream);
+                 cudaStream_t stream, AmaxTicket ticket = {});
 void launch_dequantize(const DequantParams& p, cudaStream_t stream);
 // The amax of every row of a contiguous f32 or bf16 [rows, cols] source (cols % 8 == 0) into
 // row_amax[rows] (device; no zeroing needed), one warp per row; NaN / Inf set kErrNonFinite.
