@@ -189,19 +189,7 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
       col_amax = (out.rowwise && out.colwise) ? out.colwise->amax.ptr<float>() : nullptr;
     }
     const bool given = o.given_rowwise_amax != nullptr;
-    // Given amaxes: the kernel reads them where they are and copies them into the bundles
-    // (OrientationOut::amax_copy), so no memcpy launch precedes it.
-    const float* given_row = nullptr;
-    const float* given_col = nullptr;
-    if (given) {
-      if (out.rowwise && out.rowwise->amax.defined()) given_row = o.given_rowwise_amax;
-      if (out.colwise && out.colwise->amax.defined()) {
-        FOURBIT_CHECK(!cfg.rht || o.given_colwise_amax != nullptr,
-                      "quantize_cuda('{}'): with RHT the column-wise amax (after the transform) "
-                      "must be given too", o.tensor_name);
-        given_col = (cfg.rht && o.given_colwise_amax) ? o.given_colwise_amax : o.given_rowwise_amax;
-      }
-    } else {
+    if (!given) {
       float* first = row_amax ? row_amax : col_amax;
       float* second = row_amax ? col_amax : nullptr;
       const bool rht_col = cfg.rht && out.colwise.has_value();
@@ -215,29 +203,31 @@ void quantize_cuda(const TensorView& src, QuantizedTensor& out, const CudaQuanti
     if (out.rowwise) p.row.amax = out.rowwise->amax.defined() ? out.rowwise->amax.ptr<float>() : row_amax;
     if (out.colwise) p.col.amax = out.colwise->amax.defined() ? out.colwise->amax.ptr<float>() : row_amax;
     if (cfg.format == Format::kFp8Tensor) p.row.amax = any->amax.ptr<float>();
-    // FOURBIT_QUANT_AMAX_COPY=0 (A/B): the given amaxes copied by memcpy launches, as before 0589d4a.
-    // An empty source launches no quantize kernel, so its bundles get their copies that way too.
-    static const bool copy_switch = env_switch("FOURBIT_QUANT_AMAX_COPY") != 0;
-    const bool copy_in_kernel = copy_switch && M > 0 && K > 0;
-    if (!copy_in_kernel) {
-      if (given_row != nullptr)
-        FOURBIT_CUDA_CHECK(cudaMemcpyAsync(out.rowwise->amax.data(), given_row, sizeof(float), cudaMemcpyDeviceToDevice, stream));
-      if (given_col != nullptr)
-        FOURBIT_CUDA_CHECK(cudaMemcpyAsync(out.colwise->amax.data(), given_col, sizeof(float), cudaMemcpyDeviceToDevice, stream));
-      given_row = given_col = nullptr;  // the kernel reads the bundles, as without given amaxes
+    if (given) {
+      // Each bundle with an amax gets the given one. The quantize kernel reads a given amax where
+      // it is and its first thread stores it into the bundle (OrientationOut::amax_copy), so no
+      // memcpy launch precedes the kernel; with FOURBIT_QUANT_AMAX_COPY=0 (A/B), or an empty
+      // source (no kernel launches), a memcpy each, and the kernel reads the bundles.
+      static const bool copy_switch = env_switch("FOURBIT_QUANT_AMAX_COPY") != 0;
+      const bool in_kernel = copy_switch && M > 0 && K > 0;
+      const auto take = [&](std::optional<QuantizedData>& d, kernels::OrientationOut& oo, const float* amax) {
+        if (!d || !d->amax.defined()) return;
+        if (in_kernel) {
+          oo.amax_copy = d->amax.ptr<float>();
+          oo.amax = amax;
+        } else {
+          FOURBIT_CUDA_CHECK(cudaMemcpyAsync(d->amax.data(), amax, sizeof(float), cudaMemcpyDeviceToDevice, stream));
+        }
+      };
+      FOURBIT_CHECK(!cfg.rht || !out.colwise || !out.colwise->amax.defined() || o.given_colwise_amax != nullptr,
+                    "quantize_cuda('{}'): with RHT the column-wise amax (after the transform) "
+                    "must be given too", o.tensor_name);
+      take(out.rowwise, p.row, o.given_rowwise_amax);
+      take(out.colwise, p.col, cfg.rht ? o.given_colwise_amax : o.given_rowwise_amax);
+      // FP8 per-tensor scaling reads p.row.amax for either orientation: the given amax too, never a
+      // bundle slot that the same launch writes (only the column-wise bundle may exist).
+      if (in_kernel && cfg.format == Format::kFp8Tensor) p.row.amax = o.given_rowwise_amax;
     }
-    if (given_row != nullptr) {
-      p.row.amax_copy = out.rowwise->amax.ptr<float>();
-      p.row.amax = given_row;
-    }
-    if (given_col != nullptr) {
-      p.col.amax_copy = out.colwise->amax.ptr<float>();
-      p.col.amax = given_col;
-    }
-    // FP8 per-tensor: the kernel reads p.row.amax for either orientation, so it must be the given
-    // amax too when only the column-wise bundle exists (never a bundle slot that the same launch
-    // is writing).
-    if (given && copy_in_kernel && cfg.format == Format::kFp8Tensor) p.row.amax = o.given_rowwise_amax;
   }
 
   kernels::launch_quantize(cfg.format, cfg.block_2d, src.dtype == DType::kBF16, p, stream);
