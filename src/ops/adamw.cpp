@@ -209,20 +209,23 @@ void global_grad_norm(const TensorView& norm, std::span<const TensorView> tensor
                 op, need, present(workspace) ? workspace.describe() : "none");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   double* partials = static_cast<double*>(workspace.data);
-  // Up to kSumsqBatch tensors a launch; each tensor's partials where its own launch put them.
+  // Up to kSumsqBatch tensors a launch; each tensor's partials where its own launch put them
+  // (a launch writes from partials + launch_first, its segments' first_block counted from there).
   kernels::SumsqBatch batch;
-  int64_t first = 0;
+  int64_t first = 0, launch_first = 0;
+  const auto flush = [&] {
+    if (batch.count > 0) kernels::launch_sumsq_partials(batch, partials + launch_first, s);
+    batch.count = 0;
+    launch_first = first;
+  };
   for (const TensorView& t : tensors) {
     const int64_t blocks = sumsq_blocks(t.numel());
-    batch.seg[batch.count++] = {t.data, t.numel(), (int32_t)first, (int32_t)blocks,
+    batch.seg[batch.count++] = {t.data, t.numel(), (int32_t)(first - launch_first), (int32_t)blocks,
                                 t.dtype == DType::kBF16 ? kernels::FloatType::kBF16 : kernels::FloatType::kF32};
     first += blocks;
-    if (batch.count == kernels::kSumsqBatch) {
-      kernels::launch_sumsq_partials(batch, partials, s);
-      batch.count = 0;
-    }
+    if (batch.count == kernels::kSumsqBatch) flush();
   }
-  if (batch.count > 0) kernels::launch_sumsq_partials(batch, partials, s);
+  flush();
   kernels::launch_norm_from_partials(partials, first, norm.ptr<float>(), s);
 #else
   (void)workspace;

@@ -112,11 +112,7 @@ void launch_adamw(AdamWBatch& batch, cudaStream_t stream) {
 
 void launch_sumsq_partials(const SumsqBatch& batch, double* partials, cudaStream_t stream) {
   const SumsqSegment& last = batch.seg[batch.count - 1];
-  const int64_t blocks = (int64_t)last.first_block + last.blocks - batch.seg[0].first_block;
-  // The kernel indexes partials and first_block from this launch's first CTA.
-  SumsqBatch local = batch;
-  for (int i = 0; i < local.count; ++i) local.seg[i].first_block -= batch.seg[0].first_block;
-  sumsq_kernel<<<(unsigned)blocks, kSumThreads, 0, stream>>>(local, partials + batch.seg[0].first_block);
+  sumsq_kernel<<<(unsigned)(last.first_block + last.blocks), kSumThreads, 0, stream>>>(batch, partials);
   FOURBIT_CUDA_CHECK_LAUNCH();
 }
 

@@ -53,7 +53,8 @@ struct SumsqBatch {
   int count = 0;
 };
 // partials[first_block + b] for every segment and b < blocks, one launch (count >= 1; the
-// segments' runs of CTAs are consecutive, first_block ascending).
+// segments' runs of CTAs are consecutive from 0, first_block ascending: a later batch passes
+// partials already offset to its first tensor's).
 void launch_sumsq_partials(const SumsqBatch& batch, double* partials, cudaStream_t stream);
 
 // norm[0] = f32(sqrt(sum of partials[0, count) in order)).
