@@ -115,7 +115,8 @@ __device__ __forceinline__ Bf16x8 load8_bits(const bf16_t* row, int64_t c, int64
 // its own launch bounds leave the registers that both rows' values need.
 constexpr int kPairMaxThreads = 512;
 template <typename TX, typename TW, int J, bool kAccumulate, bool kAmax = false, bool kPairRows = false>
-__global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : kPairRows ? kPairMaxThreads : 1024)  // kAmax: C <= 2048, 256 threads
+// kAmax: C <= 2048, 256 threads.
+__global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : kPairRows ? kPairMaxThreads : 1024)
     rmsnorm_backward_kernel(TX* __restrict__ dx, float* __restrict__ partial,
                             const TX* __restrict__ dy, const TX* __restrict__ x,
                             const TW* __restrict__ w, const float* __restrict__ rstd,
@@ -140,8 +141,8 @@ __global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : kPairRows ? 
   if constexpr (kPairRows) {
     // Two rows per iteration: both rows' loads are in flight together and their reductions share
     // one pair of barriers, so a chunk takes half as many dependent round trips. The rows are held
-    // as their BF16 bits (4 registers per 8 values, so that the 64 registers of the launch bounds
-    // hold both) and widened where used. The arithmetic is the one-row loop's below, row by row in
+    // as their BF16 bits (4 registers per 8 values; 89-98 registers in all, under this variant's
+    // own launch bounds) and widened where used. The arithmetic is the one-row loop's below, row by row in
     // the same order (acc gets row a, then row b), so the bits are the same. An odd chunk's last
     // row pairs with nothing (has_b false: row b reads as zeros and is neither summed nor stored).
     __shared__ float2 scratch2[32];
@@ -194,91 +195,91 @@ __global__ void __launch_bounds__(kAmax ? kRmsnormAmaxMaxCols / 8 : kPairRows ? 
       store8(dxb, c, cols_b, vec_b, outb);
     }
   } else {
-  for (int64_t row = first; row < last; ++row) {
-    const float r = rstd[row];
-    const TX* xr = x + row * cols;
-    const TX* dyr = dy + row * cols;
-    TX* dxr = dx + row * cols;
-    const bool vec = w_vec && is_aligned16(xr) && is_aligned16(dyr) && is_aligned16(dxr);
-    float xv[8], g[8];  // x and g = dy * w of the current group (of the only group when kCache)
-    // kCache: the gradient dx is accumulated into is loaded with x and dy, before the row's
-    // reduction (it does not depend on it), so its round trip overlaps theirs instead of following
-    // the reduction.
-    float prev[8];
-    float dot = 0.0f;
+    for (int64_t row = first; row < last; ++row) {
+      const float r = rstd[row];
+      const TX* xr = x + row * cols;
+      const TX* dyr = dy + row * cols;
+      TX* dxr = dx + row * cols;
+      const bool vec = w_vec && is_aligned16(xr) && is_aligned16(dyr) && is_aligned16(dxr);
+      float xv[8], g[8];  // x and g = dy * w of the current group (of the only group when kCache)
+      // kCache: the gradient dx is accumulated into is loaded with x and dy, before the row's
+      // reduction (it does not depend on it), so its round trip overlaps theirs instead of following
+      // the reduction.
+      float prev[8];
+      float dot = 0.0f;
 #pragma unroll
-    for (int j = 0; j < J; ++j) {
-      const int64_t c = (int64_t)(j * blockDim.x + threadIdx.x) * 8;
-      load8(xr, c, cols, vec, xv);
-      load8(dyr, c, cols, vec, g);
-      if (kCache && kAccumulate) load8(dxr, c, cols, vec, prev);
-      if (!kCache) load8(w, c, cols, w_vec, wv);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        acc[j][k] = fmaf(g[k], xv[k] * r, acc[j][k]);  // dy * xhat
-        g[k] *= wv[k];                                  // g = dy * w
-        dot = fmaf(g[k], xv[k], dot);
-      }
-    }
-    dot = block_sum(dot, scratch);
-    // dx = r * (g - xhat * mean(g * xhat)) = r * (g - x * (r * r * dot / C))
-    const float coef = r * r * dot / (float)cols;
-#pragma unroll 1  // no per-group state here; a rolled loop keeps J = 2 free of spills
-    for (int j = 0; j < J; ++j) {
-      const int64_t c = (int64_t)(j * blockDim.x + threadIdx.x) * 8;
-      if (!kCache) {
+      for (int j = 0; j < J; ++j) {
+        const int64_t c = (int64_t)(j * blockDim.x + threadIdx.x) * 8;
         load8(xr, c, cols, vec, xv);
         load8(dyr, c, cols, vec, g);
-        load8(w, c, cols, w_vec, wv);
+        if (kCache && kAccumulate) load8(dxr, c, cols, vec, prev);
+        if (!kCache) load8(w, c, cols, w_vec, wv);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) g[k] *= wv[k];
-      }
-#pragma unroll
-      for (int k = 0; k < 8; ++k) g[k] = r * fmaf(-xv[k], coef, g[k]);  // the contraction explicit
-      if constexpr (kAccumulate) {
-        if (!kCache) load8(dxr, c, cols, vec, prev);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) g[k] = __fadd_rn(prev[k], to_float<TX>(from_float<TX>(g[k])));
-      }
-      if constexpr (kAmax) {
-        // Rounded once (round_pair: g then holds the stored values; columns past `cols` hold 0
-        // and are not stored), stored from those words, their amax, and this row's segment slot.
-        uint32_t wd[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          wd[k] = round_pair(g[2 * k], g[2 * k + 1]);
-          fold_amax(g[2 * k], out_amax, bad);
-          fold_amax(g[2 * k + 1], out_amax, bad);
+        for (int k = 0; k < 8; ++k) {
+          acc[j][k] = fmaf(g[k], xv[k] * r, acc[j][k]);  // dy * xhat
+          g[k] *= wv[k];                                  // g = dy * w
+          dot = fmaf(g[k], xv[k], dot);
         }
-        if (vec && c + 8 <= cols) {
-          *reinterpret_cast<uint4*>(dxr + c) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
-        } else {
-          store8(dxr, c, cols, vec, g);  // exact: the values are BF16 already
+      }
+      dot = block_sum(dot, scratch);
+      // dx = r * (g - xhat * mean(g * xhat)) = r * (g - x * (r * r * dot / C))
+      const float coef = r * r * dot / (float)cols;
+#pragma unroll 1  // no per-group state here; a rolled loop keeps J = 2 free of spills
+      for (int j = 0; j < J; ++j) {
+        const int64_t c = (int64_t)(j * blockDim.x + threadIdx.x) * 8;
+        if (!kCache) {
+          load8(xr, c, cols, vec, xv);
+          load8(dyr, c, cols, vec, g);
+          load8(w, c, cols, w_vec, wv);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) g[k] *= wv[k];
         }
-        const int seg_row = (int)((row - first) & 15);
-        segment_slots[seg_row * blockDim.x + threadIdx.x] = make_uint4(wd[0], wd[1], wd[2], wd[3]);
-        if (seg_row == 15 && amaxes.rht_amax != nullptr) {
-          // Each slot word once: word k holds columns 2k and 2k + 1 of the segment's 16 rows.
-          const uint32_t* words = reinterpret_cast<const uint32_t*>(segment_slots);
-#pragma unroll 1
+#pragma unroll
+        for (int k = 0; k < 8; ++k) g[k] = r * fmaf(-xv[k], coef, g[k]);  // the contraction explicit
+        if constexpr (kAccumulate) {
+          if (!kCache) load8(dxr, c, cols, vec, prev);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) g[k] = __fadd_rn(prev[k], to_float<TX>(from_float<TX>(g[k])));
+        }
+        if constexpr (kAmax) {
+          // Rounded once (round_pair: g then holds the stored values; columns past `cols` hold 0
+          // and are not stored), stored from those words, their amax, and this row's segment slot.
+          uint32_t wd[4];
+#pragma unroll
           for (int k = 0; k < 4; ++k) {
-            float lo[16], hi[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-              const uint32_t word = words[(i * blockDim.x + threadIdx.x) * 4 + k];
-              lo[i] = lo_of(word);
-              hi[i] = hi_of(word);
-            }
-            rht_amax = fmaxf(rht_amax, fmaxf(quant::device::rht_segment_amax(lo, amaxes.rht_sign_mask),
-                                             quant::device::rht_segment_amax(hi, amaxes.rht_sign_mask)));
+            wd[k] = round_pair(g[2 * k], g[2 * k + 1]);
+            fold_amax(g[2 * k], out_amax, bad);
+            fold_amax(g[2 * k + 1], out_amax, bad);
           }
+          if (vec && c + 8 <= cols) {
+            *reinterpret_cast<uint4*>(dxr + c) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+          } else {
+            store8(dxr, c, cols, vec, g);  // exact: the values are BF16 already
+          }
+          const int seg_row = (int)((row - first) & 15);
+          segment_slots[seg_row * blockDim.x + threadIdx.x] = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+          if (seg_row == 15 && amaxes.rht_amax != nullptr) {
+            // Each slot word once: word k holds columns 2k and 2k + 1 of the segment's 16 rows.
+            const uint32_t* words = reinterpret_cast<const uint32_t*>(segment_slots);
+#pragma unroll 1
+            for (int k = 0; k < 4; ++k) {
+              float lo[16], hi[16];
+#pragma unroll
+              for (int i = 0; i < 16; ++i) {
+                const uint32_t word = words[(i * blockDim.x + threadIdx.x) * 4 + k];
+                lo[i] = lo_of(word);
+                hi[i] = hi_of(word);
+              }
+              rht_amax = fmaxf(rht_amax, fmaxf(quant::device::rht_segment_amax(lo, amaxes.rht_sign_mask),
+                                               quant::device::rht_segment_amax(hi, amaxes.rht_sign_mask)));
+            }
+          }
+        } else {
+          store8(dxr, c, cols, vec, g);
         }
-      } else {
-        store8(dxr, c, cols, vec, g);
       }
     }
   }
-  }  // the one-row loop
   if constexpr (kAmax) {
     quant::device::publish_amaxes(out_amax, rht_amax, amaxes.amax, amaxes.rht_amax, bad, amaxes.nonfinite_flag,
                                   kErrNonFinite);
