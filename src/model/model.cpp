@@ -282,7 +282,26 @@ int* Model::Impl::flag() const {
 
 const TensorView& Model::Impl::w(int index) const { return m.compute_params().view(index); }
 const TensorView& Model::Impl::master(int index) const { return m.params_.view(index); }
-const TensorView& Model::Impl::g(int index) const { return m.grads_.view(index); }
+const TensorView& Model::Impl::g(int index) const {
+  const TensorView& v = m.grads_.view(index);
+  if (!m.grad_zero_pending_.empty() && m.grad_zero_pending_[(size_t)index]) {
+    m.grad_zero_pending_[(size_t)index] = 0;
+    if (v.device == Device::kCpu) {
+      fill_bytes(v, 0);
+    } else {
+      device_fill_async(v.data, 0, v.nbytes(), stream());
+    }
+  }
+  return v;
+}
+
+GradOut Model::Impl::grad_out(int index) const {
+  if (!m.grad_zero_pending_.empty() && m.grad_zero_pending_[(size_t)index]) {
+    m.grad_zero_pending_[(size_t)index] = 0;
+    return {m.grads_.view(index), 0.0f};
+  }
+  return {m.grads_.view(index), 1.0f};
+}
 
 void Model::Impl::check_token_tile(int64_t n_tokens, std::string_view where) const {
   const int tile = tokens_tile[(size_t)mode];
@@ -575,7 +594,7 @@ void Model::Impl::dgrad(Section s, int block, LinearKind kind, const TensorView&
 }
 
 void Model::Impl::wgrad(Section s, int block, LinearKind kind, const TensorView& dy,
-                        const TensorView& x, const TensorView& dw,
+                        const TensorView& x, GradOut dw,
                         std::optional<quant::QuantizedTensor>* saved_x) {
   const gemm::LinearRecipe& r = linear_recipe(block, kind);
   FOURBIT_CHECK(saved_x == nullptr || saved_x->has_value(),
@@ -591,17 +610,17 @@ void Model::Impl::wgrad(Section s, int block, LinearKind kind, const TensorView&
   const gemm::LinearOptions o = linear_options(block, kind, name);
   if (saved_x != nullptr && saved_x->has_value()) {
     // No observation: X itself was not kept (saves_quantized_x is false while observed).
-    gemm::linear_wgrad_from_saved_x(r, dy, **saved_x, dw, 1.0f, o);
+    gemm::linear_wgrad_from_saved_x(r, dy, **saved_x, dw.view, dw.beta, o);
     saved_x->reset();
     return;
   }
-  gemm::linear_wgrad(r, dy, x, dw, 1.0f, o);
-  observe(name, recipe::Gemm::kWgrad, r, dy, x, dw, {}, o.sr);
+  gemm::linear_wgrad(r, dy, x, dw.view, dw.beta, o);
+  observe(name, recipe::Gemm::kWgrad, r, dy, x, dw.view, {}, o.sr);
 }
 
 void Model::Impl::dgrad_wgrad(Section s, int block, LinearKind kind, const TensorView& dy,
                               const TensorView& wt, const TensorView& dx, const TensorView& x,
-                              const TensorView& dw, std::optional<quant::QuantizedTensor>* saved_x,
+                              GradOut dw, std::optional<quant::QuantizedTensor>* saved_x,
                               gemm::LinearOptions::GivenAmax dy_amax) {
   if (keeps_wgrad_inputs()) {  // the reference path: one quantization per operand and GEMM
     FOURBIT_CHECK(!dy_amax.given(), "model: {}'s dY amaxes were computed by its producer on the "
@@ -630,7 +649,7 @@ void Model::Impl::dgrad_wgrad(Section s, int block, LinearKind kind, const Tenso
   Scope scope(*this, s, Work::kLinear);
   gemm::LinearOptions o = linear_options(block, kind, name);
   o.source_amax = dy_amax;
-  gemm::linear_dgrad_wgrad(r, dy, wt, dx, x, saved ? &**saved_x : nullptr, dw, 1.0f, o);
+  gemm::linear_dgrad_wgrad(r, dy, wt, dx, x, saved ? &**saved_x : nullptr, dw.view, dw.beta, o);
   bf16(dx);
   if (saved) saved_x->reset();
 }
@@ -851,7 +870,7 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale,
     if (recomputes()) recompute_gate_up(l, a, b);
     const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
     const TensorView d_act = prefix(s.d_act, N, F);
-    dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, g(p.mlp_down),
+    dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, grad_out(p.mlp_down),
                 b.save_act ? &b.saved_act : nullptr, d_resid_amax);
     const std::optional<ops::OutputAmaxes> d_gu_amax =
         producer_amaxes(l, LinearKind::kMlpUp, true, false, ops::output_amaxes_supported(N, F));
@@ -861,7 +880,7 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale,
       ops::swiglu_backward_inplace(gu, d_act, stream(), d_gu_amax ? &*d_gu_amax : nullptr);
       bf16(gu);
     }
-    dgrad_wgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_ln, b.ln2, g(p.mlp_up),
+    dgrad_wgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_ln, b.ln2, grad_out(p.mlp_up),
                 b.save_ln2 ? &b.saved_ln2 : nullptr, given_amax(d_gu_amax));
     return;
   }
@@ -946,7 +965,7 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale,
     }
   }
   const TensorView d_logits = s.d_logits_c.data != nullptr ? s.d_logits_c : s.d_logits;
-  dgrad_wgrad(sec, l, LinearKind::kRouter, d_logits, w(p.router), s.d_tmp, b.ln2, g(p.router));
+  dgrad_wgrad(sec, l, LinearKind::kRouter, d_logits, w(p.router), s.d_tmp, b.ln2, grad_out(p.router));
   {
     Scope sc(*this, sec, Work::kOther);
     ops::add_inplace(s.d_ln, s.d_tmp, stream());
@@ -955,13 +974,13 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale,
   if (p.mlp_up < 0) return;
   const TensorView gu = prefix(b.gate_up, N, 2 * Fe), act = prefix(b.act, N, Fe);
   const TensorView d_act = prefix(s.d_act, N, Fe);
-  dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, g(p.mlp_down));
+  dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, grad_out(p.mlp_down));
   {
     Scope sc(*this, sec, Work::kOther);
     ops::swiglu_backward_inplace(gu, d_act, stream());
     bf16(gu);
   }
-  dgrad_wgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_tmp, b.ln2, g(p.mlp_up));
+  dgrad_wgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_tmp, b.ln2, grad_out(p.mlp_up));
   {
     Scope sc(*this, sec, Work::kOther);
     ops::add_inplace(s.d_ln, s.d_tmp, stream());
@@ -1051,7 +1070,20 @@ void Model::set_recipe(recipe::ResolvedRecipe resolved) {
 
 Model::~Model() = default;
 
-void Model::zero_grads() { fill_bytes(grads_.flat(), 0); }
+void Model::zero_grads() { grad_zero_pending_.assign((size_t)table_.size(), 1); }
+
+void Model::write_pending_grad_zeros() const {
+  bool any = false;
+  for (char p : grad_zero_pending_) any = any || p != 0;
+  if (!any) return;
+  if (std::all_of(grad_zero_pending_.begin(), grad_zero_pending_.end(), [](char p) { return p != 0; })) {
+    fill_bytes(grads_.flat(), 0);
+  } else {
+    for (size_t i = 0; i < grad_zero_pending_.size(); ++i)
+      if (grad_zero_pending_[i]) fill_bytes(grads_.view((int)i), 0);
+  }
+  grad_zero_pending_.assign(grad_zero_pending_.size(), 0);
+}
 
 void Model::params_changed() {
   if (!compute_.defined()) return;
@@ -1359,7 +1391,7 @@ void Model::backward(const BackwardOptions& o) {
     im.bf16(a.logits);
   }
   im.dgrad_wgrad(Section::kLmHead, L, LinearKind::kLmHead, a.logits, im.w(im.lm_head), s.d_ln, a.lnf,
-                 im.g(im.lm_head));
+                 im.grad_out(im.lm_head));
   {
     Scope sc(im, Section::kLmHead, Work::kOther);
     ops::rmsnorm_backward(s.d_resid, im.g(im.final_norm), s.d_ln, a.resid[(size_t)L],
@@ -1407,7 +1439,7 @@ void Model::backward(const BackwardOptions& o) {
     }
     // Attention half.
     im.dgrad_wgrad(Section::kAttention, l, LinearKind::kAttnOut, s.d_resid, im.w(p.attn_out), s.d_attn,
-                   b.attn, im.g(p.attn_out), nullptr, Model::Impl::given_amax(d_mid_amax));
+                   b.attn, im.grad_out(p.attn_out), nullptr, Model::Impl::given_amax(d_mid_amax));
     if (im.recomputes()) im.recompute_qkv(l, a, b);
     {
       Scope sc(im, Section::kAttention, Work::kAttention);
@@ -1430,7 +1462,7 @@ void Model::backward(const BackwardOptions& o) {
       im.bf16(s.d_qkv);
     }
     im.dgrad_wgrad(Section::kAttention, l, LinearKind::kQkv, s.d_qkv, im.w(p.qkv), s.d_ln, b.ln1,
-                   im.g(p.qkv), b.save_ln1 ? &b.saved_ln1 : nullptr);
+                   im.grad_out(p.qkv), b.save_ln1 ? &b.saved_ln1 : nullptr);
     // d resid[l] is the dY of block l - 1's mlp_down when that block is dense (its backward starts
     // with that GEMM pair; a MoE block's starts with the unpermute).
     const bool next_is_dense_down = l > 0 && !c.is_moe_block(l - 1);
@@ -1447,6 +1479,8 @@ void Model::backward(const BackwardOptions& o) {
     Scope sc(im, Section::kEmbedding, Work::kOther);
     ops::embedding_backward(im.g(im.embedding), s.d_resid, a.tokens, s.emb_ws, im.flag(), st);
   }
+  // What no op wrote (a parameter outside this objective) is zero, as zero_grads() promised.
+  for (int i = 0; i < (int)grad_zero_pending_.size(); ++i) im.g(i);
   im.check_error_flag("backward");
 }
 

@@ -266,11 +266,17 @@ class Model {
 
   // ---- parameters ------------------------------------------------------------------------------
   const ParamBuffer& params() const { return params_; }  // master: f32 (CUDA, CPU f32) or f64
-  const ParamBuffer& grads() const { return grads_; }    // same layout and dtype
+  // Same layout and dtype as params(). zero_grads() only marks every gradient as zero: its first
+  // writer in backward() overwrites it (beta 0) instead of a fill followed by accumulation; what
+  // no op wrote is filled at the end of backward(), or here (and in grad()) when read before.
+  const ParamBuffer& grads() const {
+    write_pending_grad_zeros();
+    return grads_;
+  }
   // What the GEMMs read: the BF16 copy on CUDA, the master itself on the CPU.
   const ParamBuffer& compute_params() const { return compute_.defined() ? compute_ : params_; }
   TensorView param(std::string_view name) const { return params_.view(table_.index_of(name)); }
-  TensorView grad(std::string_view name) const { return grads_.view(table_.index_of(name)); }
+  TensorView grad(std::string_view name) const { return grads().view(table_.index_of(name)); }
   void zero_grads();
   // Refreshes the BF16 compute copy from the master weights (CUDA; a no-op on the CPU).
   void params_changed();
@@ -376,6 +382,9 @@ class Model {
   DType act_dtype_, stat_dtype_;
   int max_seq_ = 0;
   ParamBuffer params_, grads_, compute_;
+  // grad_zero_pending_[i]: parameter i's gradient is zero by zero_grads() but not written yet.
+  mutable std::vector<char> grad_zero_pending_;
+  void write_pending_grad_zeros() const;  // fills every pending gradient (synchronous), clears all
   std::unique_ptr<Arena> arena_;
   std::unique_ptr<Impl> impl_;
   std::vector<std::vector<int32_t>> counts_host_;

@@ -134,6 +134,15 @@ inline constexpr int kNumModes = 3;
 }  // namespace fourbit::model::detail
 
 namespace fourbit::model {
+// A parameter's gradient as a GEMM output: beta 1 accumulates into it, beta 0 overwrites it (its
+// first writer after Model::zero_grads(), which then need not have been filled with zeros).
+struct GradOut {
+  const TensorView& view;
+  float beta = 1.0f;
+};
+}  // namespace fourbit::model
+
+namespace fourbit::model {
 
 struct Model::Impl {
   explicit Impl(Model& model);
@@ -230,13 +239,13 @@ struct Model::Impl {
              const TensorView& dx);
   // saved_x holding a copy: the Wgrad reads it instead of x (ignored) and releases it.
   void wgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy, const TensorView& x,
-             const TensorView& dw, std::optional<quant::QuantizedTensor>* saved_x = nullptr);
+             GradOut dw, std::optional<quant::QuantizedTensor>* saved_x = nullptr);
   // dgrad then wgrad of one layer, dY quantized once for both where the recipe allows it
   // (gemm::linear_dgrad_wgrad); separate calls when the model keeps its Wgrad inputs
   // (keep_wgrad_inputs or an observer: the reference path). saved_x as in wgrad.
   // dy_amax: dY's amaxes from its producer (producer_amaxes).
   void dgrad_wgrad(Section s, int block, recipe::LinearKind kind, const TensorView& dy,
-                   const TensorView& w, const TensorView& dx, const TensorView& x, const TensorView& dw,
+                   const TensorView& w, const TensorView& dx, const TensorView& x, GradOut dw,
                    std::optional<quant::QuantizedTensor>* saved_x = nullptr,
                    gemm::LinearOptions::GivenAmax dy_amax = {});
   bool keeps_wgrad_inputs() const;  // ModelOptions::keep_wgrad_inputs or an attached observer
@@ -279,7 +288,12 @@ struct Model::Impl {
   void check_error_flag(std::string_view where);
   const TensorView& w(int index) const;       // compute copy (GEMM weights)
   const TensorView& master(int index) const;  // master (norm weights, embedding, router bias)
-  const TensorView& g(int index) const;       // gradient
+  // The gradient of parameter `index`, for an op that accumulates into it: a zero still pending
+  // from Model::zero_grads() is written first (stream-ordered).
+  const TensorView& g(int index) const;
+  // The gradient of parameter `index` as a GEMM output: beta 0 (overwrite) while its zeroing is
+  // pending, which it then clears, else beta 1 (accumulate).
+  GradOut grad_out(int index) const;
   void* stream() const { return m.options_.stream; }
   int* flag() const;
 };
