@@ -1070,7 +1070,12 @@ void Model::set_recipe(recipe::ResolvedRecipe resolved) {
 
 Model::~Model() = default;
 
-void Model::zero_grads() { grad_zero_pending_.assign((size_t)table_.size(), 1); }
+void Model::zero_grads() {
+  // FOURBIT_LAZY_ZERO_GRADS=0 (A/B runs): the fill here, every writer accumulating, as before.
+  static const int lazy = env_switch("FOURBIT_LAZY_ZERO_GRADS");
+  grad_zero_pending_.assign((size_t)table_.size(), 1);
+  if (lazy == 0) write_pending_grad_zeros();
+}
 
 void Model::write_pending_grad_zeros() const {
   bool any = false;
