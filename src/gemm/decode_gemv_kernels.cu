@@ -29,10 +29,12 @@
 // its splits were capped at a cluster): ncu shows them latency-bound (0.5 waves, ~73% of cycles
 // without an eligible warp; each CTA waits for one load round trip, then the split-K partials'
 // round trip), and their times move 10-20% with the register allocation. NVFP4 at batch 1
-// streams at only ~1.5 TB/s marginal (lm_head 30% of copy bandwidth). The cause is not yet
-// identified. Two candidates are ruled out by measurement (bench/notes-decode.md, session 9):
-// building the FP16 pairs without cvt changed nothing, and a ring depth of 8 gained only 4-6% on
-// the large layers. Knobs: kDecodeWarps, kDecodeChunk, the ring depth,
+// streams at only ~1.5 TB/s marginal (lm_head 30-39% of copy bandwidth). ncu (H100, session 29,
+// bench/notes-decode.md) shows it bound by per-CTA latency like the small layers: 157 registers
+// (3 CTAs an SM), one long-scoreboard wait per warp for the first chunk (17% of the samples) in a
+// CTA that then works only 8 chunks, the cluster sum's barrier and membar 15%, and the 2-byte scale
+// loads fetching 4x the sectors they use. Ruled out before (session 9): building the FP16 pairs
+// without cvt changed nothing, and a ring depth of 8 gained only 4-6% on the large layers. Knobs: kDecodeWarps, kDecodeChunk, the ring depth,
 // plan_decode_gemv's CTAs per SM and minimum chunks per split, and the L2::256B prefetch.
 //
 // Shared memory: x of one chunk, [8 * NT tokens][16 pieces of 16 bytes], double-buffered (staged
