@@ -192,6 +192,45 @@ std::vector<ModelConfig> preset_test_configs() {
   return {dense, moe};
 }
 
+// zero_grads() only marks the gradients zero: the first Wgrad GEMM of each one overwrites it (beta
+// 0) and everything else is filled before it is accumulated into or read. Stale values (here NaN
+// bytes) must therefore never reach a gradient, reading grads() right after zero_grads() must give
+// zeros, and a second backward must accumulate onto the first. (Only the parameters' own elements
+// are poisoned: the alignment padding between them in the flat buffer is zero from construction
+// and written by nobody.)
+void poison_grads(const Model& m) {
+  for (int i = 0; i < m.table().size(); ++i) fill_bytes(m.grads().view(i), 0xFF);
+}
+
+TEST(ModelForward, ZeroGradsOverwritesStaleGradientsAndAccumulates) {
+  for (const ModelConfig& c : {small_dense(true), small_dense(false), small_moe()}) {
+    SCOPED_TRACE(c.name + (c.tied_embeddings ? " (tied)" : ""));
+    const int B = 2, T = 8;
+    const testing::Batch batch = make_batch(B, T, c.vocab, 37);
+    Model m(c, resolved(c), cpu_options(DType::kF32, 23, B, T));
+    m.zero_grads();
+    m.forward(batch.tokens, batch.targets);
+    m.backward();
+    const std::vector<double> g = values(m.grads().flat());
+
+    poison_grads(m);  // NaN in every gradient
+    m.zero_grads();
+    for (double v : values(m.grads().flat())) ASSERT_EQ(v, 0.0) << "grads() read after zero_grads()";
+
+    poison_grads(m);
+    m.zero_grads();
+    m.forward(batch.tokens, batch.targets);
+    m.backward();
+    EXPECT_EQ(values(m.grads().flat()), g) << "a stale gradient survived zero_grads()";
+
+    m.forward(batch.tokens, batch.targets);
+    m.backward();  // accumulates: 2 g up to f32 rounding (a tied embedding adds two terms in turn)
+    std::vector<double> twice = g;
+    for (double& v : twice) v *= 2.0;
+    EXPECT_TRUE(close_normwise(values(m.grads().flat()), twice, 1e-6, "accumulated gradients"));
+  }
+}
+
 TEST(ModelRecipes, EveryPresetRunsOnTheCpu) {
   for (const ModelConfig& c : preset_test_configs()) {
     SCOPED_TRACE(c.name);
