@@ -268,7 +268,9 @@ class Model {
   const ParamBuffer& params() const { return params_; }  // master: f32 (CUDA, CPU f32) or f64
   // Same layout and dtype as params(). zero_grads() only marks every gradient as zero: its first
   // writer in backward() overwrites it (beta 0) instead of a fill followed by accumulation; what
-  // no op wrote is filled at the end of backward(), or here (and in grad()) when read before.
+  // no op wrote is filled at the end of backward(), or here (and in grad()) when read before. The
+  // alignment padding between parameters in grads().flat() is zeroed at construction and written
+  // by nobody (dist's ZeRO optimizer reduces flat slices that include it).
   const ParamBuffer& grads() const {
     write_pending_grad_zeros();
     return grads_;
