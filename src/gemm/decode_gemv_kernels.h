@@ -84,7 +84,8 @@ inline DecodeGemvPlan plan_decode_gemv(int B, int64_t N, int64_t K, int sm_count
   // CTAs an SM (was 6): on an H100 the 1.1B mlp_up GEMV (11264 x 2048) took 5 cluster splits and
   // 14.2 us (NVFP4) / 20.7 us (BF16) at batch 1, with 2 splits 10.5 / 18.9 us, the other layers level
   // (qkv NVFP4 +0.1 us); decode steps bf16 1.553 -> 1.497 ms, nvfp4-weights 1.457 -> 1.320, e2e4
-  // 1.780 -> 1.743 (bench/notes-decode.md, session 29). FOURBIT_DECODE_PER_SM=6 restores the old.
+  // 1.780 -> 1.743 (bench/notes-decode.md, session 29). FOURBIT_DECODE_PER_SM=6 restores the old
+  // plan up to 8 tokens (the override applies at every batch size).
   const int per_sm = per_sm_override > 0 ? per_sm_override : p.n_tiles == 1 ? 2 : p.n_tiles == 2 ? 4 : 2;
   const int64_t target = (int64_t)std::max(1, sm_count) * per_sm;
   // At least two chunks per split: a CTA's fixed costs (prologue, partials, arrival) stay small.
