@@ -282,10 +282,15 @@ int* Model::Impl::flag() const {
 
 const TensorView& Model::Impl::w(int index) const { return m.compute_params().view(index); }
 const TensorView& Model::Impl::master(int index) const { return m.params_.view(index); }
+bool Model::Impl::take_pending_grad_zero(int index) const {
+  if (m.grad_zero_pending_.empty() || !m.grad_zero_pending_[(size_t)index]) return false;
+  m.grad_zero_pending_[(size_t)index] = 0;
+  return true;
+}
+
 const TensorView& Model::Impl::g(int index) const {
   const TensorView& v = m.grads_.view(index);
-  if (!m.grad_zero_pending_.empty() && m.grad_zero_pending_[(size_t)index]) {
-    m.grad_zero_pending_[(size_t)index] = 0;
+  if (take_pending_grad_zero(index)) {
     if (v.device == Device::kCpu) {
       fill_bytes(v, 0);
     } else {
@@ -296,11 +301,7 @@ const TensorView& Model::Impl::g(int index) const {
 }
 
 GradOut Model::Impl::grad_out(int index) const {
-  if (!m.grad_zero_pending_.empty() && m.grad_zero_pending_[(size_t)index]) {
-    m.grad_zero_pending_[(size_t)index] = 0;
-    return {m.grads_.view(index), 0.0f};
-  }
-  return {m.grads_.view(index), 1.0f};
+  return {m.grads_.view(index), take_pending_grad_zero(index) ? 0.0f : 1.0f};
 }
 
 void Model::Impl::check_token_tile(int64_t n_tokens, std::string_view where) const {
@@ -1078,11 +1079,10 @@ void Model::zero_grads() {
 }
 
 void Model::write_pending_grad_zeros() const {
-  bool any = false;
-  for (char p : grad_zero_pending_) any = any || p != 0;
-  if (!any) return;
-  if (std::all_of(grad_zero_pending_.begin(), grad_zero_pending_.end(), [](char p) { return p != 0; })) {
-    fill_bytes(grads_.flat(), 0);
+  const auto pending = [](char p) { return p != 0; };
+  if (std::none_of(grad_zero_pending_.begin(), grad_zero_pending_.end(), pending)) return;
+  if (std::all_of(grad_zero_pending_.begin(), grad_zero_pending_.end(), pending)) {
+    fill_bytes(grads_.flat(), 0);  // one fill (the padding between parameters is zero already)
   } else {
     for (size_t i = 0; i < grad_zero_pending_.size(); ++i)
       if (grad_zero_pending_[i]) fill_bytes(grads_.view((int)i), 0);

@@ -294,6 +294,8 @@ struct Model::Impl {
   // The gradient of parameter `index` as a GEMM output: beta 0 (overwrite) while its zeroing is
   // pending, which it then clears, else beta 1 (accumulate).
   GradOut grad_out(int index) const;
+  // Whether parameter `index`'s gradient is still a pending zero from Model::zero_grads(); clears it.
+  bool take_pending_grad_zero(int index) const;
   void* stream() const { return m.options_.stream; }
   int* flag() const;
 };

@@ -45,15 +45,20 @@ __device__ __forceinline__ float rht_segment_amax(float v[16], uint16_t sign_mas
   return __bfloat162float(__float2bfloat16_rn(formats::mul_rn(m, 0.25f)));
 }
 
+// Both values maxed over the warp (butterfly: every lane gets the results).
+__device__ __forceinline__ void warp_max2(float& a, float& b) {
+  for (int off = 16; off > 0; off >>= 1) {
+    a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
+    b = fmaxf(b, __shfl_xor_sync(0xFFFFFFFFu, b, off));
+  }
+}
+
 // The end of a global-amax reduction: a warp max of this thread's amaxes, one atomicMax per warp,
 // and the non-finite flag (bit `nonfinite_bit` ORed into *error_flags when `bad`). Every lane of
 // the warp must call it. col_amax and error_flags may be null.
 __device__ __forceinline__ void publish_amaxes(float a_row, float a_col, float* row_amax, float* col_amax,
                                                bool bad, int* error_flags, int nonfinite_bit) {
-  for (int off = 16; off > 0; off >>= 1) {
-    a_row = fmaxf(a_row, __shfl_xor_sync(0xFFFFFFFFu, a_row, off));
-    a_col = fmaxf(a_col, __shfl_xor_sync(0xFFFFFFFFu, a_col, off));
-  }
+  warp_max2(a_row, a_col);
   if ((threadIdx.x & 31) == 0) {
     atomicMax(reinterpret_cast<unsigned int*>(row_amax), __float_as_uint(a_row));
     if (col_amax) atomicMax(reinterpret_cast<unsigned int*>(col_amax), __float_as_uint(a_col));
@@ -73,15 +78,8 @@ __device__ __forceinline__ void publish_amaxes_ticket(float a_row, float a_col, 
   __shared__ float2 warp_max[32];
   __shared__ bool last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
-  auto warp_reduce = [&](float2 v) {
-    for (int off = 16; off > 0; off >>= 1) {
-      v.x = fmaxf(v.x, __shfl_xor_sync(0xFFFFFFFFu, v.x, off));
-      v.y = fmaxf(v.y, __shfl_xor_sync(0xFFFFFFFFu, v.y, off));
-    }
-    return v;
-  };
   auto block_reduce = [&](float2 v) {  // every thread gets the CTA's maxima
-    v = warp_reduce(v);
+    warp_max2(v.x, v.y);
     if (lane == 0) warp_max[warp] = v;
     __syncthreads();
     float2 m = make_float2(0.0f, 0.0f);

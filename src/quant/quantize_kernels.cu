@@ -1365,9 +1365,10 @@ void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, 
                  uint16_t sign_mask, float* row_amax, float* col_amax, int* error_flags,
                  cudaStream_t stream, AmaxTicket ticket) {
   const int sms = current_device_sm_count();
-  const int64_t bytes = rows * cols * (bf16_source ? 2 : 4);
+  const int element_bytes = bf16_source ? 2 : 4;
+  const int64_t bytes = rows * cols * element_bytes;
   const bool flat = !rht && bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0;
-  const bool rht_fast = rht && (cols * (bf16_source ? 2 : 4)) % 8 == 0 && reinterpret_cast<uintptr_t>(src) % 8 == 0;
+  const bool rht_fast = rht && (cols * element_bytes) % 8 == 0 && reinterpret_cast<uintptr_t>(src) % 8 == 0;
   // The ticket reduction (no zeroed outputs needed) serves the two fast kernels; the general
   // amax_kernel and a call without a ticket publish with atomicMax into zeroed amaxes.
   // A ticket with fewer partials than the grid may have CTAs (another device's) is not taken.
@@ -1391,7 +1392,6 @@ void launch_amax(const void* src, bool bf16_source, int64_t rows, int64_t cols, 
     FOURBIT_CUDA_CHECK_LAUNCH();
     return;
   }
-  const int element_bytes = bf16_source ? 2 : 4;
   if (rht_fast) {
     const int64_t strips = (rows / 16) * (cols * element_bytes / 8);
     const int blocks = (int)std::max<int64_t>(
