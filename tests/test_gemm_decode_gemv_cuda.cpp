@@ -5,7 +5,9 @@
 // 33, 64, K not a multiple of 128 (odd K too), odd N, split-K and single-split launches, strided
 // x / y, f32 and bf16 outputs, zero tensors, zero blocks and huge scales. Outputs are poisoned
 // (NaN) before each launch, so an unwritten element fails; every launch runs twice and must give
-// the same bits (deterministic split-K, counters reset).
+// the same bits (deterministic split-K, counters reset). The decode chain (several GEMVs with fused
+// RMSNorm / SwiGLU producers in one launch) against the same GEMVs and ops run one by one, bit for
+// bit, and its argument errors.
 #include "core/device.h"
 #include "formats/element.h"
 #include "gemm/decode_gemv.h"
@@ -19,6 +21,8 @@
 
 #include <cstring>
 #include <random>
+#include <string>
+#include <vector>
 
 namespace fourbit::gemm {
 namespace {
@@ -600,6 +604,141 @@ TEST(DecodeGemvCuda, ArgumentErrors) {
   y8.shape = Shape{8, 32};
   a.y = y8;
   expect_error([&] { decode_gemv(a); }, {"DecodeWorkspace"});
+}
+
+// The decode chain (decode_gemv_chain) against its links run one by one, as a transformer block's
+// decode step would run them: attn_out (+ residual), RMSNorm -> mlp_up, SwiGLU -> mlp_down
+// (+ residual), RMSNorm -> the next qkv, each through ops::rmsnorm_forward / ops::swiglu_forward and
+// decode_gemv. Bit for bit: the chain takes each GEMV's standalone plan and sums its splits in the
+// same order (through the workspace where the standalone launch uses a cluster). BF16 and NVFP4
+// weights, B = 1, 3, 8, a K that is not a multiple of 128 (1400: NVFP4 rows of 700 bytes, no 16-byte
+// vectors), split-K plans of clusters and of the workspace path. Outputs are poisoned first and
+// every chain runs twice (the grid barrier and the counters must be reset).
+TEST(DecodeGemvCuda, ChainEqualsTheLinksOneByOne) {
+  const int64_t D = 1024, F = 1400, Q = 1536;
+  const float eps = 1e-5f;
+  for (WKind wk : {WKind::kBf16, WKind::kNvfp4})
+    for (int B : {1, 3, 8}) {
+      const std::string what = fmt::format("{} weights, B {}", wk == WKind::kBf16 ? "bf16" : "nvfp4", B);
+      uint64_t seed = 1200 + 10 * (uint64_t)B + (wk == WKind::kNvfp4 ? 5 : 0);
+      // attn_out [D, D], mlp_up [2F, D], mlp_down [D, F], qkv [Q, D]
+      const int64_t shapes[4][2] = {{D, D}, {2 * F, D}, {D, F}, {Q, D}};
+      const char* names[4] = {"attn_out", "mlp_up", "mlp_down", "qkv"};
+      std::vector<Tensor> w_bf16;
+      std::vector<quant::QuantizedTensor> w_q;
+      w_bf16.reserve(4);
+      w_q.reserve(4);
+      std::vector<DecodeWeights> w;
+      for (int i = 0; i < 4; ++i) {
+        const Tensor src = random_matrix(shapes[i][0], shapes[i][1], seed++, DType::kBF16);
+        if (wk == WKind::kBf16) {
+          w_bf16.push_back(src.to(Device::kCuda));
+          w.push_back(DecodeWeights::plain(w_bf16.back().view(), names[i]));
+        } else {
+          w_q.push_back(to_device(quantize(src, nvfp4())));
+          w.push_back(DecodeWeights::packed(w_q.back(), names[i]));
+        }
+      }
+      auto norm_weight = [&](uint64_t s) {
+        Tensor t = Tensor::empty({D}, DType::kF32, Device::kCpu);
+        std::mt19937 rng((uint32_t)s);
+        std::uniform_real_distribution<float> u(0.5f, 1.5f);
+        for (int64_t i = 0; i < D; ++i) t.ptr<float>()[i] = i % 5 == 2 ? -u(rng) : u(rng);
+        return t.to(Device::kCuda);
+      };
+      const Tensor n_mlp = norm_weight(seed++), n_qkv = norm_weight(seed++);
+      const Tensor attn = random_matrix(B, D, seed++, DType::kBF16).to(Device::kCuda);
+      const Tensor resid = random_matrix(B, D, seed++, DType::kBF16).to(Device::kCuda);
+      auto bf16 = [&](int64_t cols) { return Tensor::empty({B, cols}, DType::kBF16, Device::kCuda); };
+      DecodeWorkspace ws;
+      auto gemv = [&](const TensorView& x, const DecodeWeights& wt, const TensorView& y, const TensorView& r) {
+        DecodeGemvArgs a;
+        a.x = x;
+        a.w = wt;
+        a.y = y;
+        a.residual = r;
+        a.workspace = &ws;
+        a.name = wt.name;
+        return a;
+      };
+      // One by one.
+      Tensor mid = bf16(D), ln2 = bf16(D), gu = bf16(2 * F), act = bf16(F), out = bf16(D), ln1 = bf16(D),
+             qkv = bf16(Q);
+      const Tensor rstd = Tensor::empty({B}, DType::kF32, Device::kCuda);
+      decode_gemv(gemv(attn.view(), w[0], mid.view(), resid.view()));
+      ops::rmsnorm_forward(ln2.view(), rstd.view(), mid.view(), n_mlp.view(), eps, nullptr);
+      decode_gemv(gemv(ln2.view(), w[1], gu.view(), {}));
+      ops::swiglu_forward(act.view(), gu.view(), nullptr);
+      decode_gemv(gemv(act.view(), w[2], out.view(), mid.view()));
+      ops::rmsnorm_forward(ln1.view(), rstd.view(), out.view(), n_qkv.view(), eps, nullptr);
+      decode_gemv(gemv(ln1.view(), w[3], qkv.view(), {}));
+      // The chain, twice.
+      Tensor c_mid = bf16(D), c_gu = bf16(2 * F), c_out = bf16(D), c_qkv = bf16(Q);
+      std::vector<DecodeChainLink> links(4);
+      links[0].gemv = gemv(attn.view(), w[0], c_mid.view(), resid.view());
+      links[1].gemv = gemv(c_mid.view(), w[1], c_gu.view(), {});
+      links[1].producer = DecodeProducer::kRmsnorm;
+      links[1].norm_weight = n_mlp.view();
+      links[1].norm_eps = eps;
+      links[2].gemv = gemv(c_gu.view(), w[2], c_out.view(), c_mid.view());
+      links[2].producer = DecodeProducer::kSwiglu;
+      links[3].gemv = gemv(c_out.view(), w[3], c_qkv.view(), {});
+      links[3].producer = DecodeProducer::kRmsnorm;
+      links[3].norm_weight = n_qkv.view();
+      links[3].norm_eps = eps;
+      std::string why;
+      ASSERT_TRUE(decode_chain_supported(links, &why)) << what << ": " << why;
+      for (int round = 0; round < 2; ++round) {
+        for (const Tensor* t : {&c_mid, &c_gu, &c_out, &c_qkv}) poison(t->view());
+        decode_gemv_chain(links, ws, nullptr);
+        FOURBIT_CUDA_CHECK(cudaDeviceSynchronize());
+        const std::pair<const Tensor*, const Tensor*> pairs[] = {{&mid, &c_mid}, {&gu, &c_gu}, {&out, &c_out},
+                                                                 {&qkv, &c_qkv}};
+        for (int i = 0; i < 4; ++i) {
+          const std::vector<uint8_t> want = raw(pairs[i].first->view()), got = raw(pairs[i].second->view());
+          ASSERT_EQ(want.size(), got.size());
+          size_t first_diff = want.size();
+          for (size_t j = 0; j < want.size() && first_diff == want.size(); ++j)
+            if (want[j] != got[j]) first_diff = j;
+          EXPECT_EQ(first_diff, want.size()) << what << ", round " << round << ": link " << names[i]
+                                             << " differs from the one-by-one result at byte " << first_diff;
+        }
+      }
+    }
+}
+
+TEST(DecodeGemvCuda, ChainArgumentErrors) {
+  const Tensor x = random_matrix(9, 64, 710, DType::kBF16).to(Device::kCuda);
+  const Tensor w = random_matrix(32, 64, 711, DType::kBF16).to(Device::kCuda);
+  const Tensor y = Tensor::zeros({9, 32}, DType::kBF16, Device::kCuda);
+  const quant::QuantizedTensor wq = to_device(quantize(random_matrix(32, 64, 712, DType::kBF16), nvfp4()));
+  DecodeWorkspace ws;
+  std::vector<DecodeChainLink> links(2);
+  for (DecodeChainLink& l : links) {
+    l.gemv.x = x.view();
+    l.gemv.w = DecodeWeights::plain(w.view(), "blocks.0.attn_out");
+    l.gemv.y = y.view();
+  }
+  links[1].gemv.name = "blocks.0.mlp_up";
+  expect_error([&] { decode_gemv_chain(links, ws, nullptr); }, {"decode_gemv_chain", "1 to 8 tokens"});
+  TensorView x8 = x.view(), y8 = y.view();
+  x8.shape = Shape{8, 64};
+  y8.shape = Shape{8, 32};
+  for (DecodeChainLink& l : links) {
+    l.gemv.x = x8;
+    l.gemv.y = y8;
+  }
+  links[1].gemv.w = DecodeWeights::packed(wq, "blocks.0.mlp_up");
+  expect_error([&] { decode_gemv_chain(links, ws, nullptr); }, {"blocks.0.mlp_up", "weight format"});
+  links[1].gemv.w = DecodeWeights::plain(w.view(), "blocks.0.mlp_up");
+  const float amax = 1.0f;
+  links[1].gemv.x_nvfp4_amax = &amax;
+  expect_error([&] { decode_gemv_chain(links, ws, nullptr); }, {"blocks.0.mlp_up", "NVFP4 activations"});
+  links[1].gemv.x_nvfp4_amax = nullptr;
+  links[1].producer = DecodeProducer::kRmsnorm;  // without its weight
+  expect_error([&] { decode_gemv_chain(links, ws, nullptr); }, {"blocks.0.mlp_up", "RMSNorm weight"});
+  links.resize(9, links[0]);
+  expect_error([&] { decode_gemv_chain(links, ws, nullptr); }, {"9 links", "1 to 8"});
 }
 
 }  // namespace

@@ -13,13 +13,15 @@
 // bf16 rounding (and then possibly a quantized element) now and then, so the bound is the model gpu
 // test's: err(fast, emulated) <= 0.1 * q + 5e-3 with q = err(emulated quantized, emulated bf16) the
 // size of the quantization itself; bf16 recipe 1e-2. Also: no 64-token tile on the decode path
-// (B = 3), CUDA-graph replay bit-identical to op-by-op steps, stale weights after a master-weight
+// (B = 3), CUDA-graph replay bit-identical to op-by-op steps, the decode chain bit-identical to the
+// separate kernels, stale weights after a master-weight
 // change until refresh, a stale copy after set_recipe and an unsupported sampler format are errors
 // that say what to do. 64 tokens per step wherever the
 // emulated path must run too (its quantize kernels take 64-row tiles).
 #include "core/device.h"
 #include "gemm/linear.h"
 #include "model/model.h"
+#include "recipe/recipe.h"
 
 #include "model_test_util.h"
 
@@ -202,6 +204,39 @@ TEST_F(ModelDecodeCuda, GraphReplayEqualsEagerSteps) {
       EXPECT_EQ(graph1, eager) << "B " << B << " Tq " << Tq;
       EXPECT_EQ(graph2, eager) << "B " << B << " Tq " << Tq;
     }
+  }
+}
+
+// The decode chain (model.h set_decode_chain): each layer's attn_out, MLP and the next layer's qkv
+// in one launch, bit for bit the separate kernels. On and off give identical logits for BF16 and
+// NVFP4 weights (BF16 activations), prefill and decode steps of 1 to 8 tokens (CUDA graph replays,
+// one graph per layout and setting); decode_chain_steps() shows that the chain ran.
+TEST_F(ModelDecodeCuda, DecodeChainEqualsSeparateKernels) {
+  const ModelConfig c = decode_config();
+  for (const char* sampler : {"bf16", "nvfp4-weights"}) {
+    SCOPED_TRACE(sampler);
+    ModelOptions o;
+    o.device = Device::kCuda;
+    o.seed = 42;
+    o.max_batch = 1;
+    o.max_seq = 16;
+    Model m(c, recipe::resolve(recipe::with_sampler_precision(recipe::preset("bf16"), sampler), c.recipe_shape()), o);
+    m.refresh_sampler_weights();
+    for (auto [B, Tq] : {std::pair<int, int>{1, 1}, {3, 1}, {8, 1}, {4, 2}}) {
+      const int64_t before = m.decode_chain_steps();
+      m.set_decode_chain(true);
+      const std::vector<double> on = run(m, B, Tq, 3, 41);
+      EXPECT_EQ(m.decode_chain_steps(), before + 4) << "B " << B << " Tq " << Tq << ": every call should chain";
+      m.set_decode_chain(false);
+      const std::vector<double> off = run(m, B, Tq, 3, 41);
+      EXPECT_EQ(m.decode_chain_steps(), before + 4);
+      EXPECT_EQ(on, off) << "B " << B << " Tq " << Tq;
+    }
+    // 9 tokens a step (3 x 3 prefill) take the separate kernels.
+    const int64_t before = m.decode_chain_steps();
+    m.set_decode_chain(true);
+    run(m, 3, 3, 0, 43);
+    EXPECT_EQ(m.decode_chain_steps(), before);
   }
 }
 

@@ -180,8 +180,8 @@ void DecodeWorkspace::reserve(int64_t partial_floats, int64_t counters) {
   const int64_t nc = std::max(counters, n_counters_), np = std::max(partial_floats, n_partials_);
   // Counters rounded up to 64 so that the float regions stay 256-byte aligned.
   const int64_t nc_padded = (nc + 63) / 64 * 64;
-  const int64_t bytes = nc_padded * 4 + (int64_t)kernels::kDecodeAmaxPartials * 4 + np * 4;
-  buffer_ = Tensor::zeros({bytes}, DType::kU8, Device::kCuda);  // zero counters
+  const int64_t bytes = (kBarrierWords + nc_padded) * 4 + (int64_t)kernels::kDecodeAmaxPartials * 4 + np * 4;
+  buffer_ = Tensor::zeros({bytes}, DType::kU8, Device::kCuda);  // zero barrier and counters
   n_counters_ = nc_padded;
   n_partials_ = np;
 }
@@ -231,29 +231,41 @@ kernels::DecodeGemvPlan decode_plan(int B, int64_t N, int64_t K, bool cap_cluste
 }  // namespace
 
 // The workspace of the uncapped plan: a superset of the capped one's (a cluster needs no partials).
+// A chain (decode_gemv_chain) sums every split through the workspace, a cluster's too.
 void DecodeWorkspace::reserve_for(int B, int64_t N, int64_t K) {
   const kernels::DecodeGemvPlan plan = decode_plan(B, N, K, /*cap_cluster=*/false);
-  reserve(plan.partial_floats, plan.row_blocks);
+  const kernels::DecodeGemvPlan capped = decode_plan(B, N, K, decode_cap_cluster());
+  const int64_t chain_floats = capped.splits > 1 ? (int64_t)capped.splits * B * N : 0;
+  reserve(std::max(plan.partial_floats, chain_floats), plan.row_blocks);
 }
 
-unsigned* DecodeWorkspace::counters() const {
+unsigned* DecodeWorkspace::barrier() const {
   return buffer_.defined() ? static_cast<unsigned*>(buffer_.data()) : nullptr;
 }
+unsigned* DecodeWorkspace::counters() const {
+  return buffer_.defined() ? static_cast<unsigned*>(buffer_.data()) + kBarrierWords : nullptr;
+}
 float* DecodeWorkspace::amax_partials() const {
-  return buffer_.defined() ? reinterpret_cast<float*>(static_cast<char*>(buffer_.data()) + n_counters_ * 4) : nullptr;
+  return buffer_.defined()
+             ? reinterpret_cast<float*>(static_cast<char*>(buffer_.data()) + (kBarrierWords + n_counters_) * 4)
+             : nullptr;
 }
 float* DecodeWorkspace::partials() const {
   return buffer_.defined() ? amax_partials() + kernels::kDecodeAmaxPartials : nullptr;
 }
 
-void decode_gemv(const DecodeGemvArgs& a) {
+namespace {
+// Checks a GEMV's operands and fills the kernel's parameters, all but the workspace. x_per_k:
+// columns of x per reduction element (2: x is a fused SwiGLU's [B, 2K] gate | up input).
+kernels::DecodeGemvParams gemv_params(const DecodeGemvArgs& a, int x_per_k) {
   const std::string_view where = a.name;
   check_weights(a.w, Device::kCuda, where);
   const TensorView& x = a.x;
   FOURBIT_CHECK(x.device == Device::kCuda && x.dtype == DType::kBF16 && x.shape.ndim == 2 && x.strides[1] == 1 &&
-                    x.strides[0] >= x.shape[1],
-                "{}: x must be a bf16 [B, K] matrix with unit column stride on cuda, got {}", where, x.describe());
-  const int64_t B = x.shape[0], K = x.shape[1], N = a.w.rows();
+                    x.strides[0] >= x.shape[1] && x.shape[1] % x_per_k == 0,
+                "{}: x must be a bf16 [B, {}K] matrix with unit column stride on cuda, got {}", where,
+                x_per_k == 1 ? "" : "2", x.describe());
+  const int64_t B = x.shape[0], K = x.shape[1] / x_per_k, N = a.w.rows();
   FOURBIT_CHECK(B >= 1 && B <= kDecodeMaxTokens, "{}: x has {} rows; the decode GEMV takes 1 to {} tokens",
                 where, B, kDecodeMaxTokens);
   FOURBIT_CHECK(K == a.w.k(), "{}: x {} has K = {} but weight {} has K = {}", where, x.describe(), K,
@@ -272,10 +284,6 @@ void decode_gemv(const DecodeGemvArgs& a) {
                   "{}: residual must be a bf16 [{}, {}] matrix with unit column stride on cuda, got {}", where, B, N,
                   r.describe());
   }
-  FOURBIT_CHECK(a.workspace != nullptr, "{}: a DecodeWorkspace is required", where);
-  const kernels::DecodeGemvPlan plan = decode_plan((int)B, N, K, decode_cap_cluster());
-  a.workspace->reserve(plan.partial_floats, plan.row_blocks);
-
   kernels::DecodeGemvParams p;
   p.x = x.ptr<const uint16_t>();
   p.ldx = x.strides[0];
@@ -307,6 +315,15 @@ void decode_gemv(const DecodeGemvArgs& a) {
     p.residual = r.ptr<const uint16_t>();
     p.ldr = r.strides[0];
   }
+  return p;
+}
+}  // namespace
+
+void decode_gemv(const DecodeGemvArgs& a) {
+  kernels::DecodeGemvParams p = gemv_params(a, 1);
+  FOURBIT_CHECK(a.workspace != nullptr, "{}: a DecodeWorkspace is required", a.name);
+  const kernels::DecodeGemvPlan plan = decode_plan(p.B, p.N, p.K, decode_cap_cluster());
+  a.workspace->reserve(plan.partial_floats, plan.row_blocks);
   p.partials = a.workspace->partials();
   p.counters = a.workspace->counters();
   kernels::launch_decode_gemv(p, plan, (cudaStream_t)a.stream);
@@ -395,8 +412,88 @@ bool decode_quantize_can_fuse_norm(int64_t B, int64_t K, bool per_row_amax) {
   return rows * nb.threads <= kernels::kDecodeFusedNormPairs;  // every (row, thread) pair's loads at once
 }
 
-#else  // no CUDA
+// ---- decode chain ----------------------------------------------------------------------------------
 
+namespace {
+static_assert(kDecodeChainMaxTokens == kernels::kDecodeChainMaxTokens);
+int x_per_k(const DecodeChainLink& l) { return l.producer == DecodeProducer::kSwiglu ? 2 : 1; }
+}  // namespace
+
+bool decode_chain_supported(std::span<const DecodeChainLink> links, std::string* why) {
+  std::string reason;
+  if (links.empty() || links.size() > (size_t)kernels::kDecodeChainMaxLinks) {
+    reason = fmt::format("{} links (a chain has 1 to {})", links.size(), kernels::kDecodeChainMaxLinks);
+  }
+  for (size_t i = 0; i < links.size() && reason.empty(); ++i) {
+    const DecodeChainLink& l = links[i];
+    const TensorView& x = l.gemv.x;
+    const std::string_view name = l.gemv.name;
+    if (x.shape.ndim != 2 || x.shape[0] < 1 || x.shape[0] > kernels::kDecodeChainMaxTokens) {
+      reason = fmt::format("{}: x {} (a chain takes 1 to {} tokens)", name, x.describe(),
+                           kernels::kDecodeChainMaxTokens);
+    } else if (l.gemv.x_nvfp4_amax != nullptr) {
+      reason = fmt::format("{}: NVFP4 activations (a chain takes BF16 x)", name);
+    } else if (l.gemv.w.is_nvfp4() != links[0].gemv.w.is_nvfp4()) {
+      reason = fmt::format("{}: its weight format differs from the first link's", name);
+    } else if (x.shape[1] % (8 * x_per_k(l)) != 0 || x.strides[0] % 8 != 0 ||
+               reinterpret_cast<uintptr_t>(x.data) % 16 != 0) {
+      reason = fmt::format("{}: x {} is not made of 16-byte aligned 8-element pieces", name, x.describe());
+    } else if (l.producer == DecodeProducer::kRmsnorm &&
+               x.shape[0] * norm_block(x.shape[1]).threads / 32 > kernels::kDecodeChainMaxNormWarps) {
+      reason = fmt::format("{}: a fused RMSNorm of {} columns", name, x.shape[1]);
+    }
+  }
+  if (why != nullptr) *why = reason;
+  return reason.empty();
+}
+
+void decode_gemv_chain(std::span<const DecodeChainLink> links, DecodeWorkspace& workspace, void* stream) {
+  std::string why;
+  FOURBIT_CHECK(decode_chain_supported(links, &why), "decode_gemv_chain: {}", why);
+  kernels::DecodeChainParams c;
+  c.n_links = (int)links.size();
+  int64_t partial_floats = 0, counters = 0;
+  for (int i = 0; i < c.n_links; ++i) {
+    const DecodeChainLink& l = links[(size_t)i];
+    kernels::DecodeChainLink& k = c.links[i];
+    k.g = gemv_params(l.gemv, x_per_k(l));
+    const kernels::DecodeGemvPlan plan = decode_plan(k.g.B, k.g.N, k.g.K, decode_cap_cluster());
+    FOURBIT_CHECK(plan.staged && plan.n_tiles == 1, "decode_gemv_chain: {}: no staged one-tile plan", l.gemv.name);
+    k.row_blocks = plan.row_blocks;
+    k.splits = plan.splits;
+    k.chunks = plan.chunks;
+    k.chunks_per_split = plan.chunks_per_split;
+    if (plan.splits > 1) partial_floats = std::max(partial_floats, (int64_t)plan.splits * k.g.B * k.g.N);
+    counters = std::max<int64_t>(counters, plan.row_blocks);
+    if (l.producer == DecodeProducer::kRmsnorm) {
+      const TensorView& w = l.norm_weight;
+      FOURBIT_CHECK(w.device == Device::kCuda && w.dtype == DType::kF32 && w.shape.ndim == 1 &&
+                        w.shape[0] == k.g.K && w.is_contiguous(),
+                    "decode_gemv_chain: the RMSNorm weight of '{}' must be a contiguous f32 [{}] on cuda, got {}",
+                    l.gemv.name, k.g.K, w.describe());
+      const NormBlock nb = norm_block(k.g.K);
+      k.producer = kernels::DecodeChainProducer::kNorm;
+      k.norm_weight = w.ptr<const float>();
+      k.norm_eps = l.norm_eps;
+      k.norm_threads = nb.threads;
+      k.norm_groups = nb.groups;
+    } else if (l.producer == DecodeProducer::kSwiglu) {
+      k.producer = kernels::DecodeChainProducer::kSwiglu;
+    }
+  }
+  workspace.reserve(partial_floats, counters);
+  for (int i = 0; i < c.n_links; ++i) {
+    c.links[i].g.partials = workspace.partials();
+    c.links[i].g.counters = workspace.counters();
+  }
+  c.barrier = workspace.barrier();
+  // FOURBIT_DECODE_CHAIN_PER_SM=n caps the persistent grid at n CTAs an SM (A/B runs; default: the
+  // occupancy). Read once.
+  static const int per_sm = decode_env_int("FOURBIT_DECODE_CHAIN_PER_SM");
+  kernels::launch_decode_chain(c, c.links[0].g.format, per_sm, (cudaStream_t)stream);
+}
+
+#else  // no CUDA
 void DecodeWorkspace::reserve(int64_t, int64_t) {
   throw Error("DecodeWorkspace: this build has no CUDA (configure with FOURBIT_CUDA=ON)");
 }
@@ -404,6 +501,7 @@ void DecodeWorkspace::reserve_for(int, int64_t, int64_t) {
   throw Error("DecodeWorkspace: this build has no CUDA (configure with FOURBIT_CUDA=ON)");
 }
 float* DecodeWorkspace::partials() const { return nullptr; }
+unsigned* DecodeWorkspace::barrier() const { return nullptr; }
 unsigned* DecodeWorkspace::counters() const { return nullptr; }
 float* DecodeWorkspace::amax_partials() const { return nullptr; }
 
@@ -418,6 +516,14 @@ void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
 
 bool decode_quantize_can_fuse_norm(int64_t, int64_t, bool) { return false; }
 
+bool decode_chain_supported(std::span<const DecodeChainLink>, std::string* why) {
+  if (why != nullptr) *why = "this build has no CUDA";
+  return false;
+}
+
+void decode_gemv_chain(std::span<const DecodeChainLink>, DecodeWorkspace&, void*) {
+  throw Error("decode_gemv_chain: this build has no CUDA");
+}
 #endif
 
 }  // namespace fourbit::gemm

@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -37,6 +38,7 @@
 namespace fourbit::gemm {
 
 inline constexpr int kDecodeMaxTokens = 64;
+inline constexpr int kDecodeChainMaxTokens = 8;  // decode_gemv_chain: one 8-token mma tile
 
 // One linear layer's weight W [N, K] (N output features, K the reduction) as the GEMV reads it.
 struct DecodeWeights {
@@ -68,12 +70,14 @@ class DecodeWorkspace {
   // Reserves what decode_gemv needs for B tokens and an N x K weight on this device.
   void reserve_for(int B, int64_t N, int64_t K);
   float* partials() const;
+  unsigned* barrier() const;  // u32 [2]: decode_gemv_chain's grid barrier (zero between launches)
   unsigned* counters() const;
   float* amax_partials() const;
   int64_t bytes() const { return buffer_.defined() ? buffer_.nbytes() : 0; }
 
  private:
-  Tensor buffer_;  // u8: [counters u32][amax partials f32][split partials f32]
+  static constexpr int64_t kBarrierWords = 64;  // 256 bytes: the float regions stay aligned
+  Tensor buffer_;  // u8: [barrier u32 x 64][counters u32][amax partials f32][split partials f32]
   int64_t n_counters_ = 0, n_partials_ = 0;
 };
 
@@ -129,6 +133,30 @@ void decode_quantize_nvfp4(const DecodeQuantizeArgs& args);
 // Whether decode_quantize_nvfp4 can fuse the RMSNorm for a [B, K] activation (B * K <= 16384,
 // K % 8 == 0, B <= kDecodeMaxTokens; with per-row amaxes each row is its own problem: K <= 16384).
 bool decode_quantize_can_fuse_norm(int64_t B, int64_t K, bool per_row_amax = false);
+
+// ---- decode chain: several GEMVs in one launch ---------------------------------------------------
+// A chain runs dependent decode GEMVs (link i may read what links < i wrote: x, residual) in one
+// persistent launch with a grid-wide barrier between links; each CTA's weight loads run ahead
+// across the barriers, so the weight stream does not stop between layers (decode_gemv_kernels.h).
+// A link can make its x on the fly from its producer's input, never written to memory:
+//   - kRmsnorm: x = ops::rmsnorm_forward(gemv.x, norm_weight, norm_eps)'s bf16 output;
+//   - kSwiglu:  x = ops::swiglu_forward(gemv.x) with gemv.x the [B, 2K] gate | up input.
+// Every link's y equals what its producer op followed by decode_gemv writes, bit for bit (the same
+// plan, the same sums in the same order). gemv.stream and gemv.workspace are ignored.
+enum class DecodeProducer : uint8_t { kNone, kRmsnorm, kSwiglu };
+struct DecodeChainLink {
+  DecodeGemvArgs gemv;
+  DecodeProducer producer = DecodeProducer::kNone;
+  TensorView norm_weight;  // kRmsnorm: f32 [K] on CUDA
+  float norm_eps = 0.0f;
+};
+// Whether decode_gemv_chain runs these links: 1 to 8 links of 1 to 8 tokens, BF16 activations (no
+// NVFP4 x), every weight in one format (all BF16 or all NVFP4), x rows of 16-byte aligned 8-element
+// pieces; `why` (if given) says what is not.
+bool decode_chain_supported(std::span<const DecodeChainLink> links, std::string* why = nullptr);
+// Runs the chain on `stream`. Throws fourbit::Error naming the link's tensor for bad operands (as
+// decode_gemv) or for an unsupported chain. CUDA builds only.
+void decode_gemv_chain(std::span<const DecodeChainLink> links, DecodeWorkspace& workspace, void* stream);
 
 // ---- CPU reference -------------------------------------------------------------------------------
 // Naive loops: float64 sums of x_k * w_k over the exactly dequantized scaled-domain weights

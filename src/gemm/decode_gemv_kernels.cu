@@ -54,6 +54,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <string>
 #include <utility>
 
 namespace fourbit::gemm::kernels {
@@ -292,10 +293,10 @@ __device__ __forceinline__ void store_x(const XRegs<NT>& r, uint4* tile) {
 }
 
 // Staged launches: x of chunks c_begin .. c_begin + n_chunks - 1 into consecutive chunk tiles of
-// NT * 8 * kPieces pieces each; loads are issued four at a time before their stores.
-template <DecodeWeightFormat F, bool kXF16, int NT>
-__device__ __forceinline__ void stage_x(const DecodeGemvParams& p, const GemvShape& sh, int c_begin, int n_chunks,
-                                        uint4* tiles) {
+// NT * 8 * kPieces pieces each; loads are issued four at a time before their stores. load_piece(token,
+// e) returns the 16-byte piece of elements e .. e + 7 of `token` (zeros past K and the batch).
+template <DecodeWeightFormat F, bool kXF16, int NT, typename LoadPiece>
+__device__ __forceinline__ void stage_x_with(const LoadPiece& load_piece, int c_begin, int n_chunks, uint4* tiles) {
   constexpr int kTilePieces = NT * 8 * kPieces;
   const int total = n_chunks * kTilePieces;
   for (int i0 = (int)threadIdx.x; i0 < total; i0 += 4 * kThreads) {
@@ -303,8 +304,7 @@ __device__ __forceinline__ void stage_x(const DecodeGemvParams& p, const GemvSha
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int idx = i0 + u * kThreads, chunk = idx / kTilePieces, within = idx % kTilePieces;
-      v[u] = idx < total ? load_x_piece(p, sh, within / kPieces,
-                                        (int64_t)(c_begin + chunk) * kDecodeChunk + 8 * (within % kPieces))
+      v[u] = idx < total ? load_piece(within / kPieces, (int64_t)(c_begin + chunk) * kDecodeChunk + 8 * (within % kPieces))
                          : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
@@ -313,6 +313,13 @@ __device__ __forceinline__ void stage_x(const DecodeGemvParams& p, const GemvSha
       if (idx < total) store_x_piece<F, kXF16>(v[u], tiles + chunk * kTilePieces, within / kPieces, within % kPieces);
     }
   }
+}
+
+template <DecodeWeightFormat F, bool kXF16, int NT>
+__device__ __forceinline__ void stage_x(const DecodeGemvParams& p, const GemvShape& sh, int c_begin, int n_chunks,
+                                        uint4* tiles) {
+  stage_x_with<F, kXF16, NT>([&](int token, int64_t e) { return load_x_piece(p, sh, token, e); }, c_begin, n_chunks,
+                             tiles);
 }
 
 template <bool kXF16, int NT>
@@ -374,7 +381,7 @@ __device__ __forceinline__ void store_y(const DecodeGemvParams& p, int token, in
   if (p.y_bf16) {
     uint16_t out = formats::encode_bf16_rn(v);
     if (p.residual != nullptr) {  // exactly ops::add_inplace on the bf16 result
-      out = formats::encode_bf16_rn(formats::add_rn(formats::decode_bf16(out), formats::decode_bf16(p.residual[token * p.ldr + row])));
+      out = formats::encode_bf16_rn(formats::add_rn(formats::decode_bf16(out), formats::decode_bf16(__ldcg(p.residual + token * p.ldr + row))));
     }
     static_cast<uint16_t*>(p.y)[token * p.ldy + row] = out;
   } else {
@@ -404,10 +411,9 @@ __device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token)
 // well (16 per round trip) was measured and not kept: it changed the kernels' register allocation
 // and the e2e4 step was 2-4% slower, and with the plan's cluster cap no launch of the 1.1B shape at
 // 1-16 tokens comes here (bench/notes-decode.md).
-template <DecodeWeightFormat F>
+template <DecodeWeightFormat F, int kSumBatch = 32>
 __device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, int64_t row_base, int total,
                                                    int splits) {
-  constexpr int kSumBatch = 32;
   const float alpha0 = alpha_eff<F>(p, 0);
   for (int i0 = (int)threadIdx.x; i0 < total; i0 += kSumBatch * kThreads) {
     float sum[kSumBatch];
@@ -441,9 +447,11 @@ __device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, in
 
 // The epilogue of both kernels: alpha_eff, then y directly (one split) or through the split-K
 // partials, summed in split order by the row block's last-arriving CTA.
-template <DecodeWeightFormat F, int NT>
+// `split` is this CTA's split (its partials slice), `row_block` its row block (its arrival counter);
+// kSumBatch: sum_split_partials' outputs a thread sums at once (the chain's 8 tokens need 4).
+template <DecodeWeightFormat F, int NT, int kSumBatch = 32>
 __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&acc)[NT][4], int64_t row0,
-                                       int64_t row_base, int t, int splits) {
+                                       int64_t row_base, int t, int splits, int split, int row_block) {
   __shared__ bool is_last;
   const float alpha0 = alpha_eff<F>(p, 0);
   auto alpha = [&](int token) { return p.x_amax_per_row ? alpha_eff<F>(p, token) : alpha0; };
@@ -460,7 +468,7 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
       }
     return;
   }
-  float* part = p.partials + (int64_t)blockIdx.y * p.B * p.N;
+  float* part = p.partials + (int64_t)split * p.B * p.N;
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -471,12 +479,12 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
     }
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + blockIdx.x, 1u) == (unsigned)(splits - 1);
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + row_block, 1u) == (unsigned)(splits - 1);
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  sum_split_partials<F>(p, row_base, p.B * kDecodeRowsPerCta, splits);
-  if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;
+  sum_split_partials<F, kSumBatch>(p, row_base, p.B * kDecodeRowsPerCta, splits);
+  if (threadIdx.x == 0) p.counters[row_block] = 0u;
 }
 
 // The epilogue of a cluster launch (plan.cluster; cluster = the row block's `splits` CTAs, rank =
@@ -570,7 +578,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvP
     cur = next;
   }
 
-  finish<F, NT>(p, acc, row0, row_base, t, splits);
+  finish<F, NT>(p, acc, row0, row_base, t, splits, (int)blockIdx.y, (int)blockIdx.x);
 }
 
 // Weight chunks a staged launch keeps in flight per thread (the register ring): NVFP4 holds 10
@@ -624,7 +632,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
   if (cluster) {
     finish_cluster<F, NT>(p, acc, row0, row_base, t, splits);
   } else {
-    finish<F, NT>(p, acc, row0, row_base, t, splits);
+    finish<F, NT>(p, acc, row0, row_base, t, splits, (int)blockIdx.y, (int)blockIdx.x);
   }
 }
 
@@ -988,6 +996,213 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_x_redundant_amax_kerne
   quantize_x_elements<P>(p, amax, rstd);
 }
 
+// ---- decode chain (decode_gemv_kernels.h) -------------------------------------------------------
+
+// Grid-wide barrier of the chain's persistent grid: thread 0 of each CTA arrives on bar[0]; the last
+// to arrive resets it and advances the generation bar[1], which the others poll. The fences before
+// the arrival and after the release make every CTA's writes of the link visible to every CTA after.
+__device__ __forceinline__ void chain_grid_barrier(unsigned* bar) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    volatile unsigned* generation = bar + 1;
+    const unsigned gen = *generation;  // cannot advance before this CTA arrives
+    __threadfence();
+    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+      atomicExch(bar, 0u);
+      __threadfence();
+      atomicAdd(bar + 1, 1u);
+    } else {
+      while (*generation == gen) __nanosleep(32);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// The rows' 1 / rms of a kNorm link, in ops::rmsnorm_forward's order (as norm_rows replays it for
+// the quantizer, here on the chain's kThreads threads): pair P = r * T + t on thread P % kThreads,
+// each pair's squares summed in one FMA chain over its groups j * T + t (8 columns each), the xor
+// tree of the warp (T is a multiple of 32: a warp holds one virtual warp), then row r's T / 32 warp
+// sums in order from zero. x is read through L2 (an earlier link of this launch wrote it); four
+// pairs' loads are in flight at a time (the weight ring holds most registers).
+__device__ void chain_norm_rstd(const DecodeChainLink& k, float* rstd, float* warp_sums) {
+  const int T = k.norm_threads, J = k.norm_groups, B = k.g.B, tid = (int)threadIdx.x, lane = tid % 32;
+  const int64_t K = k.g.K;
+  const int pairs = B * T;
+  constexpr int kBatch = 4;
+  for (int P0 = 0; P0 < pairs; P0 += kBatch * kThreads) {
+    uint4 xv[kBatch][2];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int P = P0 + tid + i * kThreads;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int64_t c = (int64_t)(j * T + P % T) * 8;
+        xv[i][j] = P < pairs && j < J && c < K
+                       ? __ldcg(reinterpret_cast<const uint4*>(k.g.x + (int64_t)(P / T) * k.g.ldx + c))
+                       : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int P = P0 + tid + i * kThreads;
+      if (P0 + i * kThreads >= pairs) break;  // uniform over the CTA
+      float ss = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (j >= J) break;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float v = element_of(xv[i][j], e);
+          ss = fmaf(v, v, ss);
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+      if (lane == 0 && P < pairs) warp_sums[P / 32] = ss;
+    }
+  }
+  __syncthreads();
+  if (tid < B) {
+    float total = 0.0f;
+    for (int v = 0; v < T / 32; ++v) total += warp_sums[tid * (T / 32) + v];
+    rstd[tid] = 1.0f / sqrtf(total / (float)K + k.norm_eps);
+  }
+  __syncthreads();
+}
+
+// One 16-byte piece of a link's x (elements e .. e + 7 of `token`) as its producer makes it; the
+// host checked K % 8 == 0 and 16-byte aligned rows (decode_chain_supported), so a piece is all in
+// or all out.
+__device__ __forceinline__ uint4 chain_x_piece(const DecodeChainLink& k, const float* rstd, int token, int64_t e) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (token >= k.g.B || e >= k.g.K) return v;
+  const uint16_t* row = k.g.x + token * k.g.ldx;
+  const uint4 a = __ldcg(reinterpret_cast<const uint4*>(row + e));
+  if (k.producer == DecodeChainProducer::kNone) return a;
+  if (k.producer == DecodeChainProducer::kNorm) {
+    const float rs = rstd[token];
+    float w[8];  // the norm weight need not be 16-byte aligned (a slice of the parameter buffer)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w[j] = __ldg(k.norm_weight + e + j);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // ops::rmsnorm_forward's bf16(f32(x * rstd) * w)
+      const uint32_t lo = formats::encode_bf16_rn(element_of(a, 2 * q) * rs * w[2 * q]);
+      const uint32_t hi = formats::encode_bf16_rn(element_of(a, 2 * q + 1) * rs * w[2 * q + 1]);
+      word(v, q) = lo | (hi << 16);
+    }
+    return v;
+  }
+  const uint4 u = __ldcg(reinterpret_cast<const uint4*>(row + k.g.K + e));  // kSwiglu: the up half
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t lo = swiglu_bits(element_of(a, 2 * q), element_of(u, 2 * q));
+    const uint32_t hi = swiglu_bits(element_of(a, 2 * q + 1), element_of(u, 2 * q + 1));
+    word(v, q) = lo | (hi << 16);
+  }
+  return v;
+}
+
+// Where a CTA's weight stream stands: link `link`, the CTA's item `item` of it ((row block, split) =
+// (item / splits, item % splits)), chunk `c` of the item's n chunks. Items are padded to a multiple
+// of the ring depth D (positions n .. pad - 1 load nothing) so that chunk c of every item sits in
+// ring slot c % D.
+template <int D>
+struct ChainCursor {
+  int link = 0, item = 0, c = 0, n = 0, pad = 0, c_begin = 0;
+
+  __device__ __forceinline__ void settle(const DecodeChainParams& p) {
+    while (link < p.n_links && item >= p.links[link].row_blocks * p.links[link].splits) {
+      ++link;
+      item = (int)blockIdx.x;
+    }
+    c = 0;
+    if (link < p.n_links) {
+      const DecodeChainLink& k = p.links[link];
+      c_begin = (item % k.splits) * k.chunks_per_split;
+      n = min(k.chunks, c_begin + k.chunks_per_split) - c_begin;
+      pad = (n + D - 1) / D * D;
+    }
+  }
+  __device__ __forceinline__ void start(const DecodeChainParams& p) {
+    link = 0;
+    item = (int)blockIdx.x;
+    settle(p);
+  }
+  __device__ __forceinline__ void advance(const DecodeChainParams& p) {
+    if (++c == pad) {
+      item += (int)gridDim.x;
+      settle(p);
+    }
+  }
+  // The weights of the current position into `slot` (nothing past the end or in the padding).
+  template <DecodeWeightFormat F>
+  __device__ __forceinline__ void load(const DecodeChainParams& p, int warp, int g, int t, WeightRegs<F>& slot) const {
+    if (link >= p.n_links || c >= n) return;
+    const DecodeChainLink& k = p.links[link];
+    const int64_t row0 = (int64_t)(item / k.splits) * kDecodeRowsPerCta + warp * 16 + g;
+    load_weights(k.g, gemv_shape<F>(k.g), row0, t, (int64_t)(c_begin + c) * kDecodeChunk, slot);
+  }
+};
+
+// The chain (decode_gemv_kernels.h): links in order with a grid barrier between them; the weight
+// ring runs D chunks ahead over items and links alike (ChainCursor).
+template <DecodeWeightFormat F>
+__global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_constant__ DecodeChainParams p) {
+  extern __shared__ __align__(16) uint4 x_tiles[];  // [chunks_per_split][8 tokens][kPieces]
+  __shared__ float rstd[kDecodeChainMaxTokens];
+  __shared__ float warp_sums[kDecodeChainMaxNormWarps];
+  constexpr int kTilePieces = 8 * kPieces;
+  constexpr int D = kRingDepth<F>;
+  const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+
+  WeightRegs<F> ring[D];
+  ChainCursor<D> loads;
+  loads.start(p);
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    loads.template load<F>(p, warp, g, t, ring[d]);
+    loads.advance(p);
+  }
+  core::pdl_wait_for_producer();  // x and the residuals of the first link come from earlier kernels
+
+  for (int L = 0; L < p.n_links; ++L) {
+    if (L > 0) {
+      chain_grid_barrier(p.barrier);
+      // Every CTA has arrived, so all are resident: a dependent kernel launched now (PDL) cannot
+      // take the place of a CTA that the barrier waits for.
+      if (L == 1) core::pdl_allow_dependents();
+    }
+    const DecodeChainLink& k = p.links[L];
+    const int items = k.row_blocks * k.splits;
+    bool have_rstd = false;
+    for (int item = (int)blockIdx.x; item < items; item += (int)gridDim.x) {
+      const int rb = item / k.splits, split = item % k.splits;
+      const int c_begin = split * k.chunks_per_split, n = min(k.chunks, c_begin + k.chunks_per_split) - c_begin;
+      const int64_t row_base = (int64_t)rb * kDecodeRowsPerCta, row0 = row_base + warp * 16 + g;
+      __syncthreads();  // the previous item is done with the x tiles
+      if (k.producer == DecodeChainProducer::kNorm && !have_rstd) {
+        chain_norm_rstd(k, rstd, warp_sums);
+        have_rstd = true;
+      }
+      stage_x_with<F, false, 1>([&](int token, int64_t e) { return chain_x_piece(k, rstd, token, e); }, c_begin, n,
+                                x_tiles);
+      __syncthreads();
+      float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+      for (int c0 = 0; c0 < n; c0 += D) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+          if (c0 + d < n) compute_chunk<false, 1>(acc, ring[d], x_tiles + (c0 + d) * kTilePieces, g, t);
+          loads.template load<F>(p, warp, g, t, ring[d]);  // D chunks ahead, maybe the next item's
+          loads.advance(p);
+        }
+      }
+      finish<F, 1, kDecodeChainMaxTokens * kDecodeRowsPerCta / kThreads>(k.g, acc, row0, row_base, t, k.splits, split,
+                                                                         rb);
+    }
+  }
+}
+
 }  // namespace
 
 void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
@@ -1034,6 +1249,23 @@ void launch_decode_quantize_x(const DecodeQuantizeParams& p, cudaStream_t stream
             dim3((unsigned)amax_ctas), kQuantThreads, 0, 1u, pdl, stream, p);
   launch_ex(swiglu ? quantize_x_kernel<Producer::kSwiglu> : quantize_x_kernel<Producer::kNone>, grid, kQuantThreads,
             0, 1u, pdl, stream, p, amax_ctas);
+}
+
+int launch_decode_chain(const DecodeChainParams& c, DecodeWeightFormat format, int per_sm, cudaStream_t stream) {
+  int smem = 0;
+  for (int i = 0; i < c.n_links; ++i) smem = std::max(smem, c.links[i].chunks_per_split * kDecodeXTileBytes);
+  auto kernel = format == DecodeWeightFormat::kNvfp4 ? decode_chain_kernel<DecodeWeightFormat::kNvfp4>
+                                                     : decode_chain_kernel<DecodeWeightFormat::kBf16>;
+  int device = 0, sms = 0, occupancy = 0;
+  FOURBIT_CUDA_CHECK(cudaGetDevice(&device));
+  FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  FOURBIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, kThreads, smem));
+  if (occupancy < 1) {
+    throw Error("decode chain: no CTA of " + std::to_string(smem) + " bytes of shared memory fits an SM");
+  }
+  const int grid = sms * (per_sm > 0 ? std::min(per_sm, occupancy) : occupancy);
+  launch_ex(kernel, dim3((unsigned)grid), kThreads, smem, 1u, core::pdl_enabled(), stream, c);
+  return grid;
 }
 
 }  // namespace fourbit::gemm::kernels

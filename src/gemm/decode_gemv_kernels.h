@@ -143,6 +143,46 @@ struct DecodeGemvParams {
 };
 void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream);
 
+// ---- decode chain: several GEMVs in one persistent launch ----------------------------------------
+// A chain runs links 0, 1, ... of small-batch GEMVs (n_tiles == 1: at most 8 tokens, BF16 x) in one
+// launch of every CTA the GPU holds at once (a persistent grid, sized by occupancy), with a grid-wide
+// barrier between links: link i + 1 may read what link i wrote (x, residual). Each link's work is its
+// standalone plan (plan_decode_gemv: the same row blocks, splits and chunks per split, so the same
+// FP32 sums in the same order: the chain's output equals the separate launches bit for bit), its
+// (row block, split) items dealt to the CTAs in turn. A CTA keeps its weight ring full across items
+// and links: the loads of its next item's first chunks, also those of the next link, go out while it
+// finishes the current one, so the weight stream does not stop at the barriers. Split partials go
+// through the workspace (the last-arriving CTA of a row block sums them in split order, as the
+// standalone global path does; the cluster path's sums are the same bits).
+// A link may produce its x on the fly while staging it (never written to memory):
+//   - kNorm: x = ops::rmsnorm_forward(x_in, norm_weight, eps), bit for bit (each CTA recomputes the
+//     rows' rstd in that kernel's summation order, norm_threads / norm_groups as in
+//     DecodeQuantizeParams);
+//   - kSwiglu: x = ops::swiglu_forward(x_in) with x_in = [gate | up] rows (row stride ldx >= 2K).
+// Invariants: the barrier words and the row-block counters are zero between launches; every CTA of
+// the grid is resident at once (launch_decode_chain sizes the grid by occupancy; a producer kernel
+// still running when the chain starts (PDL) finishes without waiting on it).
+inline constexpr int kDecodeChainMaxLinks = 8;
+inline constexpr int kDecodeChainMaxTokens = 8;   // n_tiles == 1
+inline constexpr int kDecodeChainMaxNormWarps = 256;  // B * norm_threads / 32 (rstd partial sums)
+enum class DecodeChainProducer : uint8_t { kNone, kNorm, kSwiglu };
+struct DecodeChainLink {
+  DecodeGemvParams g;  // x is the producer's input (kNorm: [B, K]; kSwiglu: [B, 2K] gate | up)
+  DecodeChainProducer producer = DecodeChainProducer::kNone;
+  const float* norm_weight = nullptr;  // f32 [K]
+  float norm_eps = 0.0f;
+  int norm_threads = 0, norm_groups = 0;
+  int row_blocks = 0, splits = 1, chunks = 0, chunks_per_split = 0;  // from plan_decode_gemv
+};
+struct DecodeChainParams {
+  DecodeChainLink links[kDecodeChainMaxLinks];
+  int n_links = 0;
+  unsigned* barrier = nullptr;  // u32 [2]: arrivals, generation (zero, then arrivals zero after each)
+};
+// Launches the chain (every link's weights in `format`, plan.staged with n_tiles == 1) on a grid of
+// SMs x min(occupancy, per_sm) CTAs (per_sm <= 0: the occupancy); returns the grid size.
+int launch_decode_chain(const DecodeChainParams& c, DecodeWeightFormat format, int per_sm, cudaStream_t stream);
+
 // NVFP4 1x16 row-wise quantization of a small activation x bf16 [B, K] (round to nearest), written
 // straight to the scaled domain: xs bf16 [B, K] contiguous = e2m1 * s_b, and *amax_out = the global
 // amax; the same values as quant::quantize_reference + dequantize_bf16_scaled_reference (the

@@ -361,6 +361,14 @@ class Model {
   bool has_sampler_weights() const { return sampler_ != nullptr; }
   bool sampler_weights_supported(std::string* why = nullptr) const;
   int64_t sampler_weight_bytes() const;  // packed data + scales of the NVFP4 copies
+  // The decode chain (gemm::decode_gemv_chain): on the decode path of a dense model with BF16
+  // activations and at most 8 tokens a step, each layer's attn_out, mlp_up (RMSNorm fused),
+  // mlp_down (SwiGLU fused) and the next layer's qkv (RMSNorm fused) run as one persistent launch,
+  // bit for bit the separate kernels' results. On by default; FOURBIT_DECODE_CHAIN=0 turns it off
+  // (A/B runs), as does set_decode_chain(false).
+  void set_decode_chain(bool on) { decode_chain_ = on; }
+  bool decode_chain() const { return decode_chain_; }
+  int64_t decode_chain_steps() const { return decode_chain_steps_; }  // forward_cached calls that ran it
   struct SamplerWeights;  // model_cached.cpp
 
   // Timing hooks (profile.h); null detaches. Not owned.
@@ -380,6 +388,9 @@ class Model {
   ModelConfig config_;
   recipe::ResolvedRecipe recipe_;
   ModelOptions options_;
+  bool decode_chain_ = default_decode_chain();
+  int64_t decode_chain_steps_ = 0;
+  static bool default_decode_chain();
   ParamTable table_;
   DType act_dtype_, stat_dtype_;
   int max_seq_ = 0;

@@ -31,8 +31,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <span>
 #include <string>
 
 namespace fourbit::model {
@@ -68,6 +71,7 @@ struct Model::SamplerWeights {
     std::vector<const void*> buffers;  // step arena, caches, lengths, parameter buffers, flag
     int B = 0, Tq = 0, max_len = 0;
     bool all_logits = false;
+    bool chain = false;  // the step body runs the decode chain
     bool operator==(const GraphKey&) const = default;
   };
   bool graphs_enabled = true;
@@ -81,6 +85,14 @@ struct Model::SamplerWeights {
   }
 #endif
 };
+
+bool Model::default_decode_chain() {
+  static const bool on = [] {
+    const char* v = std::getenv("FOURBIT_DECODE_CHAIN");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return on;
+}
 
 void KvCache::reset() {
   std::fill(lengths_.begin(), lengths_.end(), 0);
@@ -410,6 +422,42 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     }
   };
 
+  // The decode chain (model.h set_decode_chain): a dense model with at most kDecodeChainMaxTokens
+  // tokens a step, BF16 activations in every linear layer and one weight format (all NVFP4 copies
+  // or all BF16), no profiler or observer (they want the individual calls).
+  bool chain = decode_chain_ && sw != nullptr && !c.is_moe() && fuse_residual && profiler_ == nullptr &&
+               N <= gemm::kDecodeChainMaxTokens;
+  for (int l = 0; chain && l < c.n_layers; ++l) {
+    for (LinearKind kind : {LinearKind::kQkv, LinearKind::kAttnOut, LinearKind::kMlpUp, LinearKind::kMlpDown}) {
+      const SamplerWeights::Layer& L = sw->layers[(size_t)layer_id(l, kind)];
+      const bool nvfp4 = L.w_config.has_value();
+      if (im.linear_recipe(l, kind).fprop_x.quant.has_value() ||
+          nvfp4 != sw->layers[(size_t)layer_id(0, LinearKind::kQkv)].w_config.has_value()) {
+        chain = false;
+      }
+    }
+  }
+  // One link of a chain: layer (l, kind) as decode_linear would run it (BF16 x, sampler weights),
+  // x made by `producer` (the RMSNorm of norm_param, or the SwiGLU); `name` keeps the layer's name.
+  auto chain_link = [&](int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
+                        const TensorView& residual, gemm::DecodeProducer producer, int norm_param,
+                        std::string& name) {
+    const SamplerWeights::Layer& L = check_layer(l, kind, param);
+    name = layer_name(l, kind);
+    gemm::DecodeChainLink k;
+    k.gemv.x = x;
+    k.gemv.w = L.w_config ? gemm::DecodeWeights::packed(L.packed, name) : gemm::DecodeWeights::plain(im.w(param), name);
+    k.gemv.y = y;
+    k.gemv.residual = residual;
+    k.gemv.name = name;
+    k.producer = producer;
+    if (norm_param >= 0) {
+      k.norm_weight = im.master(norm_param);
+      k.norm_eps = (float)c.norm_eps;
+    }
+    return k;
+  };
+
   cache.arena_->reset();
   detail::Carver carver(cache.arena_.get(), options_.device);
   Acts a = im.plan(carver, B, Tq, false, o.all_logits ? N : B, stat_dtype_, !o.all_logits,
@@ -434,10 +482,27 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     BlockActs& b = a.blocks[0];
     const TensorView mid = a.mid[0];
     std::vector<int32_t> ids((size_t)(N * k));
+    // With the chain, layer l's qkv ran in the chain of layer l - 1 (layer 0's alone); the chain of
+    // layer l runs attn_out, the MLP and layer l + 1's qkv.
+    std::array<std::string, 4> chain_names;
+    auto qkv_link = [&](int l) {
+      return chain_link(l, LinearKind::kQkv, a.resid[(size_t)(l % 2)], im.bp[(size_t)l].qkv, b.qkv, {},
+                        gemm::DecodeProducer::kRmsnorm, im.bp[(size_t)l].attn_norm, chain_names[3]);
+    };
+    auto run_chain = [&](std::span<const gemm::DecodeChainLink> links) {
+      Scope s(im, Section::kAttention, Work::kLinear);
+      gemm::decode_gemv_chain(links, sw->workspace, st);
+    };
+    if (chain) {
+      const gemm::DecodeChainLink first[1] = {qkv_link(0)};
+      run_chain(first);
+    }
     for (int l = 0; l < c.n_layers; ++l) {
       const detail::BlockParams& p = im.bp[(size_t)l];
       const TensorView x = a.resid[(size_t)(l % 2)], out = a.resid[(size_t)((l + 1) % 2)];
-      if (norm_fusable(l, LinearKind::kQkv, N)) {
+      if (chain) {
+        // qkv is done (above, or in the previous layer's chain)
+      } else if (norm_fusable(l, LinearKind::kQkv, N)) {
         linear(Section::kAttention, l, LinearKind::kQkv, x, p.qkv, b.qkv, true, {}, p.attn_norm);
       } else {
         {
@@ -476,6 +541,19 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
         ops::attention_decode(detail::qkv_part4(b.qkv, 0, H, D, B, Tq), cache.k_[(size_t)l],
                               cache.v_[(size_t)l], cache.lengths_device_, out4, ao, st);
         im.bf16(b.attn);
+      }
+      if (chain) {
+        const TensorView gu = prefix(b.gate_up, N, 2 * c.d_ff);
+        std::vector<gemm::DecodeChainLink> links = {
+            chain_link(l, LinearKind::kAttnOut, b.attn, p.attn_out, mid, x, gemm::DecodeProducer::kNone, -1,
+                       chain_names[0]),
+            chain_link(l, LinearKind::kMlpUp, mid, p.mlp_up, gu, {}, gemm::DecodeProducer::kRmsnorm, p.mlp_norm,
+                       chain_names[1]),
+            chain_link(l, LinearKind::kMlpDown, gu, p.mlp_down, out, mid, gemm::DecodeProducer::kSwiglu, -1,
+                       chain_names[2])};
+        if (l + 1 < c.n_layers) links.push_back(qkv_link(l + 1));
+        run_chain(links);
+        continue;
       }
       linear(Section::kAttention, l, LinearKind::kAttnOut, b.attn, p.attn_out, mid, true, x);
       const Section ffn = c.is_moe_block(l) ? Section::kMoe : Section::kMlp;
@@ -570,6 +648,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     key.Tq = Tq;
     key.max_len = cache.max_len();
     key.all_logits = o.all_logits;
+    key.chain = chain;
     key.buffers = {a.tokens.data, a.logits.data, cache.lengths_device_.data(), params_.flat().data,
                    compute_params().flat().data, im.flag(), cache.attention_ws_.get()};
     for (int l = 0; l < c.n_layers; ++l) {
@@ -627,6 +706,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
 #endif
   }
   im.check_error_flag("forward_cached");
+  if (chain) ++decode_chain_steps_;
   cache.lengths_ = new_lengths;
   return a.logits;
 }
