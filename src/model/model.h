@@ -363,8 +363,9 @@ class Model {
   int64_t sampler_weight_bytes() const;  // packed data + scales of the NVFP4 copies
   // The decode chain (gemm::decode_gemv_chain): on the decode path of a dense model with BF16
   // activations and at most 8 tokens a step, each layer's attn_out, mlp_up (RMSNorm fused),
-  // mlp_down (SwiGLU fused) and the next layer's qkv (RMSNorm fused) run as one persistent launch,
-  // bit for bit the separate kernels' results. On by default; FOURBIT_DECODE_CHAIN=0 turns it off
+  // mlp_down (SwiGLU fused) and the next layer's qkv (RMSNorm fused; after the last layer the
+  // lm_head with the final norm, where its weight has the same format) run as one persistent
+  // launch, bit for bit the separate kernels' results. On by default; FOURBIT_DECODE_CHAIN=0 turns it off
   // (A/B runs), as does set_decode_chain(false).
   void set_decode_chain(bool on) { decode_chain_ = on; }
   bool decode_chain() const { return decode_chain_; }

@@ -437,6 +437,14 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       }
     }
   }
+  // The lm_head (final norm fused) ends the last layer's chain where its weight has the chain's
+  // format and BF16 activations, and its input is the whole final residual (one token a sequence,
+  // or every row's logits).
+  const bool chain_head =
+      chain && (Tq == 1 || o.all_logits) &&
+      !im.linear_recipe(c.n_layers, LinearKind::kLmHead).fprop_x.quant.has_value() &&
+      sw->layers[(size_t)layer_id(c.n_layers, LinearKind::kLmHead)].w_config.has_value() ==
+          sw->layers[(size_t)layer_id(0, LinearKind::kQkv)].w_config.has_value();
   // One link of a chain: layer (l, kind) as decode_linear would run it (BF16 x, sampler weights),
   // x made by `producer` (the RMSNorm of norm_param, or the SwiGLU); `name` keeps the layer's name.
   auto chain_link = [&](int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
@@ -551,7 +559,12 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
                        chain_names[1]),
             chain_link(l, LinearKind::kMlpDown, gu, p.mlp_down, out, mid, gemm::DecodeProducer::kSwiglu, -1,
                        chain_names[2])};
-        if (l + 1 < c.n_layers) links.push_back(qkv_link(l + 1));
+        if (l + 1 < c.n_layers) {
+          links.push_back(qkv_link(l + 1));
+        } else if (chain_head) {  // out is the final residual, one row per sequence (Tq 1) or all rows
+          links.push_back(chain_link(c.n_layers, LinearKind::kLmHead, out, im.lm_head, a.logits, {},
+                                     gemm::DecodeProducer::kRmsnorm, im.final_norm, chain_names[3]));
+        }
         run_chain(links);
         continue;
       }
@@ -602,6 +615,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
           for (int64_t j = 0; j < k; ++j) dst[(n * n_moe + mi) * k + j] = ids[(size_t)(n * k + j)];
       }
     }
+    if (chain_head) return;  // the last layer's chain ran the final norm and the lm_head
     const TensorView final_resid = a.resid[(size_t)(c.n_layers % 2)];
     TensorView final_norm_input;  // set when the final norm runs inside the lm_head's quantizer
     {
