@@ -365,8 +365,8 @@ class Model {
   // activations and at most 8 tokens a step, each layer's attn_out, mlp_up (RMSNorm fused),
   // mlp_down (SwiGLU fused) and the next layer's qkv (RMSNorm fused; after the last layer the
   // lm_head with the final norm, where its weight has the same format) run as one persistent
-  // launch, bit for bit the separate kernels' results. On by default; FOURBIT_DECODE_CHAIN=0 turns it off
-  // (A/B runs), as does set_decode_chain(false).
+  // launch, bit for bit the separate kernels' results. Off by default until measured on a GPU:
+  // FOURBIT_DECODE_CHAIN=1 turns it on for the process, set_decode_chain(true) for this model.
   void set_decode_chain(bool on) { decode_chain_ = on; }
   bool decode_chain() const { return decode_chain_; }
   int64_t decode_chain_steps() const { return decode_chain_steps_; }  // forward_cached calls that ran it

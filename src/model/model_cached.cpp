@@ -89,7 +89,7 @@ struct Model::SamplerWeights {
 bool Model::default_decode_chain() {
   static const bool on = [] {
     const char* v = std::getenv("FOURBIT_DECODE_CHAIN");
-    return v == nullptr || std::string_view(v) != "0";
+    return v != nullptr && std::string_view(v) == "1";
   }();
   return on;
 }
