@@ -142,7 +142,8 @@ bool decode_quantize_can_fuse_norm(int64_t B, int64_t K, bool per_row_amax = fal
 //   - kRmsnorm: x = ops::rmsnorm_forward(gemv.x, norm_weight, norm_eps)'s bf16 output;
 //   - kSwiglu:  x = ops::swiglu_forward(gemv.x) with gemv.x the [B, 2K] gate | up input.
 // Every link's y equals what its producer op followed by decode_gemv writes, bit for bit (the same
-// plan, the same sums in the same order). gemv.stream and gemv.workspace are ignored.
+// plan, the same sums in the same order). gemv.stream and gemv.workspace are ignored. Slower than
+// the separate kernels so far (decode_gemv_kernels.h, "Performance").
 enum class DecodeProducer : uint8_t { kNone, kRmsnorm, kSwiglu };
 struct DecodeChainLink {
   DecodeGemvArgs gemv;

@@ -159,6 +159,12 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 //     rows' rstd in that kernel's summation order, norm_threads / norm_groups as in
 //     DecodeQuantizeParams);
 //   - kSwiglu: x = ops::swiglu_forward(x_in) with x_in = [gate | up] rows (row stride ldx >= 2K).
+// Performance (H100, session 30, bench/notes-decode.md): correct but slower than the separate
+// kernels (llama-1.1b bf16 decode step at batch 1 2.09 vs 1.53 ms, nvfp4-weights level), so the
+// model runs it only when asked (Model::set_decode_chain, FOURBIT_DECODE_CHAIN=1): each CTA's items
+// are strict sequences of round trips (x staging, fences that wait for the ring's loads, the
+// split-sum atomic, the grid barrier) with only the ring in flight. The L2 prefetch of the next
+// item (chain_prefetch_next) is the first attempt at that; not yet measured.
 // Invariants: the barrier words and the row-block counters are zero between launches; every CTA of
 // the grid is resident at once (launch_decode_chain sizes the grid by occupancy; a producer kernel
 // still running when the chain starts (PDL) finishes without waiting on it).
