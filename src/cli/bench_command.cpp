@@ -68,7 +68,9 @@ Command add_bench_command(CLI::App& app) {
                 "bandwidth per batch with BF16 and NVFP4 sampler weights, and the decode GEMV alone at "
                 "each layer shape against cuBLASLt BF16");
   dc->add_option("--preset", decode_opts->preset, "dense model preset")->capture_default_str();
-  dc->add_option("--batches", decode_opts->batches, "batch sizes (1 to 64)")->capture_default_str();
+  dc->add_option("--batches", decode_opts->batches, "batch sizes (1 to 64), space- or comma-separated")
+      ->delimiter(',')
+      ->capture_default_str();
   dc->add_option("--cache", decode_opts->cache_len, "tokens per sequence in the KV cache (prefilled)")
       ->capture_default_str();
   dc->add_option("--reps", decode_opts->reps, "timed decode steps (median reported)")->capture_default_str();
