@@ -872,6 +872,31 @@ __device__ __forceinline__ float element_of(const uint4& v, int e) {
   return formats::decode_bf16((uint16_t)(e % 2 ? w >> 16 : w & 0xFFFFu));
 }
 
+// One (row, thread) pair's share of ops::rmsnorm_forward's sum of squares: its J groups of 8
+// columns in one FMA chain from zero, then the warp's xor tree (every lane gets the warp's sum).
+__device__ __forceinline__ float norm_pair_sum(const uint4 (&xv)[2], int J) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    if (j >= J) break;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float v = element_of(xv[j], e);
+      ss = fmaf(v, v, ss);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+  return ss;
+}
+
+// Row r's 1 / rms from its T / 32 warp sums, added in order from zero (ops::rmsnorm_forward).
+__device__ __forceinline__ float norm_row_rstd(const float* warp_sums, int r, int T, int64_t K, float eps) {
+  float total = 0.0f;
+  for (int v = 0; v < T / 32; ++v) total += warp_sums[r * (T / 32) + v];
+  return 1.0f / sqrtf(total / (float)K + eps);
+}
+
 __device__ void norm_rows(const DecodeQuantizeParams& p, float* rstd, float* warp_sums, float& m, bool& bad) {
   const int T = p.norm_threads, J = p.norm_groups, tid = (int)threadIdx.x, lane = tid % 32;
   const int pairs = p.B * T;
@@ -890,26 +915,11 @@ __device__ void norm_rows(const DecodeQuantizeParams& p, float* rstd, float* war
   for (int i = 0; i < kNormPairsPerThread; ++i) {
     const int P = tid + i * kQuantThreads;
     if (i * kQuantThreads >= pairs) break;  // uniform over the CTA
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      if (j >= J) break;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float v = element_of(xv[i][j], e);
-        ss = fmaf(v, v, ss);
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+    const float ss = norm_pair_sum(xv[i], J);
     if (lane == 0 && P < pairs) warp_sums[P / 32] = ss;
   }
   __syncthreads();
-  if (tid < p.B) {
-    float total = 0.0f;
-    for (int v = 0; v < T / 32; ++v) total += warp_sums[tid * (T / 32) + v];
-    rstd[tid] = 1.0f / sqrtf(total / (float)p.K + p.norm_eps);
-  }
+  if (tid < p.B) rstd[tid] = norm_row_rstd(warp_sums, tid, T, p.K, p.norm_eps);
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < kNormPairsPerThread; ++i) {
@@ -1047,27 +1057,12 @@ __device__ void chain_norm_rstd(const DecodeChainLink& k, float* rstd, float* wa
     for (int i = 0; i < kBatch; ++i) {
       const int P = P0 + tid + i * kThreads;
       if (P0 + i * kThreads >= pairs) break;  // uniform over the CTA
-      float ss = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        if (j >= J) break;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float v = element_of(xv[i][j], e);
-          ss = fmaf(v, v, ss);
-        }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+      const float ss = norm_pair_sum(xv[i], J);
       if (lane == 0 && P < pairs) warp_sums[P / 32] = ss;
     }
   }
   __syncthreads();
-  if (tid < B) {
-    float total = 0.0f;
-    for (int v = 0; v < T / 32; ++v) total += warp_sums[tid * (T / 32) + v];
-    rstd[tid] = 1.0f / sqrtf(total / (float)K + k.norm_eps);
-  }
+  if (tid < B) rstd[tid] = norm_row_rstd(warp_sums, tid, T, K, k.norm_eps);
   __syncthreads();
 }
 
