@@ -613,7 +613,8 @@ TEST(DecodeGemvCuda, ArgumentErrors) {
 // same order (through the workspace where the standalone launch uses a cluster). BF16 and NVFP4
 // weights, B = 1, 3, 8, a K that is not a multiple of 128 (1400: NVFP4 rows of 700 bytes, no 16-byte
 // vectors), split-K plans of clusters and of the workspace path. Outputs are poisoned first and
-// every chain runs twice (the grid barrier and the counters must be reset).
+// every chain runs three times (the grid barrier and the counters must be reset), the last with the
+// other weight-stream variant (DecodeChainOptions).
 TEST(DecodeGemvCuda, ChainEqualsTheLinksOneByOne) {
   const int64_t D = 1024, F = 1400, Q = 1536;
   const float eps = 1e-5f;
@@ -688,9 +689,15 @@ TEST(DecodeGemvCuda, ChainEqualsTheLinksOneByOne) {
       links[3].norm_eps = eps;
       std::string why;
       ASSERT_TRUE(decode_chain_supported(links, &why)) << what << ": " << why;
-      for (int round = 0; round < 2; ++round) {
+      // Round 0 and 1: the default weight stream; round 2: no L2 prefetch, the ring per item.
+      for (int round = 0; round < 3; ++round) {
+        DecodeChainOptions options;
+        if (round == 2) {
+          options.l2_prefetch = false;
+          options.ring_per_item = true;
+        }
         for (const Tensor* t : {&c_mid, &c_gu, &c_out, &c_qkv}) poison(t->view());
-        decode_gemv_chain(links, ws, nullptr);
+        decode_gemv_chain(links, ws, nullptr, options);
         FOURBIT_CUDA_CHECK(cudaDeviceSynchronize());
         const std::pair<const Tensor*, const Tensor*> pairs[] = {{&mid, &c_mid}, {&gu, &c_gu}, {&out, &c_out},
                                                                  {&qkv, &c_qkv}};

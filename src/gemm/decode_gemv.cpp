@@ -170,6 +170,18 @@ DecodeReference decode_gemv_reference(const DecodeReferenceArgs& a) {
   return r;
 }
 
+DecodeChainOptions DecodeChainOptions::from_env() {
+  static const DecodeChainOptions options = [] {
+    DecodeChainOptions o;
+    const char* prefetch = std::getenv("FOURBIT_DECODE_CHAIN_PREFETCH");
+    o.l2_prefetch = prefetch == nullptr || std::string_view(prefetch) != "0";
+    const char* ring = std::getenv("FOURBIT_DECODE_CHAIN_RING");
+    o.ring_per_item = ring != nullptr && std::string_view(ring) == "item";
+    return o;
+  }();
+  return options;
+}
+
 // ---- CUDA ------------------------------------------------------------------------------------------
 
 #if defined(FOURBIT_WITH_CUDA)
@@ -447,7 +459,8 @@ bool decode_chain_supported(std::span<const DecodeChainLink> links, std::string*
   return reason.empty();
 }
 
-void decode_gemv_chain(std::span<const DecodeChainLink> links, DecodeWorkspace& workspace, void* stream) {
+void decode_gemv_chain(std::span<const DecodeChainLink> links, DecodeWorkspace& workspace, void* stream,
+                       const DecodeChainOptions& options) {
   std::string why;
   FOURBIT_CHECK(decode_chain_supported(links, &why), "decode_gemv_chain: {}", why);
   kernels::DecodeChainParams c;
@@ -487,6 +500,8 @@ void decode_gemv_chain(std::span<const DecodeChainLink> links, DecodeWorkspace& 
     c.links[i].g.counters = workspace.counters();
   }
   c.barrier = workspace.barrier();
+  c.l2_prefetch = options.l2_prefetch;
+  c.ring_per_item = options.ring_per_item;
   // FOURBIT_DECODE_CHAIN_PER_SM=n caps the persistent grid at n CTAs an SM (A/B runs; default: the
   // occupancy). Read once.
   static const int per_sm = decode_env_int("FOURBIT_DECODE_CHAIN_PER_SM");
@@ -521,7 +536,7 @@ bool decode_chain_supported(std::span<const DecodeChainLink>, std::string* why) 
   return false;
 }
 
-void decode_gemv_chain(std::span<const DecodeChainLink>, DecodeWorkspace&, void*) {
+void decode_gemv_chain(std::span<const DecodeChainLink>, DecodeWorkspace&, void*, const DecodeChainOptions&) {
   throw Error("decode_gemv_chain: this build has no CUDA");
 }
 #endif

@@ -155,9 +155,21 @@ struct DecodeChainLink {
 // NVFP4 x), every weight in one format (all BF16 or all NVFP4), x rows of 16-byte aligned 8-element
 // pieces; `why` (if given) says what is not.
 bool decode_chain_supported(std::span<const DecodeChainLink> links, std::string* why = nullptr);
+// Variants of the chain kernel's weight stream, for A/B runs (the same results either way).
+struct DecodeChainOptions {
+  // Each CTA prefetches its next item's first chunks into L2 as it starts an item
+  // (FOURBIT_DECODE_CHAIN_PREFETCH=0: not).
+  bool l2_prefetch = true;
+  // The register ring's loads of an item's first chunks are issued when the item starts instead of
+  // running ahead from the previous item (FOURBIT_DECODE_CHAIN_RING=item): no fence then waits for
+  // them.
+  bool ring_per_item = false;
+  static DecodeChainOptions from_env();  // read once per process
+};
 // Runs the chain on `stream`. Throws fourbit::Error naming the link's tensor for bad operands (as
 // decode_gemv) or for an unsupported chain. CUDA builds only.
-void decode_gemv_chain(std::span<const DecodeChainLink> links, DecodeWorkspace& workspace, void* stream);
+void decode_gemv_chain(std::span<const DecodeChainLink> links, DecodeWorkspace& workspace, void* stream,
+                       const DecodeChainOptions& options = DecodeChainOptions::from_env());
 
 // ---- CPU reference -------------------------------------------------------------------------------
 // Naive loops: float64 sums of x_k * w_k over the exactly dequantized scaled-domain weights

@@ -1176,10 +1176,13 @@ __device__ __forceinline__ void chain_prefetch_next(const DecodeChainParams& p, 
 }
 
 // The chain (decode_gemv_kernels.h): links in order with a grid barrier between them; the weight
-// ring runs D chunks ahead over items and links alike (ChainCursor), and each CTA prefetches its
-// next item's first chunks into L2 as it starts an item, so that the ring's loads of them hit L2
-// while the CTA finishes its item, sums split partials and waits at a barrier (its fences wait for
-// the ring's loads: without the prefetch those came from HBM with nothing else in flight).
+// ring runs D chunks ahead over items and links alike (ChainCursor), and (l2_prefetch) each CTA
+// prefetches its next item's first chunks into L2 as it starts an item, so that the ring's loads of
+// them hit L2 while the CTA finishes its item, sums split partials and waits at a barrier (its
+// fences wait for the ring's loads: without the prefetch those came from HBM with nothing else in
+// flight). ring_per_item: the ring's loads of an item's first chunks wait for the item's start
+// (after the previous finish and barrier, L2 hits after the prefetch) instead, so that no fence
+// waits for them. The cursor visits the same positions in the same order either way.
 template <DecodeWeightFormat F>
 __global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_constant__ DecodeChainParams p) {
   extern __shared__ __align__(16) uint4 x_tiles[];  // [chunks_per_split][8 tokens][kPieces]
@@ -1192,7 +1195,9 @@ __global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_
   WeightRegs<F> ring[D];
   ChainCursor<D> loads;
   loads.start(p);
-  if (loads.link < p.n_links) chain_prefetch_next<F>(p, loads.link, loads.item - (int)gridDim.x);  // the first item
+  if (p.l2_prefetch && loads.link < p.n_links) {
+    chain_prefetch_next<F>(p, loads.link, loads.item - (int)gridDim.x);  // the first item
+  }
 #pragma unroll
   for (int d = 0; d < D; ++d) {
     loads.template load<F>(p, warp, g, t, ring[d]);
@@ -1200,6 +1205,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_
   }
   core::pdl_wait_for_producer();  // x and the residuals of the first link come from earlier kernels
 
+  bool ring_ready = true;  // the ring holds the current item's first D chunks (or their loads are out)
   for (int L = 0; L < p.n_links; ++L) {
     if (L > 0) {
       chain_grid_barrier(p.barrier);
@@ -1214,7 +1220,15 @@ __global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_
       const int rb = item / k.splits, split = item % k.splits;
       const int c_begin = split * k.chunks_per_split, n = min(k.chunks, c_begin + k.chunks_per_split) - c_begin;
       const int64_t row_base = (int64_t)rb * kDecodeRowsPerCta, row0 = row_base + warp * 16 + g;
-      chain_prefetch_next<F>(p, L, item);
+      if (p.l2_prefetch) chain_prefetch_next<F>(p, L, item);
+      if (!ring_ready) {  // ring_per_item: this item's first chunks, deferred past the previous finish
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+          loads.template load<F>(p, warp, g, t, ring[d]);
+          loads.advance(p);
+        }
+        ring_ready = true;
+      }
       __syncthreads();  // the previous item is done with the x tiles
       if (k.producer == DecodeChainProducer::kNorm && !have_rstd) {
         chain_norm_rstd(k, rstd, warp_sums);
@@ -1228,12 +1242,15 @@ __global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_
 #pragma unroll
         for (int d = 0; d < D; ++d) {
           if (c0 + d < n) compute_chunk<false, 1>(acc, ring[d], x_tiles + (c0 + d) * kTilePieces, g, t);
-          loads.template load<F>(p, warp, g, t, ring[d]);  // D chunks ahead, maybe the next item's
-          loads.advance(p);
+          if (!p.ring_per_item || c0 + d + D < n) {  // D chunks ahead, maybe the next item's
+            loads.template load<F>(p, warp, g, t, ring[d]);
+            loads.advance(p);
+          }
         }
       }
       finish<F, 1, kDecodeChainMaxTokens * kDecodeRowsPerCta / kThreads>(k.g, acc, row0, row_base, t, k.splits, split,
                                                                          rb);
+      ring_ready = !p.ring_per_item;
     }
   }
 }

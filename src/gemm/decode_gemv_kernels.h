@@ -184,6 +184,8 @@ struct DecodeChainParams {
   DecodeChainLink links[kDecodeChainMaxLinks];
   int n_links = 0;
   unsigned* barrier = nullptr;  // u32 [2]: arrivals, generation (zero, then arrivals zero after each)
+  bool l2_prefetch = true;      // DecodeChainOptions (decode_gemv.h)
+  bool ring_per_item = false;
 };
 // Launches the chain (every link's weights in `format`, plan.staged with n_tiles == 1) on a grid of
 // SMs x min(occupancy, per_sm) CTAs (per_sm <= 0: the occupancy); returns the grid size.
