@@ -1238,11 +1238,13 @@ __global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_
                                 x_tiles);
       __syncthreads();
       float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+      const int pad = (n + D - 1) / D * D;  // the item's positions in the cursor's stream
       for (int c0 = 0; c0 < n; c0 += D) {
 #pragma unroll
         for (int d = 0; d < D; ++d) {
           if (c0 + d < n) compute_chunk<false, 1>(acc, ring[d], x_tiles + (c0 + d) * kTilePieces, g, t);
-          if (!p.ring_per_item || c0 + d + D < n) {  // D chunks ahead, maybe the next item's
+          // Position c0 + d + D: this item's (a chunk or padding) or, from pad on, the next item's.
+          if (!p.ring_per_item || c0 + d + D < pad) {
             loads.template load<F>(p, warp, g, t, ring[d]);
             loads.advance(p);
           }
