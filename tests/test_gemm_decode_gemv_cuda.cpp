@@ -613,8 +613,9 @@ TEST(DecodeGemvCuda, ArgumentErrors) {
 // same order (through the workspace where the standalone launch uses a cluster). BF16 and NVFP4
 // weights, B = 1, 3, 8, a K that is not a multiple of 128 (1400: NVFP4 rows of 700 bytes, no 16-byte
 // vectors), split-K plans of clusters and of the workspace path. Outputs are poisoned first and
-// every chain runs three times (the grid barrier and the counters must be reset), the last with the
-// other weight-stream variant (DecodeChainOptions).
+// every chain runs three times (the grid barrier and the counters must be reset) with different
+// weight streams (DecodeChainOptions): the default, whole items prefetched into L2, and the ring
+// per item without prefetch.
 TEST(DecodeGemvCuda, ChainEqualsTheLinksOneByOne) {
   const int64_t D = 1024, F = 1400, Q = 1536;
   const float eps = 1e-5f;
@@ -689,11 +690,13 @@ TEST(DecodeGemvCuda, ChainEqualsTheLinksOneByOne) {
       links[3].norm_eps = eps;
       std::string why;
       ASSERT_TRUE(decode_chain_supported(links, &why)) << what << ": " << why;
-      // Round 0 and 1: the default weight stream; round 2: no L2 prefetch, the ring per item.
+      // Round 0: the default weight stream; round 1: whole items prefetched; round 2: no L2
+      // prefetch, the ring per item.
       for (int round = 0; round < 3; ++round) {
         DecodeChainOptions options;
+        if (round == 1) options.prefetch_chunks = 1024;
         if (round == 2) {
-          options.l2_prefetch = false;
+          options.prefetch_chunks = 0;
           options.ring_per_item = true;
         }
         for (const Tensor* t : {&c_mid, &c_gu, &c_out, &c_qkv}) poison(t->view());

@@ -173,8 +173,13 @@ DecodeReference decode_gemv_reference(const DecodeReferenceArgs& a) {
 DecodeChainOptions DecodeChainOptions::from_env() {
   static const DecodeChainOptions options = [] {
     DecodeChainOptions o;
-    const char* prefetch = std::getenv("FOURBIT_DECODE_CHAIN_PREFETCH");
-    o.l2_prefetch = prefetch == nullptr || std::string_view(prefetch) != "0";
+    if (const char* prefetch = std::getenv("FOURBIT_DECODE_CHAIN_PREFETCH"); prefetch != nullptr && *prefetch) {
+      char* end = nullptr;
+      const long n = std::strtol(prefetch, &end, 10);
+      FOURBIT_CHECK(*end == '\0' && n >= -1 && n <= 1024,
+                    "FOURBIT_DECODE_CHAIN_PREFETCH='{}': expected chunks in [0, 1024] (-1: the default)", prefetch);
+      o.prefetch_chunks = (int)n;
+    }
     const char* ring = std::getenv("FOURBIT_DECODE_CHAIN_RING");
     o.ring_per_item = ring != nullptr && std::string_view(ring) == "item";
     return o;
@@ -500,7 +505,8 @@ void decode_gemv_chain(std::span<const DecodeChainLink> links, DecodeWorkspace& 
     c.links[i].g.counters = workspace.counters();
   }
   c.barrier = workspace.barrier();
-  c.l2_prefetch = options.l2_prefetch;
+  const bool nvfp4 = c.links[0].g.format == kernels::DecodeWeightFormat::kNvfp4;
+  c.prefetch_chunks = options.prefetch_chunks >= 0 ? options.prefetch_chunks : nvfp4 ? 6 : 4;
   c.ring_per_item = options.ring_per_item;
   // FOURBIT_DECODE_CHAIN_PER_SM=n caps the persistent grid at n CTAs an SM (A/B runs; default: the
   // occupancy). Read once.

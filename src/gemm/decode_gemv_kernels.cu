@@ -1140,11 +1140,7 @@ struct ChainCursor {
   }
 };
 
-// Chunks of a CTA's next item whose weights it prefetches into L2 when it starts an item (below).
-template <DecodeWeightFormat F>
-constexpr int kChainPrefetchChunks = F == DecodeWeightFormat::kNvfp4 ? 6 : 4;
-
-// L2 prefetches (no registers, nothing a fence waits for) of the first kChainPrefetchChunks chunks
+// L2 prefetches (no registers, nothing a fence waits for) of the first p.prefetch_chunks chunks
 // of this CTA's item after (link, item), which may lie in a later link. One 128-byte line a thread
 // and chunk: BF16 rows are 256 bytes a chunk (two threads a row), NVFP4 rows 64 bytes of data
 // (threads 0-63) and 8 of scales (threads 64-127).
@@ -1158,7 +1154,7 @@ __device__ __forceinline__ void chain_prefetch_next(const DecodeChainParams& p, 
   if (link >= p.n_links) return;
   const DecodeChainLink& k = p.links[link];
   const int c_begin = (item % k.splits) * k.chunks_per_split;
-  const int c_end = min(min(k.chunks, c_begin + k.chunks_per_split), c_begin + kChainPrefetchChunks<F>);
+  const int c_end = min(min(k.chunks, c_begin + k.chunks_per_split), c_begin + p.prefetch_chunks);
   const int64_t row = (int64_t)(item / k.splits) * kDecodeRowsPerCta + (int)threadIdx.x % kDecodeRowsPerCta;
   const int part = (int)threadIdx.x / kDecodeRowsPerCta;
   if (row >= k.g.N) return;
@@ -1176,7 +1172,7 @@ __device__ __forceinline__ void chain_prefetch_next(const DecodeChainParams& p, 
 }
 
 // The chain (decode_gemv_kernels.h): links in order with a grid barrier between them; the weight
-// ring runs D chunks ahead over items and links alike (ChainCursor), and (l2_prefetch) each CTA
+// ring runs D chunks ahead over items and links alike (ChainCursor), and (prefetch_chunks) each CTA
 // prefetches its next item's first chunks into L2 as it starts an item, so that the ring's loads of
 // them hit L2 while the CTA finishes its item, sums split partials and waits at a barrier (its
 // fences wait for the ring's loads: without the prefetch those came from HBM with nothing else in
@@ -1195,7 +1191,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_
   WeightRegs<F> ring[D];
   ChainCursor<D> loads;
   loads.start(p);
-  if (p.l2_prefetch && loads.link < p.n_links) {
+  if (p.prefetch_chunks > 0 && loads.link < p.n_links) {
     chain_prefetch_next<F>(p, loads.link, loads.item - (int)gridDim.x);  // the first item
   }
 #pragma unroll
@@ -1220,7 +1216,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_
       const int rb = item / k.splits, split = item % k.splits;
       const int c_begin = split * k.chunks_per_split, n = min(k.chunks, c_begin + k.chunks_per_split) - c_begin;
       const int64_t row_base = (int64_t)rb * kDecodeRowsPerCta, row0 = row_base + warp * 16 + g;
-      if (p.l2_prefetch) chain_prefetch_next<F>(p, L, item);
+      if (p.prefetch_chunks > 0) chain_prefetch_next<F>(p, L, item);
       if (!ring_ready) {  // ring_per_item: this item's first chunks, deferred past the previous finish
 #pragma unroll
         for (int d = 0; d < D; ++d) {

@@ -184,7 +184,7 @@ struct DecodeChainParams {
   DecodeChainLink links[kDecodeChainMaxLinks];
   int n_links = 0;
   unsigned* barrier = nullptr;  // u32 [2]: arrivals, generation (zero, then arrivals zero after each)
-  bool l2_prefetch = true;      // DecodeChainOptions (decode_gemv.h)
+  int prefetch_chunks = 0;      // DecodeChainOptions (decode_gemv.h); 0: no L2 prefetch
   bool ring_per_item = false;
 };
 // Launches the chain (every link's weights in `format`, plan.staged with n_tiles == 1) on a grid of
