@@ -3,6 +3,7 @@
 #include "dist/data_parallel.h"
 
 #include "core/check.h"
+#include "core/env.h"
 #include "core/log.h"
 #include "train/checkpoint.h"
 
@@ -80,15 +81,8 @@ train::DataParallelFactory data_parallel(Communicator& comm) {
 
 namespace {
 
-std::optional<int> env_int(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  FOURBIT_CHECK(end != nullptr && *end == '\0' && x >= 0 && x < (1 << 20),
-                "environment variable {}='{}' is not a non-negative integer", name, v);
-  return (int)x;
-}
+// A rank or world size from the launcher's environment.
+std::optional<int> env_int(const char* name) { return fourbit::env_int(name, (1 << 20) - 1); }
 
 }  // namespace
 

@@ -4,6 +4,7 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "core/env.h"
 #include "core/error.h"
 #include "formats/element.h"
 #include "quant/block_math.h"
@@ -170,16 +171,14 @@ DecodeReference decode_gemv_reference(const DecodeReferenceArgs& a) {
   return r;
 }
 
+namespace {
+// An A/B variable of the decode kernels: an integer in [0, 1024] (core/env.h), nullopt when unset.
+std::optional<int> decode_env_int(const char* name) { return env_int(name, 1024); }
+}  // namespace
 DecodeChainOptions DecodeChainOptions::from_env() {
   static const DecodeChainOptions options = [] {
     DecodeChainOptions o;
-    if (const char* prefetch = std::getenv("FOURBIT_DECODE_CHAIN_PREFETCH"); prefetch != nullptr && *prefetch) {
-      char* end = nullptr;
-      const long n = std::strtol(prefetch, &end, 10);
-      FOURBIT_CHECK(*end == '\0' && n >= -1 && n <= 1024,
-                    "FOURBIT_DECODE_CHAIN_PREFETCH='{}': expected chunks in [0, 1024] (-1: the default)", prefetch);
-      o.prefetch_chunks = (int)n;
-    }
+    o.prefetch_chunks = decode_env_int("FOURBIT_DECODE_CHAIN_PREFETCH").value_or(o.prefetch_chunks);
     const char* ring = std::getenv("FOURBIT_DECODE_CHAIN_RING");
     o.ring_per_item = ring != nullptr && std::string_view(ring) == "item";
     return o;
@@ -230,29 +229,27 @@ bool decode_cap_cluster() {
 // FOURBIT_DECODE_PER_SM=n and FOURBIT_DECODE_STAGED_CHUNKS=n (positive integers; unset or 0: the
 // plan's own choice) override plan_decode_gemv's CTAs-per-SM target and most chunks per staged
 // split, for A/B runs of other work splits. Read once.
-int decode_env_int(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return 0;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  FOURBIT_CHECK(*end == '\0' && n >= 0 && n <= 1024, "{}='{}': expected an integer in [0, 1024] (0: the plan's own)",
-                name, v);
-  return (int)n;
-}
 kernels::DecodeGemvPlan decode_plan(int B, int64_t N, int64_t K, bool cap_cluster) {
-  static const int per_sm = decode_env_int("FOURBIT_DECODE_PER_SM");
-  static const int staged_chunks = decode_env_int("FOURBIT_DECODE_STAGED_CHUNKS");
+  static const int per_sm = decode_env_int("FOURBIT_DECODE_PER_SM").value_or(0);
+  static const int staged_chunks = decode_env_int("FOURBIT_DECODE_STAGED_CHUNKS").value_or(0);
   return kernels::plan_decode_gemv(B, N, K, current_device_sm_count(), decode_stage_large_batches(), cap_cluster,
                                    per_sm, staged_chunks);
 }
 }  // namespace
 
-// The workspace of the uncapped plan: a superset of the capped one's (a cluster needs no partials).
-// A chain (decode_gemv_chain) sums every split through the workspace, a cluster's too.
+namespace {
+// The split partials of `plan` when every split goes through the workspace, a cluster's too (a
+// chain link's: decode_gemv_chain).
+int64_t chain_partial_floats(const kernels::DecodeGemvPlan& plan, int64_t B, int64_t N) {
+  return plan.splits > 1 ? (int64_t)plan.splits * B * N : 0;
+}
+}  // namespace
+
+// The workspace of the uncapped plan: a superset of the capped one's (a cluster needs no partials),
+// and of the capped plan's as a chain link.
 void DecodeWorkspace::reserve_for(int B, int64_t N, int64_t K) {
   const kernels::DecodeGemvPlan plan = decode_plan(B, N, K, /*cap_cluster=*/false);
-  const kernels::DecodeGemvPlan capped = decode_plan(B, N, K, decode_cap_cluster());
-  const int64_t chain_floats = capped.splits > 1 ? (int64_t)capped.splits * B * N : 0;
+  const int64_t chain_floats = chain_partial_floats(decode_plan(B, N, K, decode_cap_cluster()), B, N);
   reserve(std::max(plan.partial_floats, chain_floats), plan.row_blocks);
 }
 
@@ -481,7 +478,7 @@ void decode_gemv_chain(std::span<const DecodeChainLink> links, DecodeWorkspace& 
     k.splits = plan.splits;
     k.chunks = plan.chunks;
     k.chunks_per_split = plan.chunks_per_split;
-    if (plan.splits > 1) partial_floats = std::max(partial_floats, (int64_t)plan.splits * k.g.B * k.g.N);
+    partial_floats = std::max(partial_floats, chain_partial_floats(plan, k.g.B, k.g.N));
     counters = std::max<int64_t>(counters, plan.row_blocks);
     if (l.producer == DecodeProducer::kRmsnorm) {
       const TensorView& w = l.norm_weight;
@@ -510,7 +507,7 @@ void decode_gemv_chain(std::span<const DecodeChainLink> links, DecodeWorkspace& 
   c.ring_per_item = options.ring_per_item;
   // FOURBIT_DECODE_CHAIN_PER_SM=n caps the persistent grid at n CTAs an SM (A/B runs; default: the
   // occupancy). Read once.
-  static const int per_sm = decode_env_int("FOURBIT_DECODE_CHAIN_PER_SM");
+  static const int per_sm = decode_env_int("FOURBIT_DECODE_CHAIN_PER_SM").value_or(0);
   kernels::launch_decode_chain(c, c.links[0].g.format, per_sm, (cudaStream_t)stream);
 }
 

@@ -159,7 +159,7 @@ bool decode_chain_supported(std::span<const DecodeChainLink> links, std::string*
 struct DecodeChainOptions {
   // Chunks of its next item that each CTA prefetches into L2 as it starts an item: -1 the format's
   // default (4 BF16, 6 NVFP4: 16 / 4.5 KB a row block each), 0 none, n up to the whole item
-  // (FOURBIT_DECODE_CHAIN_PREFETCH=n).
+  // (FOURBIT_DECODE_CHAIN_PREFETCH=n; unset: the default).
   int prefetch_chunks = -1;
   // The register ring's loads of an item's first chunks are issued when the item starts instead of
   // running ahead from the previous item (FOURBIT_DECODE_CHAIN_RING=item): no fence then waits for

@@ -46,6 +46,7 @@
 #include "core/pdl.cuh"
 
 #include "core/error.h"
+#include "core/sm_count.h"
 #include "formats/element.h"
 #include "formats/fp_ops.h"
 #include "quant/block_math.h"
@@ -54,7 +55,9 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <map>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace fourbit::gemm::kernels {
@@ -1098,45 +1101,63 @@ __device__ __forceinline__ uint4 chain_x_piece(const DecodeChainLink& k, const f
   return v;
 }
 
-// Where a CTA's weight stream stands: link `link`, the CTA's item `item` of it ((row block, split) =
-// (item / splits, item % splits)), chunk `c` of the item's n chunks. Items are padded to a multiple
-// of the ring depth D (positions n .. pad - 1 load nothing) so that chunk c of every item sits in
-// ring slot c % D.
+// Item `item` of a link: its row block, its split, and the chunks c_begin .. c_begin + n - 1 of K.
+struct ChainItem {
+  int row_block, split, c_begin, n;
+};
+__device__ __forceinline__ ChainItem chain_item(const DecodeChainLink& k, int item) {
+  ChainItem it;
+  it.row_block = item / k.splits;
+  it.split = item % k.splits;
+  it.c_begin = it.split * k.chunks_per_split;
+  it.n = min(k.chunks, it.c_begin + k.chunks_per_split) - it.c_begin;
+  return it;
+}
+
+// This CTA's items in stream order: items blockIdx.x, + gridDim.x, ... of link 0, then of link 1,
+// and so on. From (link, item) to the CTA's next (link, item); link == n_links past the last.
+__device__ __forceinline__ void chain_next_item(const DecodeChainParams& p, int& link, int& item) {
+  item += (int)gridDim.x;
+  while (link < p.n_links && item >= p.links[link].row_blocks * p.links[link].splits) {
+    ++link;
+    item = (int)blockIdx.x;
+  }
+}
+
+// Where a CTA's weight stream stands: chunk `c` of its item `item` of link `link` (it: that item).
+// Items are padded to a multiple of the ring depth D (positions it.n .. pad - 1 load nothing) so
+// that chunk c of every item sits in ring slot c % D.
 template <int D>
 struct ChainCursor {
-  int link = 0, item = 0, c = 0, n = 0, pad = 0, c_begin = 0;
+  int link = 0, item = 0, c = 0, pad = 0;
+  ChainItem it{};
 
   __device__ __forceinline__ void settle(const DecodeChainParams& p) {
-    while (link < p.n_links && item >= p.links[link].row_blocks * p.links[link].splits) {
-      ++link;
-      item = (int)blockIdx.x;
-    }
     c = 0;
     if (link < p.n_links) {
-      const DecodeChainLink& k = p.links[link];
-      c_begin = (item % k.splits) * k.chunks_per_split;
-      n = min(k.chunks, c_begin + k.chunks_per_split) - c_begin;
-      pad = (n + D - 1) / D * D;
+      it = chain_item(p.links[link], item);
+      pad = (it.n + D - 1) / D * D;
     }
   }
   __device__ __forceinline__ void start(const DecodeChainParams& p) {
     link = 0;
-    item = (int)blockIdx.x;
+    item = (int)blockIdx.x - (int)gridDim.x;
+    chain_next_item(p, link, item);
     settle(p);
   }
   __device__ __forceinline__ void advance(const DecodeChainParams& p) {
     if (++c == pad) {
-      item += (int)gridDim.x;
+      chain_next_item(p, link, item);
       settle(p);
     }
   }
   // The weights of the current position into `slot` (nothing past the end or in the padding).
   template <DecodeWeightFormat F>
   __device__ __forceinline__ void load(const DecodeChainParams& p, int warp, int g, int t, WeightRegs<F>& slot) const {
-    if (link >= p.n_links || c >= n) return;
+    if (link >= p.n_links || c >= it.n) return;
     const DecodeChainLink& k = p.links[link];
-    const int64_t row0 = (int64_t)(item / k.splits) * kDecodeRowsPerCta + warp * 16 + g;
-    load_weights(k.g, gemv_shape<F>(k.g), row0, t, (int64_t)(c_begin + c) * kDecodeChunk, slot);
+    const int64_t row0 = (int64_t)it.row_block * kDecodeRowsPerCta + warp * 16 + g;
+    load_weights(k.g, gemv_shape<F>(k.g), row0, t, (int64_t)(it.c_begin + c) * kDecodeChunk, slot);
   }
 };
 
@@ -1146,19 +1167,14 @@ struct ChainCursor {
 // (threads 0-63) and 8 of scales (threads 64-127).
 template <DecodeWeightFormat F>
 __device__ __forceinline__ void chain_prefetch_next(const DecodeChainParams& p, int link, int item) {
-  item += (int)gridDim.x;
-  while (link < p.n_links && item >= p.links[link].row_blocks * p.links[link].splits) {
-    ++link;
-    item = (int)blockIdx.x;
-  }
+  chain_next_item(p, link, item);
   if (link >= p.n_links) return;
   const DecodeChainLink& k = p.links[link];
-  const int c_begin = (item % k.splits) * k.chunks_per_split;
-  const int c_end = min(min(k.chunks, c_begin + k.chunks_per_split), c_begin + p.prefetch_chunks);
-  const int64_t row = (int64_t)(item / k.splits) * kDecodeRowsPerCta + (int)threadIdx.x % kDecodeRowsPerCta;
+  const ChainItem it = chain_item(k, item);
+  const int64_t row = (int64_t)it.row_block * kDecodeRowsPerCta + (int)threadIdx.x % kDecodeRowsPerCta;
   const int part = (int)threadIdx.x / kDecodeRowsPerCta;
   if (row >= k.g.N) return;
-  for (int c = c_begin; c < c_end; ++c) {
+  for (int c = it.c_begin; c < it.c_begin + min(it.n, p.prefetch_chunks); ++c) {
     const int64_t k0 = (int64_t)c * kDecodeChunk;
     const void* at;
     if constexpr (F == DecodeWeightFormat::kNvfp4) {
@@ -1191,9 +1207,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_
   WeightRegs<F> ring[D];
   ChainCursor<D> loads;
   loads.start(p);
-  if (p.prefetch_chunks > 0 && loads.link < p.n_links) {
-    chain_prefetch_next<F>(p, loads.link, loads.item - (int)gridDim.x);  // the first item
-  }
+  if (p.prefetch_chunks > 0) chain_prefetch_next<F>(p, 0, (int)blockIdx.x - (int)gridDim.x);  // the first item
 #pragma unroll
   for (int d = 0; d < D; ++d) {
     loads.template load<F>(p, warp, g, t, ring[d]);
@@ -1213,9 +1227,9 @@ __global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_
     const int items = k.row_blocks * k.splits;
     bool have_rstd = false;
     for (int item = (int)blockIdx.x; item < items; item += (int)gridDim.x) {
-      const int rb = item / k.splits, split = item % k.splits;
-      const int c_begin = split * k.chunks_per_split, n = min(k.chunks, c_begin + k.chunks_per_split) - c_begin;
-      const int64_t row_base = (int64_t)rb * kDecodeRowsPerCta, row0 = row_base + warp * 16 + g;
+      const ChainItem it = chain_item(k, item);
+      const int n = it.n;
+      const int64_t row_base = (int64_t)it.row_block * kDecodeRowsPerCta, row0 = row_base + warp * 16 + g;
       if (p.prefetch_chunks > 0) chain_prefetch_next<F>(p, L, item);
       if (!ring_ready) {  // ring_per_item: this item's first chunks, deferred past the previous finish
 #pragma unroll
@@ -1230,8 +1244,8 @@ __global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_
         chain_norm_rstd(k, rstd, warp_sums);
         have_rstd = true;
       }
-      stage_x_with<F, false, 1>([&](int token, int64_t e) { return chain_x_piece(k, rstd, token, e); }, c_begin, n,
-                                x_tiles);
+      stage_x_with<F, false, 1>([&](int token, int64_t e) { return chain_x_piece(k, rstd, token, e); }, it.c_begin,
+                                n, x_tiles);
       __syncthreads();
       float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
       const int pad = (n + D - 1) / D * D;  // the item's positions in the cursor's stream
@@ -1246,8 +1260,8 @@ __global__ void __launch_bounds__(kThreads, 3) decode_chain_kernel(const __grid_
           }
         }
       }
-      finish<F, 1, kDecodeChainMaxTokens * kDecodeRowsPerCta / kThreads>(k.g, acc, row0, row_base, t, k.splits, split,
-                                                                         rb);
+      finish<F, 1, kDecodeChainMaxTokens * kDecodeRowsPerCta / kThreads>(k.g, acc, row0, row_base, t, k.splits,
+                                                                         it.split, it.row_block);
       ring_ready = !p.ring_per_item;
     }
   }
@@ -1306,14 +1320,18 @@ int launch_decode_chain(const DecodeChainParams& c, DecodeWeightFormat format, i
   for (int i = 0; i < c.n_links; ++i) smem = std::max(smem, c.links[i].chunks_per_split * kDecodeXTileBytes);
   auto kernel = format == DecodeWeightFormat::kNvfp4 ? decode_chain_kernel<DecodeWeightFormat::kNvfp4>
                                                      : decode_chain_kernel<DecodeWeightFormat::kBf16>;
-  int device = 0, sms = 0, occupancy = 0;
+  // CTAs an SM holds, by (device, kernel, shared memory): asked once, not at every launch.
+  int device = 0;
   FOURBIT_CUDA_CHECK(cudaGetDevice(&device));
-  FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  FOURBIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, kThreads, smem));
-  if (occupancy < 1) {
-    throw Error("decode chain: no CTA of " + std::to_string(smem) + " bytes of shared memory fits an SM");
+  thread_local std::map<std::tuple<int, const void*, int>, int> occupancies;
+  int& occupancy = occupancies[{device, reinterpret_cast<const void*>(kernel), smem}];
+  if (occupancy == 0) {
+    FOURBIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, kThreads, smem));
+    if (occupancy < 1) {
+      throw Error("decode chain: no CTA of " + std::to_string(smem) + " bytes of shared memory fits an SM");
+    }
   }
-  const int grid = sms * (per_sm > 0 ? std::min(per_sm, occupancy) : occupancy);
+  const int grid = current_device_sm_count() * (per_sm > 0 ? std::min(per_sm, occupancy) : occupancy);
   launch_ex(kernel, dim3((unsigned)grid), kThreads, smem, 1u, core::pdl_enabled(), stream, c);
   return grid;
 }

@@ -15,6 +15,7 @@
 #include "model/model_internal.h"
 
 #include "core/check.h"
+#include "core/env.h"
 #include "core/log.h"
 #include "gemm/decode_gemv.h"
 #include "ops/attention.h"
@@ -32,7 +33,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <span>
@@ -87,10 +87,7 @@ struct Model::SamplerWeights {
 };
 
 bool Model::default_decode_chain() {
-  static const bool on = [] {
-    const char* v = std::getenv("FOURBIT_DECODE_CHAIN");
-    return v != nullptr && std::string_view(v) == "1";
-  }();
+  static const bool on = env_switch("FOURBIT_DECODE_CHAIN") == 1;
   return on;
 }
 
@@ -358,6 +355,10 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     }
     return L;
   };
+  // What the decode GEMV reads for layer (l, kind): its packed NVFP4 copy, or the BF16 compute weight.
+  auto sampler_gemv_weights = [&](const SamplerWeights::Layer& L, int param, std::string_view name) {
+    return L.w_config ? gemm::DecodeWeights::packed(L.packed, name) : gemm::DecodeWeights::plain(im.w(param), name);
+  };
   // One dense linear layer: y = x W^T under the rl_sampler recipe through the decode GEMV.
   // norm_param >= 0: x is the input of that RMSNorm, fused into the activation quantizer
   // (norm_fusable); the normalized activation is never written.
@@ -392,7 +393,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       g.x_amax_per_row = q.config.nvfp4_row_amax;
       g.x_global_constant = r.fprop_x.quant->nvfp4_global_constant();
     }
-    g.w = L.w_config ? gemm::DecodeWeights::packed(L.packed, name) : gemm::DecodeWeights::plain(wt, name);
+    g.w = sampler_gemv_weights(L, param, name);
     g.y = y;
     g.residual = residual;
     g.stream = stream;
@@ -427,24 +428,21 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   // or all BF16), no profiler or observer (they want the individual calls).
   bool chain = decode_chain_ && sw != nullptr && !c.is_moe() && fuse_residual && profiler_ == nullptr &&
                N <= gemm::kDecodeChainMaxTokens;
+  // Whether layer (l, kind) fits the chain: BF16 activations, weights in the chain's format (layer
+  // 0's qkv's).
+  auto chainable = [&](int l, LinearKind kind) {
+    const bool nvfp4 = sw->layers[(size_t)layer_id(l, kind)].w_config.has_value();
+    return !im.linear_recipe(l, kind).fprop_x.quant.has_value() &&
+           nvfp4 == sw->layers[(size_t)layer_id(0, LinearKind::kQkv)].w_config.has_value();
+  };
   for (int l = 0; chain && l < c.n_layers; ++l) {
     for (LinearKind kind : {LinearKind::kQkv, LinearKind::kAttnOut, LinearKind::kMlpUp, LinearKind::kMlpDown}) {
-      const SamplerWeights::Layer& L = sw->layers[(size_t)layer_id(l, kind)];
-      const bool nvfp4 = L.w_config.has_value();
-      if (im.linear_recipe(l, kind).fprop_x.quant.has_value() ||
-          nvfp4 != sw->layers[(size_t)layer_id(0, LinearKind::kQkv)].w_config.has_value()) {
-        chain = false;
-      }
+      chain = chain && chainable(l, kind);
     }
   }
-  // The lm_head (final norm fused) ends the last layer's chain where its weight has the chain's
-  // format and BF16 activations, and its input is the whole final residual (one token a sequence,
-  // or every row's logits).
-  const bool chain_head =
-      chain && (Tq == 1 || o.all_logits) &&
-      !im.linear_recipe(c.n_layers, LinearKind::kLmHead).fprop_x.quant.has_value() &&
-      sw->layers[(size_t)layer_id(c.n_layers, LinearKind::kLmHead)].w_config.has_value() ==
-          sw->layers[(size_t)layer_id(0, LinearKind::kQkv)].w_config.has_value();
+  // The lm_head (final norm fused) ends the last layer's chain where it fits too and its input is
+  // the whole final residual (one token a sequence, or every row's logits).
+  const bool chain_head = chain && (Tq == 1 || o.all_logits) && chainable(c.n_layers, LinearKind::kLmHead);
   // One link of a chain: layer (l, kind) as decode_linear would run it (BF16 x, sampler weights),
   // x made by `producer` (the RMSNorm of norm_param, or the SwiGLU); `name` keeps the layer's name.
   auto chain_link = [&](int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
@@ -454,7 +452,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     name = layer_name(l, kind);
     gemm::DecodeChainLink k;
     k.gemv.x = x;
-    k.gemv.w = L.w_config ? gemm::DecodeWeights::packed(L.packed, name) : gemm::DecodeWeights::plain(im.w(param), name);
+    k.gemv.w = sampler_gemv_weights(L, param, name);
     k.gemv.y = y;
     k.gemv.residual = residual;
     k.gemv.name = name;

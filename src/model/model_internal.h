@@ -140,9 +140,6 @@ struct GradOut {
   const TensorView& view;
   float beta = 1.0f;
 };
-}  // namespace fourbit::model
-
-namespace fourbit::model {
 
 struct Model::Impl {
   explicit Impl(Model& model);
