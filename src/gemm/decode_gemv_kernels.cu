@@ -480,12 +480,18 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
       const int64_t row = row0 + 8 * (e >> 1);
       if (token < p.B && row < p.N) __stcg(part + token * p.N + row, acc[j][e]);
     }
-  __threadfence();
+  // One fence for the CTA, in thread 0 after the CTA barrier (fences are cumulative: they order the
+  // partials every thread stored before the barrier), as cooperative groups' grid sync does; a fence
+  // in every thread would also wait for each thread's outstanding weight loads (the chain's ring).
+  // The last CTA's fence after its ticket orders the partials' loads that follow the second barrier.
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + row_block, 1u) == (unsigned)(splits - 1);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    is_last = atomicAdd(p.counters + row_block, 1u) == (unsigned)(splits - 1);
+    if (is_last) __threadfence();
+  }
   __syncthreads();
   if (!is_last) return;
-  __threadfence();
   sum_split_partials<F, kSumBatch>(p, row_base, p.B * kDecodeRowsPerCta, splits);
   if (threadIdx.x == 0) p.counters[row_block] = 0u;
 }
