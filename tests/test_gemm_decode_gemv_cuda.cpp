@@ -7,7 +7,8 @@
 // (NaN) before each launch, so an unwritten element fails; every launch runs twice and must give
 // the same bits (deterministic split-K, counters reset). The decode chain (several GEMVs with fused
 // RMSNorm / SwiGLU producers in one launch) against the same GEMVs and ops run one by one, bit for
-// bit, and its argument errors.
+// bit, and its argument errors. The SwiGLU output (the GEMV and ops::swiglu_forward in one kernel)
+// against the two run one by one, bit for bit.
 #include "core/device.h"
 #include "formats/element.h"
 #include "gemm/decode_gemv.h"
@@ -19,7 +20,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -554,6 +557,121 @@ TEST(DecodeGemvCuda, FusedSwigluMatchesSwigluThenQuantize) {
       for (int64_t i = 0; i < want.numel(); ++i)
         ASSERT_EQ(got.ptr<const uint16_t>()[i], want.ptr<const uint16_t>()[i]) << what << ": element " << i;
     }
+}
+
+// The SwiGLU output (DecodeGemvArgs::swiglu) against the same GEMV into a [B, 2H] buffer followed
+// by ops::swiglu_forward: bit for bit. BF16 and NVFP4 weights, plain and NVFP4 activations (per
+// tensor and per token), 1-16 tokens, single-split plans (K <= 256: one split), cluster plans, a
+// plan of more splits than a cluster holds (K 20000 over 2 row blocks: the workspace path, the last
+// CTA's sums), the 1.1B MLP's shape, a K that is not a multiple of 128 and a strided y. The gate
+// rows are scaled x4 so that the gates reach both tails of the sigmoid.
+TEST(DecodeGemvCuda, SwigluOutputEqualsTheGemvThenSwiglu) {
+  struct Shape3 {
+    int B;
+    int64_t H, K;
+  };
+  const Shape3 shapes[] = {{1, 5632, 2048}, {1, 32, 1400}, {3, 96, 128}, {8, 8704, 200},
+                           {9, 1408, 5632}, {16, 5632, 2048}, {2, 64, 20000}};
+  uint64_t seed = 3100;
+  for (const Shape3& sh : shapes)
+    for (WKind wk : {WKind::kBf16, WKind::kNvfp4})
+      for (int xmode = 0; xmode < 3; ++xmode) {  // plain, NVFP4 per tensor, NVFP4 per token
+        const int B = sh.B;
+        const int64_t H = sh.H, K = sh.K, N = 2 * H;
+        const std::string what = fmt::format("B {} H {} K {} {} weights, x mode {}", B, H, K,
+                                             wk == WKind::kBf16 ? "bf16" : "nvfp4", xmode);
+        Tensor wsrc = random_matrix(N, K, seed++, DType::kBF16);
+        for (int64_t i = 0; i < H * K; ++i)  // the gate rows, x4
+          wsrc.ptr<uint16_t>()[i] = formats::encode_bf16_rn(formats::decode_bf16(wsrc.ptr<uint16_t>()[i]) * 4.0f);
+        Tensor w_bf16;
+        quant::QuantizedTensor w_q;
+        DecodeWeights w;
+        if (wk == WKind::kBf16) {
+          w_bf16 = wsrc.to(Device::kCuda);
+          w = DecodeWeights::plain(w_bf16.view(), "mlp_up");
+        } else {
+          w_q = to_device(quantize(wsrc, nvfp4()));
+          w = DecodeWeights::packed(w_q, "mlp_up");
+        }
+        // x: scaled so that the gates reach about +-12 (random_matrix's K-sums grow as sqrt(K)).
+        Tensor xsrc = random_matrix(B, K, seed++, DType::kBF16);
+        const float xs_scale = 3.0f / std::sqrt((float)K);
+        for (int64_t i = 0; i < xsrc.numel(); ++i)
+          xsrc.ptr<uint16_t>()[i] = formats::encode_bf16_rn(formats::decode_bf16(xsrc.ptr<uint16_t>()[i]) * xs_scale);
+        const Tensor xd = xsrc.to(Device::kCuda);
+        DecodeWorkspace ws;
+        DecodeGemvArgs a;
+        a.x = xd.view();
+        a.w = w;
+        a.workspace = &ws;
+        a.name = "mlp_up";
+        std::optional<QuantizeCall> q;
+        if (xmode > 0) {
+          quant::QuantConfig xc = nvfp4();
+          xc.nvfp4_row_amax = xmode == 2;
+          q.emplace(xd.view(), xc, B, K);
+          q->run();
+          a.x = q->xs.view();
+          a.x_nvfp4_amax = q->amax.ptr<const float>();
+          a.x_amax_per_row = xmode == 2;
+        }
+        // The GEMV, then the SwiGLU.
+        Tensor gu = Tensor::empty({B, N}, DType::kBF16, Device::kCuda), want = Tensor::empty({B, H}, DType::kBF16, Device::kCuda);
+        a.y = gu.view();
+        decode_gemv(a);
+        ops::swiglu_forward(want.view(), gu.view(), nullptr);
+        // One launch (twice: the counters are reset), into a strided y.
+        ASSERT_TRUE(decode_gemv_swiglu_supported(B, N)) << what;
+        Strided got = strided(B, H, H + 24, DType::kBF16);
+        a.y = got.view;
+        a.swiglu = true;
+        for (int rep = 0; rep < 2; ++rep) {
+          poison(got.view);
+          decode_gemv(a);
+          FOURBIT_CUDA_CHECK(cudaDeviceSynchronize());
+          const std::vector<uint8_t> w_bits = raw(want.view()), g_bits = raw(got.view);
+          for (int64_t r = 0; r < B; ++r)
+            for (int64_t c = 0; c < H; ++c) {
+              uint16_t wv = 0, gv = 0;
+              std::memcpy(&wv, w_bits.data() + 2 * (r * H + c), 2);
+              std::memcpy(&gv, g_bits.data() + 2 * (r * (H + 24) + c), 2);
+              ASSERT_EQ(gv, wv) << what << ", launch " << rep << ": [" << r << ", " << c << "]";
+            }
+        }
+      }
+}
+
+TEST(DecodeGemvCuda, SwigluOutputArgumentErrors) {
+  const Tensor x = random_matrix(17, 64, 3200, DType::kBF16).to(Device::kCuda);
+  const Tensor w = random_matrix(128, 64, 3201, DType::kBF16).to(Device::kCuda);
+  const Tensor w_odd = random_matrix(96, 64, 3202, DType::kBF16).to(Device::kCuda);
+  const Tensor y = Tensor::zeros({17, 64}, DType::kBF16, Device::kCuda), y32 = Tensor::zeros({4, 64}, DType::kF32, Device::kCuda);
+  DecodeWorkspace ws;
+  DecodeGemvArgs a;
+  a.x = x.view();
+  a.w = DecodeWeights::plain(w.view(), "mlp.up");
+  a.y = y.view();
+  a.workspace = &ws;
+  a.swiglu = true;
+  a.name = "decode mlp.up";
+  expect_error([&] { decode_gemv(a); }, {"decode mlp.up", "SwiGLU output", "1 to 16 tokens", "17 tokens"});
+  TensorView x4 = x.view(), y4 = y.view();
+  x4.shape = Shape{4, 64};
+  y4.shape = Shape{4, 64};
+  a.x = x4;
+  a.w = DecodeWeights::plain(w_odd.view(), "mlp.up");
+  a.y = y4;
+  expect_error([&] { decode_gemv(a); }, {"decode mlp.up", "multiple of 32"});
+  a.w = DecodeWeights::plain(w.view(), "mlp.up");
+  a.y = y32.view();
+  expect_error([&] { decode_gemv(a); }, {"decode mlp.up", "bf16 [4, 64]"});
+  TensorView y4w = y.view();
+  y4w.shape = Shape{4, 128};
+  a.y = y4w;
+  expect_error([&] { decode_gemv(a); }, {"decode mlp.up", "bf16 [4, 64]"});
+  a.y = y4;
+  a.residual = y4;
+  expect_error([&] { decode_gemv(a); }, {"decode mlp.up", "no residual"});
 }
 
 TEST(DecodeGemvCuda, NonFiniteActivationIsFlagged) {

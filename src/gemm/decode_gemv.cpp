@@ -285,11 +285,23 @@ kernels::DecodeGemvParams gemv_params(const DecodeGemvArgs& a, int x_per_k) {
   FOURBIT_CHECK(K == a.w.k(), "{}: x {} has K = {} but weight {} has K = {}", where, x.describe(), K,
                 a.w.describe(), a.w.k());
   const TensorView& y = a.y;
-  FOURBIT_CHECK(y.device == Device::kCuda && (y.dtype == DType::kF32 || y.dtype == DType::kBF16) &&
-                    y.shape.ndim == 2 && y.shape[0] == B && y.shape[1] == N && y.strides[1] == 1 &&
-                    y.strides[0] >= N,
-                "{}: y must be an f32 or bf16 [{}, {}] matrix with unit column stride on cuda, got {}", where, B, N,
-                y.describe());
+  if (a.swiglu) {
+    FOURBIT_CHECK(decode_gemv_swiglu_supported(B, N),
+                  "{}: a SwiGLU output needs 1 to {} tokens and a weight of 2H rows with H a multiple of {}; got {} "
+                  "tokens and weight {} (run the GEMV into a [B, 2H] buffer and ops::swiglu_forward instead)",
+                  where, kernels::kDecodeSwigluMaxTokens, kernels::kDecodeRowsPerCta / 2, B, a.w.describe());
+    FOURBIT_CHECK(y.device == Device::kCuda && y.dtype == DType::kBF16 && y.shape.ndim == 2 && y.shape[0] == B &&
+                      y.shape[1] == N / 2 && y.strides[1] == 1 && y.strides[0] >= N / 2,
+                  "{}: with a SwiGLU output y must be a bf16 [{}, {}] matrix with unit column stride on cuda, got {}",
+                  where, B, N / 2, y.describe());
+    FOURBIT_CHECK(a.residual.data == nullptr, "{}: a SwiGLU output takes no residual", where);
+  } else {
+    FOURBIT_CHECK(y.device == Device::kCuda && (y.dtype == DType::kF32 || y.dtype == DType::kBF16) &&
+                      y.shape.ndim == 2 && y.shape[0] == B && y.shape[1] == N && y.strides[1] == 1 &&
+                      y.strides[0] >= N,
+                  "{}: y must be an f32 or bf16 [{}, {}] matrix with unit column stride on cuda, got {}", where, B,
+                  N, y.describe());
+  }
   const TensorView& r = a.residual;
   if (r.data != nullptr) {
     FOURBIT_CHECK(y.dtype == DType::kBF16, "{}: a residual needs a bf16 y, got {}", where, y.describe());
@@ -329,6 +341,7 @@ kernels::DecodeGemvParams gemv_params(const DecodeGemvArgs& a, int x_per_k) {
     p.residual = r.ptr<const uint16_t>();
     p.ldr = r.strides[0];
   }
+  p.swiglu_half = a.swiglu ? N / 2 : 0;
   return p;
 }
 }  // namespace
@@ -426,6 +439,11 @@ bool decode_quantize_can_fuse_norm(int64_t B, int64_t K, bool per_row_amax) {
   return rows * nb.threads <= kernels::kDecodeFusedNormPairs;  // every (row, thread) pair's loads at once
 }
 
+bool decode_gemv_swiglu_supported(int64_t B, int64_t N) {
+  return B >= 1 && B <= kernels::kDecodeSwigluMaxTokens && N >= kernels::kDecodeRowsPerCta &&
+         N % kernels::kDecodeRowsPerCta == 0;
+}
+
 // ---- decode chain ----------------------------------------------------------------------------------
 
 namespace {
@@ -447,6 +465,8 @@ bool decode_chain_supported(std::span<const DecodeChainLink> links, std::string*
                            kernels::kDecodeChainMaxTokens);
     } else if (l.gemv.x_nvfp4_amax != nullptr) {
       reason = fmt::format("{}: NVFP4 activations (a chain takes BF16 x)", name);
+    } else if (l.gemv.swiglu) {
+      reason = fmt::format("{}: a SwiGLU output (a chain link makes its x with DecodeProducer::kSwiglu instead)", name);
     } else if (l.gemv.w.is_nvfp4() != links[0].gemv.w.is_nvfp4()) {
       reason = fmt::format("{}: its weight format differs from the first link's", name);
     } else if (x.shape[1] % (8 * x_per_k(l)) != 0 || x.strides[0] % 8 != 0 ||
@@ -533,6 +553,8 @@ void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
 }
 
 bool decode_quantize_can_fuse_norm(int64_t, int64_t, bool) { return false; }
+
+bool decode_gemv_swiglu_supported(int64_t, int64_t) { return false; }
 
 bool decode_chain_supported(std::span<const DecodeChainLink>, std::string* why) {
   if (why != nullptr) *why = "this build has no CUDA";

@@ -95,10 +95,19 @@ struct DecodeGemvArgs {
   // (y, residual): the transformer block's residual add without its own kernel.
   TensorView residual;
   float alpha = 1.0f;
+  // SwiGLU output (optional): W [2H, K] holds the gate rows, then the up rows (the MLP's gate/up
+  // projection), and y is bf16 [B, H] = ops::swiglu_forward(bf16(alpha_eff * x . W^T)), bit for
+  // bit, without the [B, 2H] product being written: the GEMV and the SwiGLU in one kernel. Needs
+  // decode_gemv_swiglu_supported(B, 2H) and no residual.
+  bool swiglu = false;
   void* stream = nullptr;  // cudaStream_t
   DecodeWorkspace* workspace = nullptr;  // required
   std::string_view name = "decode gemv";  // appears in every error
 };
+
+// Whether decode_gemv takes DecodeGemvArgs::swiglu for B tokens and a weight of N = 2H rows: 1 to
+// 16 tokens and H a multiple of 32.
+bool decode_gemv_swiglu_supported(int64_t B, int64_t N);
 
 // y = alpha_eff * x . W^T (see the header comment). Throws fourbit::Error naming the tensor for a
 // wrong device, dtype, shape or stride. CUDA builds only (throws otherwise).

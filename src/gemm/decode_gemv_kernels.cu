@@ -162,7 +162,8 @@ __device__ __forceinline__ uint4 load_bf16x8_tail(const uint16_t* src, int64_t e
   return v;
 }
 
-// One thread's weights of one chunk: rows g and g + 8 of its warp.
+// One thread's weights of one chunk: rows g and g + 8 of its warp (weight rows row0 and row0 +
+// row_step: 8, or with SwiGLU pairs the gate row and its up row, DecodeGemvParams::swiglu_half).
 template <DecodeWeightFormat F>
 struct WeightRegs;
 template <>
@@ -182,10 +183,11 @@ struct GemvShape {
 };
 
 __device__ __forceinline__ void load_weights(const DecodeGemvParams& p, const GemvShape& sh, int64_t row0,
-                                             int t, int64_t k0, WeightRegs<DecodeWeightFormat::kBf16>& r) {
+                                             int64_t row_step, int t, int64_t k0,
+                                             WeightRegs<DecodeWeightFormat::kBf16>& r) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int64_t row = row0 + 8 * i;
+    const int64_t row = row0 + row_step * i;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int64_t e = k0 + 8 * t + 32 * q;
@@ -204,11 +206,12 @@ __device__ __forceinline__ void load_weights(const DecodeGemvParams& p, const Ge
 }
 
 __device__ __forceinline__ void load_weights(const DecodeGemvParams& p, const GemvShape& sh, int64_t row0,
-                                             int t, int64_t k0, WeightRegs<DecodeWeightFormat::kNvfp4>& r) {
+                                             int64_t row_step, int t, int64_t k0,
+                                             WeightRegs<DecodeWeightFormat::kNvfp4>& r) {
   const int64_t row_bytes = (sh.K + 1) / 2, n_scales = (sh.K + 15) / 16;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int64_t row = row0 + 8 * i;
+    const int64_t row = row0 + row_step * i;
     uint4 v = make_uint4(0, 0, 0, 0);
     uint32_t s = 0;
     if (row < sh.N) {
@@ -380,6 +383,13 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const WeightR
   }
 }
 
+// ops::swiglu_forward's output for gate g and up u: bf16(g * sigmoid(g) * u), sigmoid(g) =
+// 1 / (1 + exp(-g)), in that order.
+__device__ __forceinline__ uint16_t swiglu_bits(float g, float u) {
+  const float sig = 1.0f / (1.0f + expf(-g));
+  return formats::encode_bf16_rn(g * sig * u);
+}
+
 __device__ __forceinline__ void store_y(const DecodeGemvParams& p, int token, int64_t row, float v) {
   if (p.y_bf16) {
     uint16_t out = formats::encode_bf16_rn(v);
@@ -404,6 +414,62 @@ __device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token)
     alpha = formats::mul_rn(alpha, quant::nvfp4_global_decode_scale(*p.w_amax, p.w_constant));
   }
   return alpha;
+}
+
+// ---- SwiGLU pairs (DecodeGemvParams::swiglu_half) ----
+// The CTA of row block b computes the gate rows 32 b .. 32 b + 31 and their up rows swiglu_half +
+// 32 b ..: thread (g, t) of warp w loads gate row 32 b + 8 w + g as its first row and the matching
+// up row as its second (row_step = swiglu_half), so its accumulator elements e and e + 2 are the
+// gate and the up sums of one (token, column), column 32 b + 8 w + g. The split partials keep the
+// plain launch's rows (16 w + g + 8 i of the block), where column 32 b + q's pair is rows
+// swiglu_pair_row(q) and that + 8.
+constexpr int kPairsPerCta = kDecodeRowsPerCta / 2;
+__device__ __forceinline__ int swiglu_pair_row(int q) { return 16 * (q / 8) + q % 8; }
+
+// Output (token, column) from the pair's FP32 results (alpha_eff applied): ops::swiglu_forward of
+// the GEMV's bf16 outputs, as the separate kernels compute it.
+__device__ __forceinline__ void store_swiglu(const DecodeGemvParams& p, int token, int64_t col, float gate, float up) {
+  const float g = formats::decode_bf16(formats::encode_bf16_rn(gate));
+  const float u = formats::decode_bf16(formats::encode_bf16_rn(up));
+  static_cast<uint16_t*>(p.y)[token * p.ldy + col] = swiglu_bits(g, u);
+}
+
+// The global path's sum (sum_split_partials) for SwiGLU pairs: pair i (token i / kPairsPerCta,
+// column row_base / 2 + i % kPairsPerCta), kBatch pairs a thread at once, each of its two sums
+// 0 + p_0 + p_1 + ... in split order.
+template <DecodeWeightFormat F, int kBatch>
+__device__ __forceinline__ void sum_split_pairs(const DecodeGemvParams& p, int64_t row_base, int splits) {
+  const float alpha0 = alpha_eff<F>(p, 0);
+  const int total = p.B * kPairsPerCta;
+  for (int i0 = (int)threadIdx.x; i0 < total; i0 += kBatch * kThreads) {
+    float sg[kBatch], su[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) sg[u] = su[u] = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      float vg[kBatch], vu[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = i0 + u * kThreads;
+        const float* src = p.partials + ((int64_t)s * p.B + i / kPairsPerCta) * p.N + row_base +
+                           swiglu_pair_row(i % kPairsPerCta);
+        vg[u] = i < total ? __ldcg(src) : 0.0f;
+        vu[u] = i < total ? __ldcg(src + 8) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        sg[u] = formats::add_rn(sg[u], vg[u]);
+        su[u] = formats::add_rn(su[u], vu[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + u * kThreads, token = i / kPairsPerCta;
+      if (i < total) {
+        const float a = p.x_amax_per_row ? alpha_eff<F>(p, token) : alpha0;
+        store_swiglu(p, token, row_base / 2 + i % kPairsPerCta, formats::mul_rn(sg[u], a), formats::mul_rn(su[u], a));
+      }
+    }
+  }
 }
 
 // The last-arriving CTA's sum of a row block's split partials (global path of finish()): output i
@@ -452,7 +518,8 @@ __device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, in
 // partials, summed in split order by the row block's last-arriving CTA.
 // `split` is this CTA's split (its partials slice), `row_block` its row block (its arrival counter);
 // kSumBatch: sum_split_partials' outputs a thread sums at once (the chain's 8 tokens need 4).
-template <DecodeWeightFormat F, int NT, int kSumBatch = 32>
+// kPairs: a SwiGLU-pair launch (y = the SwiGLU of each gate / up pair).
+template <DecodeWeightFormat F, int NT, int kSumBatch = 32, bool kPairs = false>
 __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&acc)[NT][4], int64_t row0,
                                        int64_t row_base, int t, int splits, int split, int row_block) {
   __shared__ bool is_last;
@@ -461,14 +528,28 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
 
   // Accumulator element e of n-tile j: token 8j + 2t + (e & 1), row row0 + 8 (e >> 1).
   if (splits == 1) {
+    if constexpr (kPairs) {  // elements e and e + 2: the gate and the up sums of one output
+      const int local = (int)(row0 - row_base);  // 16 w + g
+      const int64_t col = row_base / 2 + 8 * (local / 16) + local % 16;
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int token = 8 * j + 2 * t + (e & 1);
-        const int64_t row = row0 + 8 * (e >> 1);
-        if (token < p.B && row < p.N) store_y(p, token, row, formats::mul_rn(acc[j][e], alpha(token)));
-      }
+        for (int e = 0; e < 2; ++e) {
+          const int token = 8 * j + 2 * t + e;
+          if (token < p.B) {
+            store_swiglu(p, token, col, formats::mul_rn(acc[j][e], alpha(token)), formats::mul_rn(acc[j][e + 2], alpha(token)));
+          }
+        }
+    } else {
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int token = 8 * j + 2 * t + (e & 1);
+          const int64_t row = row0 + 8 * (e >> 1);
+          if (token < p.B && row < p.N) store_y(p, token, row, formats::mul_rn(acc[j][e], alpha(token)));
+        }
+    }
     return;
   }
   float* part = p.partials + (int64_t)split * p.B * p.N;
@@ -492,7 +573,11 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
   }
   __syncthreads();
   if (!is_last) return;
-  sum_split_partials<F, kSumBatch>(p, row_base, p.B * kDecodeRowsPerCta, splits);
+  if constexpr (kPairs) {
+    sum_split_pairs<F, kSumBatch / 2>(p, row_base, splits);
+  } else {
+    sum_split_partials<F, kSumBatch>(p, row_base, p.B * kDecodeRowsPerCta, splits);
+  }
   if (threadIdx.x == 0) p.counters[row_block] = 0u;
 }
 
@@ -501,7 +586,7 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
 // each CTA finishes a share of the row block's (token, row) outputs, reading the splits' partials
 // over distributed shared memory and summing them in split order: the global path's sums exactly.
 // A second barrier keeps every CTA's shared memory alive until all reads are done.
-template <DecodeWeightFormat F, int NT>
+template <DecodeWeightFormat F, int NT, bool kPairs = false>
 __device__ __forceinline__ void finish_cluster(const DecodeGemvParams& p, const float (&acc)[NT][4], int64_t row0,
                                                int64_t row_base, int t, int splits) {
   __shared__ float partial[NT * 8 * kDecodeRowsPerCta];  // [token][row within the block]
@@ -515,21 +600,42 @@ __device__ __forceinline__ void finish_cluster(const DecodeGemvParams& p, const 
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   const int rank = (int)cluster.block_rank();
-  for (int i = rank * kThreads + (int)threadIdx.x; i < p.B * kDecodeRowsPerCta; i += splits * kThreads) {
-    const int token = i / kDecodeRowsPerCta, local = i % kDecodeRowsPerCta;
-    const int64_t row = row_base + local;
-    if (row >= p.N) continue;
-    // All the splits' loads first (one distributed-shared-memory round trip, not one per split),
-    // then the sum in split order.
-    float v[kDecodeClusterMax];
+  if constexpr (kPairs) {  // one (token, column) a thread: its gate and up rows' sums
+    for (int i = rank * kThreads + (int)threadIdx.x; i < p.B * kPairsPerCta; i += splits * kThreads) {
+      const int token = i / kPairsPerCta, q = i % kPairsPerCta, r = token * kDecodeRowsPerCta + swiglu_pair_row(q);
+      float vg[kDecodeClusterMax], vu[kDecodeClusterMax];
 #pragma unroll
-    for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) v[s2] = s2 < splits ? cluster.map_shared_rank(partial, s2)[i] : 0.0f;
-    float sum = 0.0f;
+      for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) {
+        vg[s2] = s2 < splits ? cluster.map_shared_rank(partial, s2)[r] : 0.0f;
+        vu[s2] = s2 < splits ? cluster.map_shared_rank(partial, s2)[r + 8] : 0.0f;
+      }
+      float sg = 0.0f, su = 0.0f;
 #pragma unroll
-    for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) {
-      if (s2 < splits) sum = formats::add_rn(sum, v[s2]);
+      for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) {
+        if (s2 < splits) {
+          sg = formats::add_rn(sg, vg[s2]);
+          su = formats::add_rn(su, vu[s2]);
+        }
+      }
+      store_swiglu(p, token, row_base / 2 + q, formats::mul_rn(sg, alpha(token)), formats::mul_rn(su, alpha(token)));
     }
-    store_y(p, token, row, formats::mul_rn(sum, alpha(token)));
+  } else {
+    for (int i = rank * kThreads + (int)threadIdx.x; i < p.B * kDecodeRowsPerCta; i += splits * kThreads) {
+      const int token = i / kDecodeRowsPerCta, local = i % kDecodeRowsPerCta;
+      const int64_t row = row_base + local;
+      if (row >= p.N) continue;
+      // All the splits' loads first (one distributed-shared-memory round trip, not one per split),
+      // then the sum in split order.
+      float v[kDecodeClusterMax];
+#pragma unroll
+      for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) v[s2] = s2 < splits ? cluster.map_shared_rank(partial, s2)[i] : 0.0f;
+      float sum = 0.0f;
+#pragma unroll
+      for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) {
+        if (s2 < splits) sum = formats::add_rn(sum, v[s2]);
+      }
+      store_y(p, token, row, formats::mul_rn(sum, alpha(token)));
+    }
   }
   cluster.sync();
 }
@@ -569,7 +675,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvP
   WeightRegs<F> cur, next;
   XRegs<NT> xr;
   core::pdl_allow_dependents();
-  load_weights(p, sh, row0, t, (int64_t)c_begin * kDecodeChunk, cur);  // weights: no producer
+  load_weights(p, sh, row0, 8, t, (int64_t)c_begin * kDecodeChunk, cur);  // weights: no producer
   core::pdl_wait_for_producer();  // x, x_amax, the residual and y come from earlier kernels
   load_x<NT>(p, sh, (int64_t)c_begin * kDecodeChunk, xr);
   store_x<F, kXF16, NT>(xr, tile[0]);
@@ -578,7 +684,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvP
     const int buf = (c - c_begin) & 1;
     const bool more = c + 1 < c_end;
     if (more) {
-      load_weights(p, sh, row0, t, (int64_t)(c + 1) * kDecodeChunk, next);
+      load_weights(p, sh, row0, 8, t, (int64_t)(c + 1) * kDecodeChunk, next);
       load_x<NT>(p, sh, (int64_t)(c + 1) * kDecodeChunk, xr);
     }
     compute_chunk<kXF16, NT>(acc, cur, tile[buf], g, t);
@@ -599,7 +705,9 @@ constexpr int kRingDepth = F == DecodeWeightFormat::kNvfp4 ? 4 : 2;
 // out first, then x of the whole split is staged in shared memory (dynamic, chunks_per_split
 // tiles), one barrier, and the chunks are computed with each ring slot reloaded kRingDepth chunks
 // ahead as soon as it is consumed.
-template <DecodeWeightFormat F, bool kXF16, int NT>
+// kPairs: a SwiGLU-pair launch (DecodeGemvParams::swiglu_half; the weight rows of a thread are a
+// gate row and its up row).
+template <DecodeWeightFormat F, bool kXF16, int NT, bool kPairs>
 __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const DecodeGemvParams p, int chunks,
                                                                       int chunks_per_split, int splits,
                                                                       bool cluster) {
@@ -608,7 +716,8 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
   constexpr int D = kRingDepth<F>;
   const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row_base = (int64_t)blockIdx.x * kDecodeRowsPerCta;
-  const int64_t row0 = row_base + warp * 16 + g;
+  const int64_t row0 = row_base + warp * 16 + g;  // the output rows (partials)
+  const int64_t w_row0 = kPairs ? row_base / 2 + warp * 8 + g : row0, w_step = kPairs ? p.swiglu_half : 8;
   const GemvShape sh = gemv_shape<F>(p);
   const int c_begin = (int)blockIdx.y * chunks_per_split;
   const int c_end = min(chunks, c_begin + chunks_per_split);
@@ -617,7 +726,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
   core::pdl_allow_dependents();
 #pragma unroll
   for (int d = 0; d < D; ++d) {
-    if (c_begin + d < c_end) load_weights(p, sh, row0, t, (int64_t)(c_begin + d) * kDecodeChunk, ring[d]);
+    if (c_begin + d < c_end) load_weights(p, sh, w_row0, w_step, t, (int64_t)(c_begin + d) * kDecodeChunk, ring[d]);
   }
   // The weights have no producer in the stream: their loads above overlap the kernel before (PDL);
   // x, x_amax, the residual and y belong to earlier kernels.
@@ -633,15 +742,15 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
     for (int d = 0; d < D; ++d) {
       if (c + d < c_end) {
         compute_chunk<kXF16, NT>(acc, ring[d], x_tiles + (c + d - c_begin) * kTilePieces, g, t);
-        if (c + d + D < c_end) load_weights(p, sh, row0, t, (int64_t)(c + d + D) * kDecodeChunk, ring[d]);
+        if (c + d + D < c_end) load_weights(p, sh, w_row0, w_step, t, (int64_t)(c + d + D) * kDecodeChunk, ring[d]);
       }
     }
   }
 
   if (cluster) {
-    finish_cluster<F, NT>(p, acc, row0, row_base, t, splits);
+    finish_cluster<F, NT, kPairs>(p, acc, row0, row_base, t, splits);
   } else {
-    finish<F, NT>(p, acc, row0, row_base, t, splits, (int)blockIdx.y, (int)blockIdx.x);
+    finish<F, NT, 32, kPairs>(p, acc, row0, row_base, t, splits, (int)blockIdx.y, (int)blockIdx.x);
   }
 }
 
@@ -655,17 +764,17 @@ void launch_ex(void (*kernel)(KernelArgs...), dim3 grid, int threads, int smem_b
 }
 
 // A staged launch, as a cluster of plan.splits CTAs along grid.y when plan.cluster.
-template <DecodeWeightFormat F, bool kXF16, int NT>
+template <DecodeWeightFormat F, bool kXF16, int NT, bool kPairs = false>
 void launch_staged(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   // 32 KB of x (plan_decode_gemv) plus the cluster epilogue's static partials (16 KB at 64 tokens)
   // can pass the 48 KB that a launch may use without opting in.
   static const bool opted_in = [] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(decode_gemv_staged_kernel<F, kXF16, NT>,
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(decode_gemv_staged_kernel<F, kXF16, NT, kPairs>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
     return true;
   }();
   (void)opted_in;
-  launch_ex(decode_gemv_staged_kernel<F, kXF16, NT>, dim3((unsigned)plan.row_blocks, (unsigned)plan.splits),
+  launch_ex(decode_gemv_staged_kernel<F, kXF16, NT, kPairs>, dim3((unsigned)plan.row_blocks, (unsigned)plan.splits),
             kThreads, plan.x_smem_bytes, plan.cluster ? (unsigned)plan.splits : 1u, core::pdl_enabled(), stream, p, plan.chunks,
             plan.chunks_per_split, plan.splits, plan.cluster);
 }
@@ -673,6 +782,14 @@ void launch_staged(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaSt
 template <DecodeWeightFormat F, bool kXF16>
 void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   const dim3 grid((unsigned)plan.row_blocks, (unsigned)plan.splits);
+  if (p.swiglu_half > 0) {  // decode_gemv.cpp: at most kDecodeSwigluMaxTokens tokens, so staged
+    if (plan.n_tiles == 1) {
+      launch_staged<F, kXF16, 1, true>(p, plan, stream);
+    } else {
+      launch_staged<F, kXF16, 2, true>(p, plan, stream);
+    }
+    return;
+  }
   if (plan.staged) {
     switch (plan.n_tiles) {
       case 1: launch_staged<F, kXF16, 1>(p, plan, stream); break;
@@ -723,13 +840,6 @@ __device__ float cta_amax(const DecodeQuantizeParams& p, float m, bool bad, bool
 
 // What produces the quantizer's input from x (DecodeQuantizeParams::norm_weight / swiglu).
 enum class Producer { kNone, kNorm, kSwiglu };
-
-// ops::swiglu_forward's output for gate g and up u: bf16(g * sigmoid(g) * u), sigmoid(g) =
-// 1 / (1 + exp(-g)), in that order.
-__device__ __forceinline__ uint16_t swiglu_bits(float g, float u) {
-  const float sig = 1.0f / (1.0f + expf(-g));
-  return formats::encode_bf16_rn(g * sig * u);
-}
 
 // Element (r, c) as the quantizer sees it: x itself; (kNorm) the RMSNorm output
 // bf16(f32(x * rstd[r]) * w[c]); or (kSwiglu) bf16(g * sigmoid(g) * u) with g = x[r, c] and
@@ -1163,7 +1273,7 @@ struct ChainCursor {
     if (link >= p.n_links || c >= it.n) return;
     const DecodeChainLink& k = p.links[link];
     const int64_t row0 = (int64_t)it.row_block * kDecodeRowsPerCta + warp * 16 + g;
-    load_weights(k.g, gemv_shape<F>(k.g), row0, t, (int64_t)(it.c_begin + c) * kDecodeChunk, slot);
+    load_weights(k.g, gemv_shape<F>(k.g), row0, 8, t, (int64_t)(it.c_begin + c) * kDecodeChunk, slot);
   }
 };
 

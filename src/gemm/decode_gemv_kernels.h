@@ -140,7 +140,16 @@ struct DecodeGemvParams {
   // Workspace (plan.splits > 1): partials f32 [splits, B, N]; counters u32 [row_blocks], zero.
   float* partials = nullptr;
   unsigned* counters = nullptr;
+  // SwiGLU pairs (> 0; y_bf16, no residual, B <= kDecodeSwigluMaxTokens, a multiple of
+  // kDecodeRowsPerCta / 2): W's N = 2 swiglu_half rows are [gate | up] and y is bf16 [B, swiglu_half]
+  // = ops::swiglu_forward of the bf16 GEMV output, bit for bit, without that output being written.
+  // Row block b computes the gate rows 32 b .. 32 b + 31 and their up rows (a thread's two weight
+  // rows are a gate row and its up row), so each thread or split sum ends with both halves of its
+  // outputs (decode_gemv_kernels.cu, "SwiGLU pairs").
+  int64_t swiglu_half = 0;
 };
+// Most tokens of a SwiGLU-pair launch: the staged kernel's 1 and 2 n-tiles.
+inline constexpr int kDecodeSwigluMaxTokens = 16;
 void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream);
 
 // ---- decode chain: several GEMVs in one persistent launch ----------------------------------------

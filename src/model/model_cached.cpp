@@ -86,6 +86,15 @@ struct Model::SamplerWeights {
 #endif
 };
 
+namespace {
+// Whether the dense MLP's SwiGLU runs in mlp_up's decode GEMV epilogue (DecodeGemvArgs::swiglu) where
+// the batch allows: on unless FOURBIT_DECODE_SWIGLU_EPILOGUE=0 (A/B runs). The same bits either way.
+bool decode_swiglu_epilogue() {
+  static const bool on = env_switch("FOURBIT_DECODE_SWIGLU_EPILOGUE") != 0;
+  return on;
+}
+}  // namespace
+
 bool Model::default_decode_chain() {
   static const bool on = env_switch("FOURBIT_DECODE_CHAIN") == 1;
   return on;
@@ -361,9 +370,11 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   };
   // One dense linear layer: y = x W^T under the rl_sampler recipe through the decode GEMV.
   // norm_param >= 0: x is the input of that RMSNorm, fused into the activation quantizer
-  // (norm_fusable); the normalized activation is never written.
+  // (norm_fusable); the normalized activation is never written. swiglu: x is the [gate | up] buffer,
+  // its SwiGLU fused into the activation quantizer; swiglu_out: y is the SwiGLU of the [gate | up]
+  // product (DecodeGemvArgs::swiglu), which is never written.
   auto decode_linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
-                           const TensorView& residual, int norm_param, bool swiglu) {
+                           const TensorView& residual, int norm_param, bool swiglu, bool swiglu_out) {
     const SamplerWeights::Layer& L = check_layer(l, kind, param);
     const gemm::LinearRecipe& r = im.linear_recipe(l, kind);
     const std::string name = layer_name(l, kind);
@@ -396,6 +407,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     g.w = sampler_gemv_weights(L, param, name);
     g.y = y;
     g.residual = residual;
+    g.swiglu = swiglu_out;
     g.stream = stream;
     g.workspace = &sw->workspace;
     g.name = name;
@@ -415,9 +427,10 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   };
   auto linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
                     bool bf16_output, const TensorView& residual = TensorView{}, int norm_param = -1,
-                    bool swiglu = false) {
+                    bool swiglu = false, bool swiglu_out = false) {
     if (sw != nullptr) {
-      decode_linear(sec, l, kind, x, param, y, fuse_residual ? residual : TensorView{}, norm_param, swiglu);
+      decode_linear(sec, l, kind, x, param, y, fuse_residual ? residual : TensorView{}, norm_param, swiglu,
+                    swiglu_out);
     } else {
       im.fprop(sec, l, kind, x, im.w(param), y, bf16_output);
     }
@@ -582,13 +595,21 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       }
       if (decode_mlp) {
         const TensorView gu = prefix(b.gate_up, N, 2 * c.d_ff), act = prefix(b.act, N, c.d_ff);
+        // The SwiGLU runs in mlp_up's GEMV epilogue (up to 16 tokens; not under an observer, which
+        // must see the GEMM's own output): mlp_up writes act, and the [gate | up] product is never
+        // written. Else inside mlp_down's activation quantizer where there is one (as norm_fusable),
+        // or as its own kernel.
+        const bool swiglu_out = fuse_residual && decode_swiglu_epilogue() &&
+                                gemm::decode_gemv_swiglu_supported(N, 2 * c.d_ff);
+        const TensorView up_out = swiglu_out ? act : gu;
         if (fuse_ln2) {
-          linear(Section::kMlp, l, LinearKind::kMlpUp, mid, p.mlp_up, gu, true, {}, p.mlp_norm);
+          linear(Section::kMlp, l, LinearKind::kMlpUp, mid, p.mlp_up, up_out, true, {}, p.mlp_norm, false, swiglu_out);
         } else {
-          linear(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, p.mlp_up, gu, true);
+          linear(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, p.mlp_up, up_out, true, {}, -1, false, swiglu_out);
         }
-        // The SwiGLU runs inside mlp_down's activation quantizer where there is one (as norm_fusable).
-        if (!gemm_observer_ && im.linear_recipe(l, LinearKind::kMlpDown).fprop_x.quant.has_value()) {
+        if (swiglu_out) {
+          linear(Section::kMlp, l, LinearKind::kMlpDown, act, p.mlp_down, out, true, mid);
+        } else if (!gemm_observer_ && im.linear_recipe(l, LinearKind::kMlpDown).fprop_x.quant.has_value()) {
           linear(Section::kMlp, l, LinearKind::kMlpDown, gu, p.mlp_down, out, true, mid, -1, true);
         } else {
           {
