@@ -8,12 +8,14 @@
 // the same bits (deterministic split-K, counters reset). The decode chain (several GEMVs with fused
 // RMSNorm / SwiGLU producers in one launch) against the same GEMVs and ops run one by one, bit for
 // bit, and its argument errors. The SwiGLU output (the GEMV and ops::swiglu_forward in one kernel)
-// against the two run one by one, bit for bit.
+// against the two run one by one, bit for bit, and the RoPE output (the qkv GEMV and the RoPE kernel
+// with its KV-cache append in one) against those two.
 #include "core/device.h"
 #include "formats/element.h"
 #include "gemm/decode_gemv.h"
 #include "gemm_test_util.h"
 #include "ops/rmsnorm.h"
+#include "ops/rope.h"
 #include "ops/swiglu.h"
 
 #include <cuda_runtime_api.h>
@@ -637,6 +639,140 @@ TEST(DecodeGemvCuda, SwigluOutputEqualsTheGemvThenSwiglu) {
               std::memcpy(&gv, g_bits.data() + 2 * (r * (H + 24) + c), 2);
               ASSERT_EQ(gv, wv) << what << ", launch " << rep << ": [" << r << ", " << c << "]";
             }
+        }
+      }
+}
+
+// The RoPE output (DecodeGemvArgs::rope) against the same GEMV followed by
+// ops::rope_forward_inplace_append: the qkv buffer and both KV caches bit for bit. The 1.1B Llama's
+// heads (32 q, 4 kv of 64) and heads of 128 (two row blocks a head), BF16 and NVFP4 weights, plain
+// and NVFP4 activations, one-split (K 200), cluster and workspace (K 20000) plans, 1-16 tokens in
+// one or several sequences (rows_per_seq), tokens that append nothing (write_pos -1, past t_max),
+// positions up to 60000 (coarse angles) and the output without caches (the rotation alone).
+TEST(DecodeGemvCuda, RopeOutputEqualsTheGemvThenRope) {
+  struct RopeCase {
+    int B, rows_per_seq;
+    int64_t H, Hkv, D, K;
+    bool caches;
+  };
+  const RopeCase cases[] = {{1, 1, 32, 4, 64, 2048, true},   {3, 1, 32, 4, 64, 1400, true},
+                            {8, 4, 32, 4, 64, 2048, true},   {16, 16, 4, 2, 128, 200, true},
+                            {2, 1, 4, 2, 128, 20000, true},  {5, 1, 8, 8, 64, 512, false}};
+  const float theta = 10000.0f;
+  uint64_t seed = 3300;
+  for (const RopeCase& rc : cases)
+    for (WKind wk : {WKind::kBf16, WKind::kNvfp4})
+      for (int xmode = 0; xmode < 2; ++xmode) {  // plain, NVFP4 per token
+        const int B = rc.B;
+        const int64_t D = rc.D, N = (rc.H + 2 * rc.Hkv) * D, K = rc.K, seqs = B / rc.rows_per_seq, t_max = 40;
+        const std::string what = fmt::format("B {} ({} a sequence) H {} Hkv {} D {} K {} {} weights, x mode {}", B,
+                                             rc.rows_per_seq, rc.H, rc.Hkv, D, K, wk == WKind::kBf16 ? "bf16" : "nvfp4",
+                                             xmode);
+        const Tensor wsrc = random_matrix(N, K, seed++, DType::kBF16);
+        Tensor w_bf16;
+        quant::QuantizedTensor w_q;
+        DecodeWeights w;
+        if (wk == WKind::kBf16) {
+          w_bf16 = wsrc.to(Device::kCuda);
+          w = DecodeWeights::plain(w_bf16.view(), "qkv");
+        } else {
+          w_q = to_device(quantize(wsrc, nvfp4()));
+          w = DecodeWeights::packed(w_q, "qkv");
+        }
+        const Tensor xd = random_matrix(B, K, seed++, DType::kBF16).to(Device::kCuda);
+        // Positions, and write positions: one token past t_max, one not appended, the rest in range.
+        std::mt19937 rng((uint32_t)seed++);
+        Tensor pos = Tensor::empty({B}, DType::kI32, Device::kCpu), wpos = Tensor::empty({B}, DType::kI32, Device::kCpu);
+        for (int b = 0; b < B; ++b) {
+          pos.ptr<int32_t>()[b] = b % 3 == 1 ? (int32_t)(rng() % 60000) : (int32_t)(rng() % t_max);
+          wpos.ptr<int32_t>()[b] = b == 1 ? -1 : b == 2 ? (int32_t)t_max : (int32_t)(rng() % t_max);
+        }
+        const Tensor pos_d = pos.to(Device::kCuda), wpos_d = wpos.to(Device::kCuda);
+        Tensor table = Tensor::empty({B, D / 2, 2}, DType::kF32, Device::kCuda);
+        ops::rope_cos_sin_table(table.view(), pos_d.view(), theta, D, nullptr);
+        const Tensor cache0 = random_matrix(seqs * t_max, rc.Hkv * D, seed++, DType::kBF16);
+        auto cache = [&] {
+          Tensor t = cache0.to(Device::kCuda);
+          TensorView v = t.view();
+          return std::make_pair(t, v);
+        };
+        auto [kc_want, kv_want] = cache();
+        auto [vc_want, vv_want] = cache();
+        auto [kc_got, kv_got] = cache();
+        auto [vc_got, vv_got] = cache();
+        for (TensorView* v : {&kv_want, &vv_want, &kv_got, &vv_got}) {
+          v->shape = Shape{seqs, t_max, rc.Hkv, D};
+          v->strides = contiguous_strides(v->shape);
+        }
+        DecodeWorkspace ws;
+        DecodeGemvArgs a;
+        a.x = xd.view();
+        a.w = w;
+        a.workspace = &ws;
+        a.name = "qkv";
+        std::optional<QuantizeCall> q;
+        if (xmode > 0) {
+          quant::QuantConfig xc = nvfp4();
+          xc.nvfp4_row_amax = true;
+          q.emplace(xd.view(), xc, B, K);
+          q->run();
+          a.x = q->xs.view();
+          a.x_nvfp4_amax = q->amax.ptr<const float>();
+          a.x_amax_per_row = true;
+        }
+        // The GEMV, then the RoPE kernel with the append.
+        Tensor want = Tensor::empty({B, N}, DType::kBF16, Device::kCuda);
+        a.y = want.view();
+        decode_gemv(a);
+        auto part = [&](const Tensor& qkv, int64_t col0, int64_t heads) {
+          TensorView v = qkv.view();
+          v.data = static_cast<uint16_t*>(v.data) + col0;
+          v.shape = Shape{B, heads, D};
+          v.strides = {N, D, 1};
+          return v;
+        };
+        ops::RopeCacheAppend ap;
+        ap.v = part(want, (rc.H + rc.Hkv) * D, rc.Hkv);
+        ap.k_cache = kv_want;
+        ap.v_cache = vv_want;
+        ap.write_pos = wpos_d.view();
+        ap.rows_per_seq = rc.rows_per_seq;
+        if (rc.caches) {
+          ops::rope_forward_inplace_append(part(want, 0, rc.H), part(want, rc.H * D, rc.Hkv), pos_d.view(), theta, ap,
+                                           nullptr);
+        } else {
+          ops::rope_forward_inplace(part(want, 0, rc.H), part(want, rc.H * D, rc.Hkv), pos_d.view(), theta, nullptr);
+        }
+        // One launch (twice), the RoPE in its epilogue.
+        ASSERT_TRUE(decode_gemv_rope_supported(B, D)) << what;
+        DecodeRope r;
+        r.q_heads = rc.H;
+        r.kv_heads = rc.Hkv;
+        r.head_dim = D;
+        r.cos_sin = table.view();
+        if (rc.caches) {
+          r.k_cache = kv_got;
+          r.v_cache = vv_got;
+          r.write_pos = wpos_d.view();
+          r.rows_per_seq = rc.rows_per_seq;
+        }
+        Tensor got = Tensor::empty({B, N}, DType::kBF16, Device::kCuda);
+        a.y = got.view();
+        a.rope = &r;
+        for (int rep = 0; rep < 2; ++rep) {
+          poison(got.view());
+          decode_gemv(a);
+          FOURBIT_CUDA_CHECK(cudaDeviceSynchronize());
+          const std::pair<const char*, std::pair<TensorView, TensorView>> outs[] = {
+              {"qkv", {want.view(), got.view()}}, {"k cache", {kc_want.view(), kc_got.view()}},
+              {"v cache", {vc_want.view(), vc_got.view()}}};
+          for (const auto& [name, tv] : outs) {
+            const std::vector<uint8_t> wb = raw(tv.first), gb = raw(tv.second);
+            ASSERT_EQ(wb.size(), gb.size());
+            for (size_t j = 0; j < wb.size(); j += 2)
+              ASSERT_TRUE(wb[j] == gb[j] && wb[j + 1] == gb[j + 1])
+                  << what << ", launch " << rep << ": " << name << " differs at element " << j / 2;
+          }
         }
       }
 }

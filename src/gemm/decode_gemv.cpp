@@ -295,6 +295,43 @@ kernels::DecodeGemvParams gemv_params(const DecodeGemvArgs& a, int x_per_k) {
                   "{}: with a SwiGLU output y must be a bf16 [{}, {}] matrix with unit column stride on cuda, got {}",
                   where, B, N / 2, y.describe());
     FOURBIT_CHECK(a.residual.data == nullptr, "{}: a SwiGLU output takes no residual", where);
+    FOURBIT_CHECK(a.rope == nullptr, "{}: give either a SwiGLU or a RoPE output, not both", where);
+  } else if (a.rope != nullptr) {
+    const DecodeRope& r = *a.rope;
+    const int64_t D = r.head_dim, rows = (r.q_heads + 2 * r.kv_heads) * D;
+    FOURBIT_CHECK(decode_gemv_rope_supported(B, D) && r.q_heads >= 1 && r.kv_heads >= 1,
+                  "{}: a RoPE output needs 1 to {} tokens, q and kv heads and a head dim that is a multiple of {}; "
+                  "got {} tokens, {} q heads, {} kv heads of {} (run the GEMV, then ops::rope_forward_inplace_append)",
+                  where, kernels::kDecodeSwigluMaxTokens, kernels::kDecodeRowsPerCta, B, r.q_heads, r.kv_heads, D);
+    FOURBIT_CHECK(N == rows, "{}: a RoPE output needs a weight of (q heads + 2 kv heads) x head dim = {} rows, got {}",
+                  where, rows, a.w.describe());
+    FOURBIT_CHECK(y.device == Device::kCuda && y.dtype == DType::kBF16 && y.shape.ndim == 2 && y.shape[0] == B &&
+                      y.shape[1] == N && y.strides[1] == 1 && y.strides[0] >= N,
+                  "{}: with a RoPE output y must be a bf16 [{}, {}] matrix with unit column stride on cuda, got {}",
+                  where, B, N, y.describe());
+    FOURBIT_CHECK(a.residual.data == nullptr, "{}: a RoPE output takes no residual", where);
+    const TensorView& cs = r.cos_sin;
+    FOURBIT_CHECK(cs.device == Device::kCuda && cs.dtype == DType::kF32 && cs.shape.ndim == 3 && cs.shape[0] == B &&
+                      cs.shape[1] == D / 2 && cs.shape[2] == 2 && cs.is_contiguous(),
+                  "{}: the RoPE (cos, sin) table must be a contiguous f32 [{}, {}, 2] on cuda "
+                  "(ops::rope_cos_sin_table), got {}", where, B, D / 2, cs.describe());
+    FOURBIT_CHECK((r.k_cache.data == nullptr) == (r.v_cache.data == nullptr),
+                  "{}: give both KV caches or neither", where);
+    if (r.k_cache.data != nullptr) {
+      for (const TensorView* c : {&r.k_cache, &r.v_cache}) {
+        FOURBIT_CHECK(c->device == Device::kCuda && c->dtype == DType::kBF16 && c->shape.ndim == 4 &&
+                          c->shape[2] == r.kv_heads && c->shape[3] == D && c->is_contiguous() &&
+                          c->shape == r.k_cache.shape,
+                      "{}: the KV caches must be contiguous bf16 [sequences, t_max, {}, {}] on cuda, got {} and {}",
+                      where, r.kv_heads, D, r.k_cache.describe(), r.v_cache.describe());
+      }
+      FOURBIT_CHECK(r.rows_per_seq >= 1 && B % r.rows_per_seq == 0 && B / r.rows_per_seq <= r.k_cache.shape[0],
+                    "{}: {} tokens of {} a sequence do not fit the cache's {} sequences", where, B, r.rows_per_seq,
+                    r.k_cache.shape[0]);
+      FOURBIT_CHECK(r.write_pos.device == Device::kCuda && r.write_pos.dtype == DType::kI32 &&
+                        r.write_pos.shape.ndim == 1 && r.write_pos.shape[0] == B && r.write_pos.is_contiguous(),
+                    "{}: write_pos must be a contiguous i32 [{}] on cuda, got {}", where, B, r.write_pos.describe());
+    }
   } else {
     FOURBIT_CHECK(y.device == Device::kCuda && (y.dtype == DType::kF32 || y.dtype == DType::kBF16) &&
                       y.shape.ndim == 2 && y.shape[0] == B && y.shape[1] == N && y.strides[1] == 1 &&
@@ -342,6 +379,20 @@ kernels::DecodeGemvParams gemv_params(const DecodeGemvArgs& a, int x_per_k) {
     p.ldr = r.strides[0];
   }
   p.swiglu_half = a.swiglu ? N / 2 : 0;
+  if (a.rope != nullptr) {
+    const DecodeRope& r = *a.rope;
+    p.rope_half = (int)(r.head_dim / 2);
+    p.rope_q_rows = r.q_heads * r.head_dim;
+    p.rope_rotated_rows = (r.q_heads + r.kv_heads) * r.head_dim;
+    p.rope_cos_sin = r.cos_sin.ptr<const float>();
+    if (r.k_cache.data != nullptr) {
+      p.k_cache = r.k_cache.ptr<uint16_t>();
+      p.v_cache = r.v_cache.ptr<uint16_t>();
+      p.write_pos = r.write_pos.ptr<const int32_t>();
+      p.t_max = r.k_cache.shape[1];
+      p.rows_per_seq = (int)r.rows_per_seq;
+    }
+  }
   return p;
 }
 }  // namespace
@@ -444,6 +495,11 @@ bool decode_gemv_swiglu_supported(int64_t B, int64_t N) {
          N % kernels::kDecodeRowsPerCta == 0;
 }
 
+bool decode_gemv_rope_supported(int64_t B, int64_t head_dim) {
+  return B >= 1 && B <= kernels::kDecodeSwigluMaxTokens && head_dim >= kernels::kDecodeRowsPerCta &&
+         head_dim % kernels::kDecodeRowsPerCta == 0;
+}
+
 // ---- decode chain ----------------------------------------------------------------------------------
 
 namespace {
@@ -465,8 +521,8 @@ bool decode_chain_supported(std::span<const DecodeChainLink> links, std::string*
                            kernels::kDecodeChainMaxTokens);
     } else if (l.gemv.x_nvfp4_amax != nullptr) {
       reason = fmt::format("{}: NVFP4 activations (a chain takes BF16 x)", name);
-    } else if (l.gemv.swiglu) {
-      reason = fmt::format("{}: a SwiGLU output (a chain link makes its x with DecodeProducer::kSwiglu instead)", name);
+    } else if (l.gemv.swiglu || l.gemv.rope != nullptr) {
+      reason = fmt::format("{}: a SwiGLU or RoPE output (a chain takes plain GEMV links)", name);
     } else if (l.gemv.w.is_nvfp4() != links[0].gemv.w.is_nvfp4()) {
       reason = fmt::format("{}: its weight format differs from the first link's", name);
     } else if (x.shape[1] % (8 * x_per_k(l)) != 0 || x.strides[0] % 8 != 0 ||
@@ -555,6 +611,7 @@ void decode_quantize_nvfp4(const DecodeQuantizeArgs& a) {
 bool decode_quantize_can_fuse_norm(int64_t, int64_t, bool) { return false; }
 
 bool decode_gemv_swiglu_supported(int64_t, int64_t) { return false; }
+bool decode_gemv_rope_supported(int64_t, int64_t) { return false; }
 
 bool decode_chain_supported(std::span<const DecodeChainLink>, std::string* why) {
   if (why != nullptr) *why = "this build has no CUDA";

@@ -81,6 +81,17 @@ class DecodeWorkspace {
   int64_t n_counters_ = 0, n_partials_ = 0;
 };
 
+// RoPE and the KV-cache append in the epilogue of an attention's qkv GEMV (DecodeGemvArgs::rope):
+// W's rows are [q heads | k heads | v heads] of head_dim rows each.
+struct DecodeRope {
+  int64_t q_heads = 0, kv_heads = 0, head_dim = 0;
+  TensorView cos_sin;  // f32 [B, head_dim / 2, 2]: ops::rope_cos_sin_table of the tokens' positions
+  // Optional (both or neither): bf16 [sequences, t_max, kv_heads, head_dim] contiguous.
+  TensorView k_cache, v_cache;
+  TensorView write_pos;      // i32 [B]: token b's cache position (outside [0, t_max): not appended)
+  int64_t rows_per_seq = 1;  // token b belongs to sequence b / rows_per_seq
+};
+
 struct DecodeGemvArgs {
   TensorView x;  // bf16 [B, K] on CUDA, unit column stride (row stride >= K), 1 <= B <= 64
   // Device float: x holds NVFP4 scaled-domain values (decode_quantize_nvfp4) with this global amax
@@ -100,6 +111,12 @@ struct DecodeGemvArgs {
   // bit, without the [B, 2H] product being written: the GEMV and the SwiGLU in one kernel. Needs
   // decode_gemv_swiglu_supported(B, 2H) and no residual.
   bool swiglu = false;
+  // RoPE output (optional, not with swiglu): y (bf16 [B, (H + 2 Hkv) D]) gets the q and k rows
+  // rotated (ops::rope_forward_inplace's bits) and the v rows as computed, and with caches given,
+  // the rotated k rows and the v rows are also written to them (ops::rope_forward_inplace_append's
+  // bits): the GEMV and the RoPE kernel in one. Needs decode_gemv_rope_supported(B, head_dim) and no
+  // residual.
+  const DecodeRope* rope = nullptr;
   void* stream = nullptr;  // cudaStream_t
   DecodeWorkspace* workspace = nullptr;  // required
   std::string_view name = "decode gemv";  // appears in every error
@@ -108,6 +125,9 @@ struct DecodeGemvArgs {
 // Whether decode_gemv takes DecodeGemvArgs::swiglu for B tokens and a weight of N = 2H rows: 1 to
 // 16 tokens and H a multiple of 32.
 bool decode_gemv_swiglu_supported(int64_t B, int64_t N);
+// Whether decode_gemv takes DecodeGemvArgs::rope for B tokens and heads of head_dim: 1 to 16
+// tokens, head_dim a multiple of 64.
+bool decode_gemv_rope_supported(int64_t B, int64_t head_dim);
 
 // y = alpha_eff * x . W^T (see the header comment). Throws fourbit::Error naming the tensor for a
 // wrong device, dtype, shape or stride. CUDA builds only (throws otherwise).

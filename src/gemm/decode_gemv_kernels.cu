@@ -44,6 +44,7 @@
 #include "gemm/decode_gemv_kernels.h"
 
 #include "core/pdl.cuh"
+#include "core/rope_math.cuh"
 
 #include "core/error.h"
 #include "core/sm_count.h"
@@ -163,7 +164,7 @@ __device__ __forceinline__ uint4 load_bf16x8_tail(const uint16_t* src, int64_t e
 }
 
 // One thread's weights of one chunk: rows g and g + 8 of its warp (weight rows row0 and row0 +
-// row_step: 8, or with SwiGLU pairs the gate row and its up row, DecodeGemvParams::swiglu_half).
+// row_step: 8, or a pair launch's two rows of one output pair: "Pair launches" below).
 template <DecodeWeightFormat F>
 struct WeightRegs;
 template <>
@@ -416,28 +417,75 @@ __device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token)
   return alpha;
 }
 
-// ---- SwiGLU pairs (DecodeGemvParams::swiglu_half) ----
-// The CTA of row block b computes the gate rows 32 b .. 32 b + 31 and their up rows swiglu_half +
-// 32 b ..: thread (g, t) of warp w loads gate row 32 b + 8 w + g as its first row and the matching
-// up row as its second (row_step = swiglu_half), so its accumulator elements e and e + 2 are the
-// gate and the up sums of one (token, column), column 32 b + 8 w + g. The split partials keep the
-// plain launch's rows (16 w + g + 8 i of the block), where column 32 b + q's pair is rows
-// swiglu_pair_row(q) and that + 8.
+// ---- Pair launches: the SwiGLU (DecodeGemvParams::swiglu_half) and RoPE (rope_half) epilogues ----
+// Each output pair is two rows of W a distance `step` apart: a gate row and its up row (step =
+// swiglu_half), or rows d and d + D/2 of one attention head (step = D/2). W's rows form spans of
+// 2 step rows (one span for the SwiGLU, one per head for RoPE) of which a row block of 64 rows takes
+// 32 pairs: block b computes the pairs base(b) + q, q < 32, with base(b) = (b / (span / 64)) span +
+// (b % (span / 64)) 32. Thread (g, t) of warp w loads pair 8 w + g's two rows as its rows g and
+// g + 8 (row_step = step), so its accumulator elements e and e + 2 are the two sums of one (token,
+// pair). The split partials keep the plain launch's rows (16 w + g + 8 i of the block), where
+// pair q is rows pair_row(q) and that + 8.
+enum class PairKind : uint8_t { kNone, kSwiglu, kRope };
 constexpr int kPairsPerCta = kDecodeRowsPerCta / 2;
-__device__ __forceinline__ int swiglu_pair_row(int q) { return 16 * (q / 8) + q % 8; }
+__device__ __forceinline__ int pair_row(int q) { return 16 * (q / 8) + q % 8; }
 
-// Output (token, column) from the pair's FP32 results (alpha_eff applied): ops::swiglu_forward of
-// the GEMV's bf16 outputs, as the separate kernels compute it.
-__device__ __forceinline__ void store_swiglu(const DecodeGemvParams& p, int token, int64_t col, float gate, float up) {
-  const float g = formats::decode_bf16(formats::encode_bf16_rn(gate));
-  const float u = formats::decode_bf16(formats::encode_bf16_rn(up));
-  static_cast<uint16_t*>(p.y)[token * p.ldy + col] = swiglu_bits(g, u);
+template <PairKind kPair>
+__device__ __forceinline__ int64_t pair_step(const DecodeGemvParams& p) {
+  return kPair == PairKind::kSwiglu ? p.swiglu_half : (int64_t)p.rope_half;
+}
+// The first row of pair 0 of row block `block`.
+template <PairKind kPair>
+__device__ __forceinline__ int64_t pair_base(const DecodeGemvParams& p, int64_t block) {
+  const int64_t span = 2 * pair_step<kPair>(p), blocks_per_span = span / kDecodeRowsPerCta;
+  return block / blocks_per_span * span + block % blocks_per_span * kPairsPerCta;
 }
 
-// The global path's sum (sum_split_partials) for SwiGLU pairs: pair i (token i / kPairsPerCta,
-// column row_base / 2 + i % kPairsPerCta), kBatch pairs a thread at once, each of its two sums
+// Output pair q of row block `block` for `token`, from the pair's FP32 results lo (the first row)
+// and hi (the second), alpha_eff applied. Both are rounded to bf16 first, as the GEMV's own output
+// would be; then
+//   kSwiglu: y[token][32 block + q] = ops::swiglu_forward(gate = lo, up = hi);
+//   kRope: rows r = base + q and r + D/2 of y: q and k rows rotated as ops::rope_forward_inplace
+//     rotates them (core/rope_math.cuh, the step's (cos, sin) table), v rows as they are; k and v
+//     rows also go to the KV cache at the token's write position, as rope_forward_inplace_append
+//     writes them.
+template <PairKind kPair>
+__device__ __forceinline__ void store_pair(const DecodeGemvParams& p, int token, int64_t block, int q, float lo,
+                                           float hi) {
+  float l = formats::decode_bf16(formats::encode_bf16_rn(lo));
+  float h = formats::decode_bf16(formats::encode_bf16_rn(hi));
+  uint16_t* y = static_cast<uint16_t*>(p.y) + token * p.ldy;
+  if constexpr (kPair == PairKind::kSwiglu) {
+    y[pair_base<kPair>(p, block) + q] = swiglu_bits(l, h);  // the span is the whole y: base = 32 block
+  } else {
+    const int64_t r = pair_base<kPair>(p, block) + q, step = p.rope_half;
+    if (r < p.rope_rotated_rows) {
+      const int d = (int)(r % (2 * step));  // < D/2: the pair's frequency
+      const float* cs = p.rope_cos_sin + ((int64_t)token * step + d) * 2;
+      core::rope_rotate(l, h, cs[0], cs[1]);
+    }
+    const uint16_t lb = formats::encode_bf16_rn(l), hb = formats::encode_bf16_rn(h);
+    y[r] = lb;
+    y[r + step] = hb;
+    if (r >= p.rope_q_rows && p.k_cache != nullptr) {
+      const int32_t wp = p.write_pos[token];
+      if (wp >= 0 && wp < p.t_max) {
+        const int64_t kv_rows = p.rope_rotated_rows - p.rope_q_rows;
+        const bool is_k = r < p.rope_rotated_rows;
+        uint16_t* cache = (is_k ? p.k_cache : p.v_cache) +
+                          ((int64_t)(token / p.rows_per_seq) * p.t_max + wp) * kv_rows +
+                          (is_k ? r - p.rope_q_rows : r - p.rope_rotated_rows);
+        cache[0] = lb;
+        cache[step] = hb;
+      }
+    }
+  }
+}
+
+// The global path's sum (sum_split_partials) of a pair launch: pair i (token i / kPairsPerCta,
+// pair i % kPairsPerCta of the row block), kBatch pairs a thread at once, each of its two sums
 // 0 + p_0 + p_1 + ... in split order.
-template <DecodeWeightFormat F, int kBatch>
+template <DecodeWeightFormat F, PairKind kPair, int kBatch>
 __device__ __forceinline__ void sum_split_pairs(const DecodeGemvParams& p, int64_t row_base, int splits) {
   const float alpha0 = alpha_eff<F>(p, 0);
   const int total = p.B * kPairsPerCta;
@@ -451,7 +499,7 @@ __device__ __forceinline__ void sum_split_pairs(const DecodeGemvParams& p, int64
       for (int u = 0; u < kBatch; ++u) {
         const int i = i0 + u * kThreads;
         const float* src = p.partials + ((int64_t)s * p.B + i / kPairsPerCta) * p.N + row_base +
-                           swiglu_pair_row(i % kPairsPerCta);
+                           pair_row(i % kPairsPerCta);
         vg[u] = i < total ? __ldcg(src) : 0.0f;
         vu[u] = i < total ? __ldcg(src + 8) : 0.0f;
       }
@@ -466,7 +514,8 @@ __device__ __forceinline__ void sum_split_pairs(const DecodeGemvParams& p, int64
       const int i = i0 + u * kThreads, token = i / kPairsPerCta;
       if (i < total) {
         const float a = p.x_amax_per_row ? alpha_eff<F>(p, token) : alpha0;
-        store_swiglu(p, token, row_base / 2 + i % kPairsPerCta, formats::mul_rn(sg[u], a), formats::mul_rn(su[u], a));
+        store_pair<kPair>(p, token, row_base / kDecodeRowsPerCta, i % kPairsPerCta, formats::mul_rn(sg[u], a),
+                          formats::mul_rn(su[u], a));
       }
     }
   }
@@ -518,8 +567,8 @@ __device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, in
 // partials, summed in split order by the row block's last-arriving CTA.
 // `split` is this CTA's split (its partials slice), `row_block` its row block (its arrival counter);
 // kSumBatch: sum_split_partials' outputs a thread sums at once (the chain's 8 tokens need 4).
-// kPairs: a SwiGLU-pair launch (y = the SwiGLU of each gate / up pair).
-template <DecodeWeightFormat F, int NT, int kSumBatch = 32, bool kPairs = false>
+// kPair: a pair launch's epilogue (store_pair), or none.
+template <DecodeWeightFormat F, int NT, int kSumBatch = 32, PairKind kPair = PairKind::kNone>
 __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&acc)[NT][4], int64_t row0,
                                        int64_t row_base, int t, int splits, int split, int row_block) {
   __shared__ bool is_last;
@@ -528,16 +577,16 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
 
   // Accumulator element e of n-tile j: token 8j + 2t + (e & 1), row row0 + 8 (e >> 1).
   if (splits == 1) {
-    if constexpr (kPairs) {  // elements e and e + 2: the gate and the up sums of one output
-      const int local = (int)(row0 - row_base);  // 16 w + g
-      const int64_t col = row_base / 2 + 8 * (local / 16) + local % 16;
+    if constexpr (kPair != PairKind::kNone) {  // elements e and e + 2: the two sums of one pair
+      const int local = (int)(row0 - row_base), q = 8 * (local / 16) + local % 16;  // local = 16 w + g
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int token = 8 * j + 2 * t + e;
           if (token < p.B) {
-            store_swiglu(p, token, col, formats::mul_rn(acc[j][e], alpha(token)), formats::mul_rn(acc[j][e + 2], alpha(token)));
+            store_pair<kPair>(p, token, row_base / kDecodeRowsPerCta, q, formats::mul_rn(acc[j][e], alpha(token)),
+                              formats::mul_rn(acc[j][e + 2], alpha(token)));
           }
         }
     } else {
@@ -573,8 +622,8 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
   }
   __syncthreads();
   if (!is_last) return;
-  if constexpr (kPairs) {
-    sum_split_pairs<F, kSumBatch / 2>(p, row_base, splits);
+  if constexpr (kPair != PairKind::kNone) {
+    sum_split_pairs<F, kPair, kSumBatch / 2>(p, row_base, splits);
   } else {
     sum_split_partials<F, kSumBatch>(p, row_base, p.B * kDecodeRowsPerCta, splits);
   }
@@ -586,7 +635,7 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
 // each CTA finishes a share of the row block's (token, row) outputs, reading the splits' partials
 // over distributed shared memory and summing them in split order: the global path's sums exactly.
 // A second barrier keeps every CTA's shared memory alive until all reads are done.
-template <DecodeWeightFormat F, int NT, bool kPairs = false>
+template <DecodeWeightFormat F, int NT, PairKind kPair = PairKind::kNone>
 __device__ __forceinline__ void finish_cluster(const DecodeGemvParams& p, const float (&acc)[NT][4], int64_t row0,
                                                int64_t row_base, int t, int splits) {
   __shared__ float partial[NT * 8 * kDecodeRowsPerCta];  // [token][row within the block]
@@ -600,9 +649,9 @@ __device__ __forceinline__ void finish_cluster(const DecodeGemvParams& p, const 
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   const int rank = (int)cluster.block_rank();
-  if constexpr (kPairs) {  // one (token, column) a thread: its gate and up rows' sums
+  if constexpr (kPair != PairKind::kNone) {  // one (token, pair) a thread: its two rows' sums
     for (int i = rank * kThreads + (int)threadIdx.x; i < p.B * kPairsPerCta; i += splits * kThreads) {
-      const int token = i / kPairsPerCta, q = i % kPairsPerCta, r = token * kDecodeRowsPerCta + swiglu_pair_row(q);
+      const int token = i / kPairsPerCta, q = i % kPairsPerCta, r = token * kDecodeRowsPerCta + pair_row(q);
       float vg[kDecodeClusterMax], vu[kDecodeClusterMax];
 #pragma unroll
       for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) {
@@ -617,7 +666,8 @@ __device__ __forceinline__ void finish_cluster(const DecodeGemvParams& p, const 
           su = formats::add_rn(su, vu[s2]);
         }
       }
-      store_swiglu(p, token, row_base / 2 + q, formats::mul_rn(sg, alpha(token)), formats::mul_rn(su, alpha(token)));
+      store_pair<kPair>(p, token, row_base / kDecodeRowsPerCta, q, formats::mul_rn(sg, alpha(token)),
+                        formats::mul_rn(su, alpha(token)));
     }
   } else {
     for (int i = rank * kThreads + (int)threadIdx.x; i < p.B * kDecodeRowsPerCta; i += splits * kThreads) {
@@ -705,9 +755,8 @@ constexpr int kRingDepth = F == DecodeWeightFormat::kNvfp4 ? 4 : 2;
 // out first, then x of the whole split is staged in shared memory (dynamic, chunks_per_split
 // tiles), one barrier, and the chunks are computed with each ring slot reloaded kRingDepth chunks
 // ahead as soon as it is consumed.
-// kPairs: a SwiGLU-pair launch (DecodeGemvParams::swiglu_half; the weight rows of a thread are a
-// gate row and its up row).
-template <DecodeWeightFormat F, bool kXF16, int NT, bool kPairs>
+// kPair: a pair launch (a thread's two weight rows are one output pair's, "Pair launches" above).
+template <DecodeWeightFormat F, bool kXF16, int NT, PairKind kPair>
 __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const DecodeGemvParams p, int chunks,
                                                                       int chunks_per_split, int splits,
                                                                       bool cluster) {
@@ -717,7 +766,11 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
   const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row_base = (int64_t)blockIdx.x * kDecodeRowsPerCta;
   const int64_t row0 = row_base + warp * 16 + g;  // the output rows (partials)
-  const int64_t w_row0 = kPairs ? row_base / 2 + warp * 8 + g : row0, w_step = kPairs ? p.swiglu_half : 8;
+  int64_t w_row0 = row0, w_step = 8;
+  if constexpr (kPair != PairKind::kNone) {
+    w_row0 = pair_base<kPair>(p, blockIdx.x) + warp * 8 + g;
+    w_step = pair_step<kPair>(p);
+  }
   const GemvShape sh = gemv_shape<F>(p);
   const int c_begin = (int)blockIdx.y * chunks_per_split;
   const int c_end = min(chunks, c_begin + chunks_per_split);
@@ -748,9 +801,9 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const Deco
   }
 
   if (cluster) {
-    finish_cluster<F, NT, kPairs>(p, acc, row0, row_base, t, splits);
+    finish_cluster<F, NT, kPair>(p, acc, row0, row_base, t, splits);
   } else {
-    finish<F, NT, 32, kPairs>(p, acc, row0, row_base, t, splits, (int)blockIdx.y, (int)blockIdx.x);
+    finish<F, NT, 32, kPair>(p, acc, row0, row_base, t, splits, (int)blockIdx.y, (int)blockIdx.x);
   }
 }
 
@@ -764,17 +817,17 @@ void launch_ex(void (*kernel)(KernelArgs...), dim3 grid, int threads, int smem_b
 }
 
 // A staged launch, as a cluster of plan.splits CTAs along grid.y when plan.cluster.
-template <DecodeWeightFormat F, bool kXF16, int NT, bool kPairs = false>
+template <DecodeWeightFormat F, bool kXF16, int NT, PairKind kPair = PairKind::kNone>
 void launch_staged(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   // 32 KB of x (plan_decode_gemv) plus the cluster epilogue's static partials (16 KB at 64 tokens)
   // can pass the 48 KB that a launch may use without opting in.
   static const bool opted_in = [] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(decode_gemv_staged_kernel<F, kXF16, NT, kPairs>,
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(decode_gemv_staged_kernel<F, kXF16, NT, kPair>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
     return true;
   }();
   (void)opted_in;
-  launch_ex(decode_gemv_staged_kernel<F, kXF16, NT, kPairs>, dim3((unsigned)plan.row_blocks, (unsigned)plan.splits),
+  launch_ex(decode_gemv_staged_kernel<F, kXF16, NT, kPair>, dim3((unsigned)plan.row_blocks, (unsigned)plan.splits),
             kThreads, plan.x_smem_bytes, plan.cluster ? (unsigned)plan.splits : 1u, core::pdl_enabled(), stream, p, plan.chunks,
             plan.chunks_per_split, plan.splits, plan.cluster);
 }
@@ -782,11 +835,20 @@ void launch_staged(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaSt
 template <DecodeWeightFormat F, bool kXF16>
 void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   const dim3 grid((unsigned)plan.row_blocks, (unsigned)plan.splits);
-  if (p.swiglu_half > 0) {  // decode_gemv.cpp: at most kDecodeSwigluMaxTokens tokens, so staged
+  // Pair launches: decode_gemv.cpp allows at most kDecodeSwigluMaxTokens tokens, so staged.
+  if (p.swiglu_half > 0) {
     if (plan.n_tiles == 1) {
-      launch_staged<F, kXF16, 1, true>(p, plan, stream);
+      launch_staged<F, kXF16, 1, PairKind::kSwiglu>(p, plan, stream);
     } else {
-      launch_staged<F, kXF16, 2, true>(p, plan, stream);
+      launch_staged<F, kXF16, 2, PairKind::kSwiglu>(p, plan, stream);
+    }
+    return;
+  }
+  if (p.rope_half > 0) {
+    if (plan.n_tiles == 1) {
+      launch_staged<F, kXF16, 1, PairKind::kRope>(p, plan, stream);
+    } else {
+      launch_staged<F, kXF16, 2, PairKind::kRope>(p, plan, stream);
     }
     return;
   }

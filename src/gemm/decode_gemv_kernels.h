@@ -147,8 +147,25 @@ struct DecodeGemvParams {
   // rows are a gate row and its up row), so each thread or split sum ends with both halves of its
   // outputs (decode_gemv_kernels.cu, "SwiGLU pairs").
   int64_t swiglu_half = 0;
+  // RoPE pairs (rope_half = D/2 > 0; y_bf16, no residual, B <= kDecodeSwigluMaxTokens, D a multiple
+  // of kDecodeRowsPerCta): W is an attention qkv projection, rows [q heads | k heads | v heads] of D
+  // each; y (bf16 [B, N]) gets the q and k rows rotated as ops::rope_forward_inplace rotates them,
+  // with the (cos, sin) of token b's pair d at rope_cos_sin[(b D/2 + d) 2 + {0, 1}], and (k_cache
+  // set) token b's rotated k rows and its v rows are also written to k_cache / v_cache [sequences,
+  // t_max, kv rows] at sequence b / rows_per_seq, position write_pos[b] (none outside [0, t_max)),
+  // as ops::rope_forward_inplace_append writes them. Row block b computes pairs (d, d + D/2) of one
+  // head (decode_gemv_kernels.cu, "Pair launches").
+  int rope_half = 0;
+  int64_t rope_q_rows = 0;        // H D: the rows before the k heads
+  int64_t rope_rotated_rows = 0;  // (H + Hkv) D: the q and k rows; the v rows follow
+  const float* rope_cos_sin = nullptr;
+  uint16_t* k_cache = nullptr;
+  uint16_t* v_cache = nullptr;
+  const int32_t* write_pos = nullptr;
+  int64_t t_max = 0;
+  int rows_per_seq = 1;
 };
-// Most tokens of a SwiGLU-pair launch: the staged kernel's 1 and 2 n-tiles.
+// Most tokens of a pair launch (SwiGLU, RoPE): the staged kernel's 1 and 2 n-tiles.
 inline constexpr int kDecodeSwigluMaxTokens = 16;
 void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream);
 

@@ -61,6 +61,7 @@ struct Model::SamplerWeights {
   gemm::DecodeWorkspace workspace;
   Tensor xs;    // bf16 [kDecodeMaxTokens, max K]: scaled-domain activations of the current layer
   Tensor amax;  // f32 [kDecodeMaxTokens]: their global amax ([0]), or one per token (nvfp4_row_amax)
+  Tensor rope_table;  // f32 [kDecodeMaxTokens, head_dim / 2, 2]: the step's RoPE (cos, sin) (rope epilogue)
   int64_t packed_bytes = 0;
 
   // CUDA graphs of the step body (dense models): one per step layout. A step replays its graph when
@@ -91,6 +92,12 @@ namespace {
 // the batch allows: on unless FOURBIT_DECODE_SWIGLU_EPILOGUE=0 (A/B runs). The same bits either way.
 bool decode_swiglu_epilogue() {
   static const bool on = env_switch("FOURBIT_DECODE_SWIGLU_EPILOGUE") != 0;
+  return on;
+}
+// Whether RoPE and the KV-cache append run in the qkv decode GEMV's epilogue (DecodeGemvArgs::rope)
+// where the batch allows: on unless FOURBIT_DECODE_ROPE_EPILOGUE=0 (A/B runs). The same bits either way.
+bool decode_rope_epilogue() {
+  static const bool on = env_switch("FOURBIT_DECODE_ROPE_EPILOGUE") != 0;
   return on;
 }
 }  // namespace
@@ -258,9 +265,12 @@ void Model::refresh_sampler_weights() {
   if (old != nullptr && old->xs.defined() && old->xs.shape()[1] >= max_k) {
     sw->xs = old->xs;
     sw->amax = old->amax;
+    sw->rope_table = old->rope_table;
   } else {
     sw->xs = Tensor::empty({gemm::kDecodeMaxTokens, max_k}, DType::kBF16, Device::kCuda);
     sw->amax = Tensor::zeros({gemm::kDecodeMaxTokens}, DType::kF32, Device::kCuda);  // per token, or [0]
+    sw->rope_table = Tensor::empty({gemm::kDecodeMaxTokens, std::max<int64_t>(1, c.head_dim() / 2), 2}, DType::kF32,
+                                   Device::kCuda);
   }
   for (const Entry& e : entries) {
     const TensorView& w = im.w(e.param);
@@ -372,9 +382,11 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   // norm_param >= 0: x is the input of that RMSNorm, fused into the activation quantizer
   // (norm_fusable); the normalized activation is never written. swiglu: x is the [gate | up] buffer,
   // its SwiGLU fused into the activation quantizer; swiglu_out: y is the SwiGLU of the [gate | up]
-  // product (DecodeGemvArgs::swiglu), which is never written.
+  // product (DecodeGemvArgs::swiglu), which is never written; rope: RoPE and the KV append in the
+  // epilogue (DecodeGemvArgs::rope).
   auto decode_linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
-                           const TensorView& residual, int norm_param, bool swiglu, bool swiglu_out) {
+                           const TensorView& residual, int norm_param, bool swiglu, bool swiglu_out,
+                           const gemm::DecodeRope* rope) {
     const SamplerWeights::Layer& L = check_layer(l, kind, param);
     const gemm::LinearRecipe& r = im.linear_recipe(l, kind);
     const std::string name = layer_name(l, kind);
@@ -408,6 +420,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     g.y = y;
     g.residual = residual;
     g.swiglu = swiglu_out;
+    g.rope = rope;
     g.stream = stream;
     g.workspace = &sw->workspace;
     g.name = name;
@@ -427,10 +440,10 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   };
   auto linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
                     bool bf16_output, const TensorView& residual = TensorView{}, int norm_param = -1,
-                    bool swiglu = false, bool swiglu_out = false) {
+                    bool swiglu = false, bool swiglu_out = false, const gemm::DecodeRope* rope = nullptr) {
     if (sw != nullptr) {
       decode_linear(sec, l, kind, x, param, y, fuse_residual ? residual : TensorView{}, norm_param, swiglu,
-                    swiglu_out);
+                    swiglu_out, rope);
     } else {
       im.fprop(sec, l, kind, x, im.w(param), y, bf16_output);
     }
@@ -516,22 +529,49 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       const gemm::DecodeChainLink first[1] = {qkv_link(0)};
       run_chain(first);
     }
+    // RoPE and the KV append in the qkv GEMV's epilogue (not under an observer, which must see the
+    // GEMM's own output, nor in the chain): the (cos, sin) of the step's positions once, here.
+    const bool rope_out = fuse_residual && !chain && decode_rope_epilogue() && gemm::decode_gemv_rope_supported(N, D);
+    if (rope_out) {
+      Scope s(im, Section::kAttention, Work::kOther);
+      TensorView table = sw->rope_table.view();
+      table.shape = Shape{N, D / 2, 2};
+      table.strides = contiguous_strides(table.shape);
+      ops::rope_cos_sin_table(table, a.positions, theta, D, st);
+    }
+    auto qkv_rope = [&](int l) {
+      gemm::DecodeRope r;
+      r.q_heads = H;
+      r.kv_heads = Hkv;
+      r.head_dim = D;
+      r.cos_sin = sw->rope_table.view();
+      r.cos_sin.shape = Shape{N, D / 2, 2};
+      r.cos_sin.strides = contiguous_strides(r.cos_sin.shape);
+      r.k_cache = cache.k_[(size_t)l].view();
+      r.v_cache = cache.v_[(size_t)l].view();
+      r.write_pos = a.write_pos;
+      r.rows_per_seq = Tq;
+      return r;
+    };
     for (int l = 0; l < c.n_layers; ++l) {
       const detail::BlockParams& p = im.bp[(size_t)l];
       const TensorView x = a.resid[(size_t)(l % 2)], out = a.resid[(size_t)((l + 1) % 2)];
+      const gemm::DecodeRope rope = rope_out ? qkv_rope(l) : gemm::DecodeRope{};
+      const gemm::DecodeRope* rope_arg = rope_out ? &rope : nullptr;
       if (chain) {
         // qkv is done (above, or in the previous layer's chain)
       } else if (norm_fusable(l, LinearKind::kQkv, N)) {
-        linear(Section::kAttention, l, LinearKind::kQkv, x, p.qkv, b.qkv, true, {}, p.attn_norm);
+        linear(Section::kAttention, l, LinearKind::kQkv, x, p.qkv, b.qkv, true, {}, p.attn_norm, false, false,
+               rope_arg);
       } else {
         {
           Scope s(im, Section::kAttention, Work::kOther);
           ops::rmsnorm_forward(b.ln1, b.ln1_rstd, x, im.master(p.attn_norm), eps, st);
           im.bf16(b.ln1);
         }
-        linear(Section::kAttention, l, LinearKind::kQkv, b.ln1, p.qkv, b.qkv, true);
+        linear(Section::kAttention, l, LinearKind::kQkv, b.ln1, p.qkv, b.qkv, true, {}, -1, false, false, rope_arg);
       }
-      {
+      if (!rope_out) {
         Scope s(im, Section::kAttention, Work::kOther);
         const TensorView q3 = detail::qkv_part3(b.qkv, 0, H, D), k3 = detail::qkv_part3(b.qkv, H * D, Hkv, D);
         const Tensor& kc = cache.k_[(size_t)l];

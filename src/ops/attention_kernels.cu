@@ -51,7 +51,7 @@
 #include "core/pdl.cuh"
 #include "core/error.h"
 #include "core/wgmma.cuh"
-#include "ops/rope_device.cuh"
+#include "core/rope_math.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -297,7 +297,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[D / 8][4], float m
 
 // RoPE's backward rotation of a warp's 16 x D gradient block before store_rows (attention.h
 // AttentionOptions::rope_backward): each value, times `mul`, is rounded to BF16 as store_rows would
-// store it, then pair (i, i + D/2) of each row is rotated by -angle (ops/rope_device.cuh) in FP32,
+// store it, then pair (i, i + D/2) of each row is rotated by -angle (core/rope_math.cuh) in FP32,
 // exactly as rope_kernel does on the stored tensor; the caller then stores with mul = 1 (which
 // rounds the rotated values to BF16, as rope_kernel's store). A thread holds columns c and c + D/2
 // of its rows in n-blocks nd and nd + D/16, so the pairs never leave its registers. pos: the
@@ -317,10 +317,10 @@ __device__ __forceinline__ void rope_backward_rows(float (&acc)[D / 8][4], float
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float c, s;
-      rope_cos_sin(p[e >> 1], rope.inv_freq[nd * 8 + 2 * t + (e & 1)], true, c, s);
+      core::rope_cos_sin(p[e >> 1], rope.inv_freq[nd * 8 + 2 * t + (e & 1)], true, c, s);
       float lo = __bfloat162float(__float2bfloat16_rn(acc[nd][e] * mul));
       float hi = __bfloat162float(__float2bfloat16_rn(acc[nd + D / 16][e] * mul));
-      rope_rotate(lo, hi, c, s);
+      core::rope_rotate(lo, hi, c, s);
       acc[nd][e] = lo;
       acc[nd + D / 16][e] = hi;
     }

@@ -39,7 +39,7 @@ struct AttentionForwardArgs {
 };
 
 // RoPE's backward rotation folded into the dq and dk stores (attention.h
-// AttentionOptions::rope_backward; the arithmetic of ops/rope_device.cuh).
+// AttentionOptions::rope_backward; the arithmetic of core/rope_math.cuh).
 inline constexpr int kAttentionRopeMaxPairs = 64;  // D / 2 for D <= 128
 struct AttentionRopeBackward {
   const int32_t* positions = nullptr;  // i32 [B * T], token (b, t) at b * T + t; null: no rotation

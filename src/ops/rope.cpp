@@ -206,6 +206,34 @@ void rope_forward_inplace_append(const TensorView& q, const TensorView& k, const
   run("rope_forward_inplace_append", q, k, q, k, positions, theta, false, true, stream, &append);
 }
 
+void rope_cos_sin_table(const TensorView& table, const TensorView& positions, float theta, int64_t head_dim,
+                        void* stream) {
+  const char* op = "rope_cos_sin_table";
+  FOURBIT_CHECK(positions.device == Device::kCuda && positions.dtype == DType::kI32 && positions.shape.ndim == 1 &&
+                    positions.is_contiguous(),
+                "{}: positions must be a contiguous i32 [N] on cuda, got {}", op, positions.describe());
+  const int64_t N = positions.shape[0];
+  FOURBIT_CHECK(head_dim >= 2 && head_dim % 2 == 0, "{}: head dim D = {} must be even and positive", op, head_dim);
+  FOURBIT_CHECK(table.device == Device::kCuda && table.dtype == DType::kF32 && table.shape.ndim == 3 &&
+                    table.shape[0] == N && table.shape[1] == head_dim / 2 && table.shape[2] == 2 && table.is_contiguous(),
+                "{}: table must be a contiguous f32 [{}, {}, 2] on cuda, got {}", op, N, head_dim / 2, table.describe());
+#if defined(FOURBIT_WITH_CUDA)
+  FOURBIT_CHECK(head_dim <= kernels::kRopeMaxHeadDim, "{}: head dim D = {} exceeds the CUDA kernel's limit of {}", op,
+                head_dim, kernels::kRopeMaxHeadDim);
+  kernels::RopeTableArgs a{};
+  a.table = table.ptr<float>();
+  a.positions = positions.ptr<const int32_t>();
+  a.n_rows = N;
+  a.head_dim = (int)head_dim;
+  detail::inv_freq_table_f32(theta, head_dim, a.inv_freq);
+  kernels::launch_rope_table(a, static_cast<cudaStream_t>(stream));
+#else
+  (void)theta;
+  (void)stream;
+  detail::no_cuda_build(op);
+#endif
+}
+
 void rope_backward(const TensorView& dq, const TensorView& dk, const TensorView& dq_rot,
                    const TensorView& dk_rot, const TensorView& positions, float theta,
                    void* stream) {

@@ -64,6 +64,15 @@ struct RopeCacheAppend {
 void rope_forward_inplace_append(const TensorView& q, const TensorView& k, const TensorView& positions,
                                  float theta, const RopeCacheAppend& append, void* stream = nullptr);
 
+// The (cos, sin) pair of every token's rotation of pair i, as the CUDA RoPE kernels evaluate it
+// (CUDA only): table[n][i] = (cos, sin) of angle f32(f32(positions[n]) * inv_freq_i), i < D / 2.
+// The decode step evaluates it once for all its layers' qkv GEMVs, which rotate q and k in their
+// epilogue with these values (gemm::DecodeGemvArgs::rope): the same bits as the RoPE kernel.
+// table: f32 [N, D / 2, 2] contiguous, on the device   OVERWRITTEN
+// positions: [N] i32 on the device
+void rope_cos_sin_table(const TensorView& table, const TensorView& positions, float theta, int64_t head_dim,
+                        void* stream = nullptr);
+
 // dq = R(-angle) dq_rot, dk = R(-angle) dk_rot: the gradients w.r.t. the forward's inputs.
 // dq:     [N, H, D]    OVERWRITTEN (activation gradient)
 // dk:     [N, Hkv, D]  OVERWRITTEN (absent iff dk_rot is absent)

@@ -1,12 +1,12 @@
-// RoPE kernel: grid-stride over tokens; per token the CTA evaluates the D/2 (cos, sin) pairs into
+// RoPE kernels. The rotation: grid-stride over tokens; per token the CTA evaluates the D/2 (cos, sin) pairs into
 // shared memory (the FP32 recipe of rope.h; the frequencies come precomputed in RopeArgs), then rotates every (head, 8-pair group) item of q and
 // k. A thread reads the 8 low and 8 high elements of its pairs and writes them back rotated, so
-// out may equal in.
+// out may equal in. The (cos, sin) table of the decode GEMV's RoPE epilogue: one pair a thread.
 #include "ops/rope_kernels.h"
 
 #include "core/error.h"
 #include "ops/kernel_support.cuh"
-#include "ops/rope_device.cuh"
+#include "core/rope_math.cuh"
 
 namespace fourbit::ops::kernels {
 namespace {
@@ -28,7 +28,7 @@ __global__ void rope_kernel(RopeArgs a) {
     const int64_t cache_row = append ? ((n / a.rows_per_seq) * a.t_max + wp) * (int64_t)a.k_in.heads * a.head_dim : 0;
     __syncthreads();  // the previous token's items are done with cos_s / sin_s
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-      rope_cos_sin(a.positions[n], a.inv_freq[i], a.inverse, cos_s[i], sin_s[i]);
+      core::rope_cos_sin(a.positions[n], a.inv_freq[i], a.inverse, cos_s[i], sin_s[i]);
     }
     __syncthreads();
     for (int it = threadIdx.x; it < heads * groups; it += blockDim.x) {
@@ -49,7 +49,7 @@ __global__ void rope_kernel(RopeArgs a) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const int i = min(c + k, half - 1);  // past the ragged end: any valid pair, not stored
-        rope_rotate(lo[k], hi[k], cos_s[i], sin_s[i]);
+        core::rope_rotate(lo[k], hi[k], cos_s[i], sin_s[i]);
       }
       store8(out_lo, c, half, vec, lo);
       store8(out_hi, c, half, vec, hi);
@@ -76,7 +76,28 @@ __global__ void rope_kernel(RopeArgs a) {
   }
 }
 
+__global__ void rope_table_kernel(RopeTableArgs a) {
+  core::pdl_allow_dependents();
+  core::pdl_wait_for_producer();  // the positions may come from an earlier kernel
+  const int half = a.head_dim / 2;
+  const int64_t total = a.n_rows * half;
+  for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < total; j += (int64_t)gridDim.x * blockDim.x) {
+    float c, s;
+    core::rope_cos_sin(a.positions[j / half], a.inv_freq[j % half], false, c, s);
+    a.table[2 * j] = c;
+    a.table[2 * j + 1] = s;
+  }
+}
+
 }  // namespace
+
+void launch_rope_table(const RopeTableArgs& a, cudaStream_t stream) {
+  const int64_t total = a.n_rows * (a.head_dim / 2);
+  if (total == 0) return;
+  const unsigned grid = grid_for(total, kThreads);
+  FOURBIT_CUDA_CHECK(core::launch_pdl(rope_table_kernel, dim3(grid), dim3(kThreads), 0, stream, a));
+  FOURBIT_CUDA_CHECK_LAUNCH();
+}
 
 void launch_rope(const RopeArgs& a, cudaStream_t stream) {
   if (a.n_rows == 0 || a.q_in.heads + a.k_in.heads == 0) return;

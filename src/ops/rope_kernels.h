@@ -38,4 +38,14 @@ struct RopeArgs {
 };
 void launch_rope(const RopeArgs& a, cudaStream_t stream);
 
+// rope.h rope_cos_sin_table: table f32 [n_rows, head_dim / 2, 2].
+struct RopeTableArgs {
+  float* table = nullptr;
+  const int32_t* positions = nullptr;  // [n_rows]
+  int64_t n_rows = 0;
+  int head_dim = 0;
+  float inv_freq[kRopeMaxHeadDim / 2];  // as RopeArgs::inv_freq
+};
+void launch_rope_table(const RopeTableArgs& a, cudaStream_t stream);
+
 }  // namespace fourbit::ops::kernels

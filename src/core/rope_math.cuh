@@ -1,15 +1,16 @@
 // The RoPE rotation of one (lo, hi) pair on the device (nvcc only), shared by the RoPE kernel
-// (rope_kernels.cu) and the attention backward's epilogues (attention_kernels.cu, which can rotate
-// dq and dk back as they are stored). One definition, so that both give the same bits: the FP32
-// recipe of rope.h with every product and sum rounded on its own (no FMA contraction: the CPU f32
-// reference computes the same expressions).
+// (ops/rope_kernels.cu), the attention backward's epilogues (ops/attention_kernels.cu, which can
+// rotate dq and dk back as they are stored) and the decode GEMV's RoPE epilogue (gemm, which sits
+// beside ops and so finds it here, in core). One definition, so that all give the same bits: the
+// FP32 recipe of ops/rope.h with every product and sum rounded on its own (no FMA contraction: the
+// CPU f32 reference computes the same expressions).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-namespace fourbit::ops::kernels {
+namespace fourbit::core {
 
 // cos and sin of pair i's angle at position pos: angle = f32(f32(pos) * inv_freq_i). inverse: the
 // backward's rotation by -angle (sin negated).
@@ -27,4 +28,4 @@ __device__ __forceinline__ void rope_rotate(float& lo, float& hi, float c, float
   lo = l;
 }
 
-}  // namespace fourbit::ops::kernels
+}  // namespace fourbit::core
