@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -680,12 +681,18 @@ TEST(DecodeGemvCuda, RopeOutputEqualsTheGemvThenRope) {
           w = DecodeWeights::packed(w_q, "qkv");
         }
         const Tensor xd = random_matrix(B, K, seed++, DType::kBF16).to(Device::kCuda);
-        // Positions, and write positions: one token past t_max, one not appended, the rest in range.
+        // Positions, and write positions: one token past t_max, one not appended, the others at
+        // distinct positions of their sequence (two tokens of a sequence never share a cache row).
         std::mt19937 rng((uint32_t)seed++);
         Tensor pos = Tensor::empty({B}, DType::kI32, Device::kCpu), wpos = Tensor::empty({B}, DType::kI32, Device::kCpu);
+        std::vector<int32_t> slots((size_t)t_max);
         for (int b = 0; b < B; ++b) {
+          if (b % rc.rows_per_seq == 0) {  // a new sequence: a fresh permutation of its positions
+            for (int32_t i = 0; i < (int32_t)t_max; ++i) slots[(size_t)i] = i;
+            std::shuffle(slots.begin(), slots.end(), rng);
+          }
           pos.ptr<int32_t>()[b] = b % 3 == 1 ? (int32_t)(rng() % 60000) : (int32_t)(rng() % t_max);
-          wpos.ptr<int32_t>()[b] = b == 1 ? -1 : b == 2 ? (int32_t)t_max : (int32_t)(rng() % t_max);
+          wpos.ptr<int32_t>()[b] = b == 1 ? -1 : b == 2 ? (int32_t)t_max : slots[(size_t)(b % rc.rows_per_seq)];
         }
         const Tensor pos_d = pos.to(Device::kCuda), wpos_d = wpos.to(Device::kCuda);
         Tensor table = Tensor::empty({B, D / 2, 2}, DType::kF32, Device::kCuda);

@@ -13,8 +13,8 @@
 // bf16 rounding (and then possibly a quantized element) now and then, so the bound is the model gpu
 // test's: err(fast, emulated) <= 0.1 * q + 5e-3 with q = err(emulated quantized, emulated bf16) the
 // size of the quantization itself; bf16 recipe 1e-2. Also: no 64-token tile on the decode path
-// (B = 3), CUDA-graph replay bit-identical to op-by-op steps, the decode chain bit-identical to the
-// separate kernels, stale weights after a master-weight
+// (B = 3), CUDA-graph replay bit-identical to op-by-op steps, the decode chain and the decode GEMVs'
+// SwiGLU / RoPE epilogues bit-identical to the separate kernels, stale weights after a master-weight
 // change until refresh, a stale copy after set_recipe and an unsupported sampler format are errors
 // that say what to do. 64 tokens per step wherever the
 // emulated path must run too (its quantize kernels take 64-row tiles).
@@ -28,6 +28,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -237,6 +238,44 @@ TEST_F(ModelDecodeCuda, DecodeChainEqualsSeparateKernels) {
     m.set_decode_chain(true);
     run(m, 3, 3, 0, 43);
     EXPECT_EQ(m.decode_chain_steps(), before);
+  }
+}
+
+// The decode GEMVs' epilogues (Model::set_decode_epilogues: the SwiGLU in mlp_up's, RoPE and the
+// KV append in qkv's) against the separate kernels: identical logits over prefill and decode steps
+// (the later steps read the caches the epilogues wrote), for BF16 and NVFP4 activations, 1-16 tokens
+// a step; kAuto uses them exactly where the rule says (NVFP4 activations, at most 8 tokens).
+TEST_F(ModelDecodeCuda, DecodeEpiloguesEqualSeparateKernels) {
+  const ModelConfig c = decode_config();
+  for (const char* sampler : {"bf16", "nvfp4"}) {
+    SCOPED_TRACE(sampler);
+    ModelOptions o;
+    o.device = Device::kCuda;
+    o.seed = 42;
+    o.max_batch = 16;
+    o.max_seq = 16;
+    Model m(c, recipe::resolve(recipe::with_sampler_precision(recipe::preset("bf16"), sampler), c.recipe_shape()), o);
+    m.refresh_sampler_weights();
+    for (auto [B, Tq] : {std::pair<int, int>{1, 1}, {3, 1}, {8, 1}, {4, 2}, {16, 1}, {5, 3}}) {
+      const std::string what = "B " + std::to_string(B) + " Tq " + std::to_string(Tq);
+      int64_t before = m.decode_epilogue_steps();
+      m.set_decode_epilogues(Model::DecodeEpilogues::kOn);
+      const std::vector<double> on = run(m, B, Tq, 3, 51);
+      EXPECT_EQ(m.decode_epilogue_steps(), before + 4) << what << ": every call should use the epilogues";
+      before = m.decode_epilogue_steps();
+      m.set_decode_epilogues(Model::DecodeEpilogues::kOff);
+      const std::vector<double> off = run(m, B, Tq, 3, 51);
+      EXPECT_EQ(m.decode_epilogue_steps(), before) << what;
+      EXPECT_EQ(on, off) << what;
+      m.set_decode_epilogues(Model::DecodeEpilogues::kAuto);
+      const std::vector<double> automatic = run(m, B, Tq, 3, 51);
+      EXPECT_EQ(automatic, off) << what;
+      const bool nvfp4_x = std::string(sampler) == "nvfp4";
+      const int64_t want = (nvfp4_x && B * Tq <= 8 ? 1 : 0) + (nvfp4_x && B <= 8 ? 3 : 0);  // prefill, 3 steps
+      if (std::getenv("FOURBIT_DECODE_SWIGLU_EPILOGUE") == nullptr && std::getenv("FOURBIT_DECODE_ROPE_EPILOGUE") == nullptr) {
+        EXPECT_EQ(m.decode_epilogue_steps(), before + want) << what << ": kAuto";
+      }
+    }
   }
 }
 

@@ -73,6 +73,7 @@ struct Model::SamplerWeights {
     int B = 0, Tq = 0, max_len = 0;
     bool all_logits = false;
     bool chain = false;  // the step body runs the decode chain
+    DecodeEpilogues epilogues = DecodeEpilogues::kAuto;  // Model::set_decode_epilogues
     bool operator==(const GraphKey&) const = default;
   };
   bool graphs_enabled = true;
@@ -88,17 +89,24 @@ struct Model::SamplerWeights {
 };
 
 namespace {
-// Whether the dense MLP's SwiGLU runs in mlp_up's decode GEMV epilogue (DecodeGemvArgs::swiglu) where
-// the batch allows: on unless FOURBIT_DECODE_SWIGLU_EPILOGUE=0 (A/B runs). The same bits either way.
-bool decode_swiglu_epilogue() {
-  static const bool on = env_switch("FOURBIT_DECODE_SWIGLU_EPILOGUE") != 0;
-  return on;
+// Whether the dense MLP's SwiGLU runs in mlp_up's decode GEMV epilogue (DecodeGemvArgs::swiglu) and
+// RoPE with the KV-cache append in the qkv GEMV's (DecodeGemvArgs::rope), where the GEMV allows (1-16
+// tokens); the same bits either way. Default: only where the next quantizer has NVFP4 activations
+// (mlp_down's for the SwiGLU, qkv's own for RoPE) and the step has at most 8 tokens. Measured on an
+// H100 (llama-1.1b, bench/notes-decode.md, session 31): e2e4 -2..-7% a step at 1 and 8 tokens, +4-5%
+// at 16; bf16 and nvfp4-weights (BF16 activations) level or 2-6% slower. FOURBIT_DECODE_SWIGLU_EPILOGUE /
+// FOURBIT_DECODE_ROPE_EPILOGUE = 1 turn them on wherever the GEMV allows, 0 off (A/B runs).
+bool decode_epilogue_wanted(int setting, bool nvfp4_activations, int64_t tokens) {
+  if (setting >= 0) return setting == 1;
+  return nvfp4_activations && tokens <= 8;
 }
-// Whether RoPE and the KV-cache append run in the qkv decode GEMV's epilogue (DecodeGemvArgs::rope)
-// where the batch allows: on unless FOURBIT_DECODE_ROPE_EPILOGUE=0 (A/B runs). The same bits either way.
-bool decode_rope_epilogue() {
-  static const bool on = env_switch("FOURBIT_DECODE_ROPE_EPILOGUE") != 0;
-  return on;
+int decode_swiglu_epilogue_setting() {
+  static const int v = env_switch("FOURBIT_DECODE_SWIGLU_EPILOGUE");
+  return v;
+}
+int decode_rope_epilogue_setting() {
+  static const int v = env_switch("FOURBIT_DECODE_ROPE_EPILOGUE");
+  return v;
 }
 }  // namespace
 
@@ -501,6 +509,29 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   detail::copy_to_device(cache.lengths_device_.view(), new_lengths.data(), st);
   detail::sync_stream(options_.device, st);  // the host vectors above are locals
 
+  // The epilogues of the decode GEMVs (model.h set_decode_epilogues): the SwiGLU in mlp_up's (dense
+  // MLP blocks) and RoPE with the KV append in qkv's, by layer; not under an observer, which must see
+  // the GEMMs' own outputs, nor in the chain.
+  auto epilogue_setting = [&](int env_setting) {
+    return decode_epilogues_ == DecodeEpilogues::kOn ? 1 : decode_epilogues_ == DecodeEpilogues::kOff ? 0 : env_setting;
+  };
+  const int64_t D_head = c.head_dim();
+  auto swiglu_wanted = [&](int l) {
+    return fuse_residual && !c.is_moe_block(l) && gemm::decode_gemv_swiglu_supported(N, 2 * c.d_ff) &&
+           decode_epilogue_wanted(epilogue_setting(decode_swiglu_epilogue_setting()),
+                                  im.linear_recipe(l, LinearKind::kMlpDown).fprop_x.quant.has_value(), N);
+  };
+  auto rope_wanted = [&](int l) {
+    return fuse_residual && !chain && gemm::decode_gemv_rope_supported(N, D_head) &&
+           decode_epilogue_wanted(epilogue_setting(decode_rope_epilogue_setting()),
+                                  im.linear_recipe(l, LinearKind::kQkv).fprop_x.quant.has_value(), N);
+  };
+  bool any_rope = false, any_epilogue = false;
+  for (int l = 0; l < c.n_layers; ++l) {
+    any_rope = any_rope || rope_wanted(l);
+    any_epilogue = any_epilogue || rope_wanted(l) || (!chain && swiglu_wanted(l));
+  }
+
   // The step body, from the embedding to the logits, on `stream`.
   auto body = [&]() {
     void* const st = stream;
@@ -531,8 +562,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     }
     // RoPE and the KV append in the qkv GEMV's epilogue (not under an observer, which must see the
     // GEMM's own output, nor in the chain): the (cos, sin) of the step's positions once, here.
-    const bool rope_out = fuse_residual && !chain && decode_rope_epilogue() && gemm::decode_gemv_rope_supported(N, D);
-    if (rope_out) {
+    if (any_rope) {
       Scope s(im, Section::kAttention, Work::kOther);
       TensorView table = sw->rope_table.view();
       table.shape = Shape{N, D / 2, 2};
@@ -556,6 +586,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     for (int l = 0; l < c.n_layers; ++l) {
       const detail::BlockParams& p = im.bp[(size_t)l];
       const TensorView x = a.resid[(size_t)(l % 2)], out = a.resid[(size_t)((l + 1) % 2)];
+      const bool rope_out = rope_wanted(l);
       const gemm::DecodeRope rope = rope_out ? qkv_rope(l) : gemm::DecodeRope{};
       const gemm::DecodeRope* rope_arg = rope_out ? &rope : nullptr;
       if (chain) {
@@ -639,8 +670,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
         // must see the GEMM's own output): mlp_up writes act, and the [gate | up] product is never
         // written. Else inside mlp_down's activation quantizer where there is one (as norm_fusable),
         // or as its own kernel.
-        const bool swiglu_out = fuse_residual && decode_swiglu_epilogue() &&
-                                gemm::decode_gemv_swiglu_supported(N, 2 * c.d_ff);
+        const bool swiglu_out = swiglu_wanted(l);
         const TensorView up_out = swiglu_out ? act : gu;
         if (fuse_ln2) {
           linear(Section::kMlp, l, LinearKind::kMlpUp, mid, p.mlp_up, up_out, true, {}, p.mlp_norm, false, swiglu_out);
@@ -722,6 +752,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     key.max_len = cache.max_len();
     key.all_logits = o.all_logits;
     key.chain = chain;
+    key.epilogues = decode_epilogues_;
     key.buffers = {a.tokens.data, a.logits.data, cache.lengths_device_.data(), params_.flat().data,
                    compute_params().flat().data, im.flag(), cache.attention_ws_.get()};
     for (int l = 0; l < c.n_layers; ++l) {
@@ -780,6 +811,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   }
   im.check_error_flag("forward_cached");
   if (chain) ++decode_chain_steps_;
+  if (any_epilogue) ++decode_epilogue_steps_;
   cache.lengths_ = new_lengths;
   return a.logits;
 }
