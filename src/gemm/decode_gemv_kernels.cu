@@ -623,7 +623,7 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
   __syncthreads();
   if (!is_last) return;
   if constexpr (kPair != PairKind::kNone) {
-    sum_split_pairs<F, kPair, kSumBatch / 2>(p, row_base, splits);
+    sum_split_pairs<F, kPair, kSumBatch / 4>(p, row_base, splits);
   } else {
     sum_split_partials<F, kSumBatch>(p, row_base, p.B * kDecodeRowsPerCta, splits);
   }
@@ -756,8 +756,12 @@ constexpr int kRingDepth = F == DecodeWeightFormat::kNvfp4 ? 4 : 2;
 // tiles), one barrier, and the chunks are computed with each ring slot reloaded kRingDepth chunks
 // ahead as soon as it is consumed.
 // kPair: a pair launch (a thread's two weight rows are one output pair's, "Pair launches" above).
+// Pair launches are held to 3 CTAs an SM (at most 168 registers; they take 123-139), as the plain
+// ones are by their own allocation (152-159): left alone, ptxas gave the pair kernels up to 213
+// registers (2 CTAs an SM). Plain launches keep the unspecified minimum (0): an explicit 1 gives
+// them 200-209 registers.
 template <DecodeWeightFormat F, bool kXF16, int NT, PairKind kPair>
-__global__ void __launch_bounds__(kThreads) decode_gemv_staged_kernel(const DecodeGemvParams p, int chunks,
+__global__ void __launch_bounds__(kThreads, kPair == PairKind::kNone ? 0 : 3) decode_gemv_staged_kernel(const DecodeGemvParams p, int chunks,
                                                                       int chunks_per_split, int splits,
                                                                       bool cluster) {
   extern __shared__ __align__(16) uint4 x_tiles[];  // [chunks_per_split][NT * 8 tokens][kPieces]
