@@ -73,7 +73,7 @@ struct Model::SamplerWeights {
     int B = 0, Tq = 0, max_len = 0;
     bool all_logits = false;
     bool chain = false;  // the step body runs the decode chain
-    DecodeEpilogues epilogues = DecodeEpilogues::kAuto;  // Model::set_decode_epilogues
+    DecodeEpilogues epilogues = DecodeEpilogues::kOff;  // Model::set_decode_epilogues
     bool operator==(const GraphKey&) const = default;
   };
   bool graphs_enabled = true;
@@ -91,15 +91,17 @@ struct Model::SamplerWeights {
 namespace {
 // Whether the dense MLP's SwiGLU runs in mlp_up's decode GEMV epilogue (DecodeGemvArgs::swiglu) and
 // RoPE with the KV-cache append in the qkv GEMV's (DecodeGemvArgs::rope), where the GEMV allows (1-16
-// tokens); the same bits either way. Default: only where the next quantizer has NVFP4 activations
-// (mlp_down's for the SwiGLU, qkv's own for RoPE) and the step has at most 8 tokens. Measured on an
-// H100 (llama-1.1b, bench/notes-decode.md, session 31): e2e4 -2..-7% a step at 1 and 8 tokens, +4-5%
-// at 16; bf16 and nvfp4-weights (BF16 activations) level or 2-6% slower. FOURBIT_DECODE_SWIGLU_EPILOGUE /
-// FOURBIT_DECODE_ROPE_EPILOGUE = 1 turn them on wherever the GEMV allows, 0 off (A/B runs).
+// tokens); the same bits either way. setting: 1 on, 0 off, -1 the measured rule (Model::DecodeEpilogues::
+// kAuto): only where the next quantizer has NVFP4 activations (mlp_down's for the SwiGLU, qkv's own
+// for RoPE) and the step has at most 8 tokens. Measured on an H100 (llama-1.1b, bench/notes-decode.md,
+// session 31): e2e4 -2..-7% a step at 1 and 8 tokens, +4-5% at 16; bf16 and nvfp4-weights (BF16
+// activations) level or 2-6% slower.
 bool decode_epilogue_wanted(int setting, bool nvfp4_activations, int64_t tokens) {
   if (setting >= 0) return setting == 1;
   return nvfp4_activations && tokens <= 8;
 }
+// FOURBIT_DECODE_SWIGLU_EPILOGUE / FOURBIT_DECODE_ROPE_EPILOGUE = 1 turn them on wherever the GEMV
+// allows, 0 off, for every model of the process (A/B runs); unset: the model's setting.
 int decode_swiglu_epilogue_setting() {
   static const int v = env_switch("FOURBIT_DECODE_SWIGLU_EPILOGUE");
   return v;
@@ -513,7 +515,8 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   // MLP blocks) and RoPE with the KV append in qkv's, by layer; not under an observer, which must see
   // the GEMMs' own outputs, nor in the chain.
   auto epilogue_setting = [&](int env_setting) {
-    return decode_epilogues_ == DecodeEpilogues::kOn ? 1 : decode_epilogues_ == DecodeEpilogues::kOff ? 0 : env_setting;
+    if (env_setting >= 0) return env_setting;
+    return decode_epilogues_ == DecodeEpilogues::kOn ? 1 : decode_epilogues_ == DecodeEpilogues::kOff ? 0 : -1;
   };
   const int64_t D_head = c.head_dim();
   auto swiglu_wanted = [&](int l) {
