@@ -455,6 +455,47 @@ struct QuantizeCall {
   }
 };
 
+// A GEMV's arguments but its output: x . w^T through workspace ws, errors naming `name`.
+DecodeGemvArgs gemv_args(const TensorView& x, const DecodeWeights& w, DecodeWorkspace& ws, std::string_view name) {
+  DecodeGemvArgs a;
+  a.x = x;
+  a.w = w;
+  a.workspace = &ws;
+  a.name = name;
+  return a;
+}
+
+// The GEMV's x as NVFP4 activations: x [B, K] quantized by decode_quantize_nvfp4 into q (per
+// tensor or per token), and a's x, amax and per-row flag set to it.
+void quantize_gemv_input(DecodeGemvArgs& a, std::optional<QuantizeCall>& q, const TensorView& x, int B, int64_t K,
+                         bool per_row) {
+  quant::QuantConfig xc = nvfp4();
+  xc.nvfp4_row_amax = per_row;
+  q.emplace(x, xc, B, K);
+  q->run();
+  a.x = q->xs.view();
+  a.x_nvfp4_amax = q->amax.ptr<const float>();
+  a.x_amax_per_row = per_row;
+}
+
+// A host bf16 weight [N, K] on the device as the GEMV reads it: as is, or quantized to NVFP4 on the
+// CPU and copied.
+struct DeviceWeights {
+  Tensor bf16;
+  quant::QuantizedTensor nvfp4_copy;
+  DecodeWeights weights;
+  DeviceWeights(const Tensor& src, WKind kind, std::string_view name) {
+    if (kind == WKind::kBf16) {
+      bf16 = src.to(Device::kCuda);
+      weights = DecodeWeights::plain(bf16.view(), name);
+    } else {
+      nvfp4_copy = to_device(quantize(src, nvfp4()));
+      weights = DecodeWeights::packed(nvfp4_copy, name);
+    }
+  }
+  DeviceWeights(const DeviceWeights&) = delete;
+};
+
 // The fused RMSNorm of the activation quantizer against ops::rmsnorm_forward followed by the
 // unfused quantizer: the same scaled-domain values and amax, bit for bit. Shapes cover one and two
 // 8-column groups per thread of the norm's block (K 10240: 640 threads, two groups), strided rows
@@ -586,16 +627,8 @@ TEST(DecodeGemvCuda, SwigluOutputEqualsTheGemvThenSwiglu) {
         Tensor wsrc = random_matrix(N, K, seed++, DType::kBF16);
         for (int64_t i = 0; i < H * K; ++i)  // the gate rows, x4
           wsrc.ptr<uint16_t>()[i] = formats::encode_bf16_rn(formats::decode_bf16(wsrc.ptr<uint16_t>()[i]) * 4.0f);
-        Tensor w_bf16;
-        quant::QuantizedTensor w_q;
-        DecodeWeights w;
-        if (wk == WKind::kBf16) {
-          w_bf16 = wsrc.to(Device::kCuda);
-          w = DecodeWeights::plain(w_bf16.view(), "mlp_up");
-        } else {
-          w_q = to_device(quantize(wsrc, nvfp4()));
-          w = DecodeWeights::packed(w_q, "mlp_up");
-        }
+        const DeviceWeights dw(wsrc, wk, "mlp_up");
+        const DecodeWeights& w = dw.weights;
         // x: scaled so that the gates reach about +-12 (random_matrix's K-sums grow as sqrt(K)).
         Tensor xsrc = random_matrix(B, K, seed++, DType::kBF16);
         const float xs_scale = 3.0f / std::sqrt((float)K);
@@ -603,21 +636,9 @@ TEST(DecodeGemvCuda, SwigluOutputEqualsTheGemvThenSwiglu) {
           xsrc.ptr<uint16_t>()[i] = formats::encode_bf16_rn(formats::decode_bf16(xsrc.ptr<uint16_t>()[i]) * xs_scale);
         const Tensor xd = xsrc.to(Device::kCuda);
         DecodeWorkspace ws;
-        DecodeGemvArgs a;
-        a.x = xd.view();
-        a.w = w;
-        a.workspace = &ws;
-        a.name = "mlp_up";
+        DecodeGemvArgs a = gemv_args(xd.view(), w, ws, "mlp_up");
         std::optional<QuantizeCall> q;
-        if (xmode > 0) {
-          quant::QuantConfig xc = nvfp4();
-          xc.nvfp4_row_amax = xmode == 2;
-          q.emplace(xd.view(), xc, B, K);
-          q->run();
-          a.x = q->xs.view();
-          a.x_nvfp4_amax = q->amax.ptr<const float>();
-          a.x_amax_per_row = xmode == 2;
-        }
+        if (xmode > 0) quantize_gemv_input(a, q, xd.view(), B, K, xmode == 2);
         // The GEMV, then the SwiGLU.
         Tensor gu = Tensor::empty({B, N}, DType::kBF16, Device::kCuda), want = Tensor::empty({B, H}, DType::kBF16, Device::kCuda);
         a.y = gu.view();
@@ -670,16 +691,8 @@ TEST(DecodeGemvCuda, RopeOutputEqualsTheGemvThenRope) {
                                              rc.rows_per_seq, rc.H, rc.Hkv, D, K, wk == WKind::kBf16 ? "bf16" : "nvfp4",
                                              xmode);
         const Tensor wsrc = random_matrix(N, K, seed++, DType::kBF16);
-        Tensor w_bf16;
-        quant::QuantizedTensor w_q;
-        DecodeWeights w;
-        if (wk == WKind::kBf16) {
-          w_bf16 = wsrc.to(Device::kCuda);
-          w = DecodeWeights::plain(w_bf16.view(), "qkv");
-        } else {
-          w_q = to_device(quantize(wsrc, nvfp4()));
-          w = DecodeWeights::packed(w_q, "qkv");
-        }
+        const DeviceWeights dw(wsrc, wk, "qkv");
+        const DecodeWeights& w = dw.weights;
         const Tensor xd = random_matrix(B, K, seed++, DType::kBF16).to(Device::kCuda);
         // Positions, and write positions: one token past t_max, one not appended, the others at
         // distinct positions of their sequence (two tokens of a sequence never share a cache row).
@@ -712,21 +725,9 @@ TEST(DecodeGemvCuda, RopeOutputEqualsTheGemvThenRope) {
           v->strides = contiguous_strides(v->shape);
         }
         DecodeWorkspace ws;
-        DecodeGemvArgs a;
-        a.x = xd.view();
-        a.w = w;
-        a.workspace = &ws;
-        a.name = "qkv";
+        DecodeGemvArgs a = gemv_args(xd.view(), w, ws, "qkv");
         std::optional<QuantizeCall> q;
-        if (xmode > 0) {
-          quant::QuantConfig xc = nvfp4();
-          xc.nvfp4_row_amax = true;
-          q.emplace(xd.view(), xc, B, K);
-          q->run();
-          a.x = q->xs.view();
-          a.x_nvfp4_amax = q->amax.ptr<const float>();
-          a.x_amax_per_row = true;
-        }
+        if (xmode > 0) quantize_gemv_input(a, q, xd.view(), B, K, true);
         // The GEMV, then the RoPE kernel with the append.
         Tensor want = Tensor::empty({B, N}, DType::kBF16, Device::kCuda);
         a.y = want.view();
@@ -790,13 +791,9 @@ TEST(DecodeGemvCuda, SwigluOutputArgumentErrors) {
   const Tensor w_odd = random_matrix(96, 64, 3202, DType::kBF16).to(Device::kCuda);
   const Tensor y = Tensor::zeros({17, 64}, DType::kBF16, Device::kCuda), y32 = Tensor::zeros({4, 64}, DType::kF32, Device::kCuda);
   DecodeWorkspace ws;
-  DecodeGemvArgs a;
-  a.x = x.view();
-  a.w = DecodeWeights::plain(w.view(), "mlp.up");
+  DecodeGemvArgs a = gemv_args(x.view(), DecodeWeights::plain(w.view(), "mlp.up"), ws, "decode mlp.up");
   a.y = y.view();
-  a.workspace = &ws;
   a.swiglu = true;
-  a.name = "decode mlp.up";
   expect_error([&] { decode_gemv(a); }, {"decode mlp.up", "SwiGLU output", "1 to 16 tokens", "17 tokens"});
   TensorView x4 = x.view(), y4 = y.view();
   x4.shape = Shape{4, 64};

@@ -73,6 +73,20 @@ std::unique_ptr<Model> make_model(const ModelConfig& c, const std::string& recip
   return std::make_unique<Model>(c, testing::resolved(c, recipe), o);
 }
 
+// A bf16-trained model whose sampler runs `sampler` (recipe::with_sampler_precision), its sampler
+// weights built.
+std::unique_ptr<Model> sampler_model(const ModelConfig& c, const char* sampler, int max_batch) {
+  ModelOptions o;
+  o.device = Device::kCuda;
+  o.seed = 42;
+  o.max_batch = max_batch;
+  o.max_seq = 16;
+  auto m = std::make_unique<Model>(
+      c, recipe::resolve(recipe::with_sampler_precision(recipe::preset("bf16"), sampler), c.recipe_shape()), o);
+  m->refresh_sampler_weights();
+  return m;
+}
+
 double rel(const std::vector<double>& a, const std::vector<double>& b) {
   const double n = norm2(b);
   return diff_norm2(a, b) / (n > 0 ? n : 1.0);
@@ -216,13 +230,8 @@ TEST_F(ModelDecodeCuda, DecodeChainEqualsSeparateKernels) {
   const ModelConfig c = decode_config();
   for (const char* sampler : {"bf16", "nvfp4-weights"}) {
     SCOPED_TRACE(sampler);
-    ModelOptions o;
-    o.device = Device::kCuda;
-    o.seed = 42;
-    o.max_batch = 1;
-    o.max_seq = 16;
-    Model m(c, recipe::resolve(recipe::with_sampler_precision(recipe::preset("bf16"), sampler), c.recipe_shape()), o);
-    m.refresh_sampler_weights();
+    const std::unique_ptr<Model> model = sampler_model(c, sampler, 1);
+    Model& m = *model;
     for (auto [B, Tq] : {std::pair<int, int>{1, 1}, {3, 1}, {8, 1}, {4, 2}}) {
       const int64_t before = m.decode_chain_steps();
       m.set_decode_chain(true);
@@ -252,13 +261,8 @@ TEST_F(ModelDecodeCuda, DecodeEpiloguesEqualSeparateKernels) {
   const ModelConfig c = decode_config();
   for (const char* sampler : {"bf16", "nvfp4"}) {
     SCOPED_TRACE(sampler);
-    ModelOptions o;
-    o.device = Device::kCuda;
-    o.seed = 42;
-    o.max_batch = 16;
-    o.max_seq = 16;
-    Model m(c, recipe::resolve(recipe::with_sampler_precision(recipe::preset("bf16"), sampler), c.recipe_shape()), o);
-    m.refresh_sampler_weights();
+    const std::unique_ptr<Model> model = sampler_model(c, sampler, 16);
+    Model& m = *model;
     for (auto [B, Tq] : {std::pair<int, int>{1, 1}, {3, 1}, {8, 1}, {4, 2}, {16, 1}, {5, 3}}) {
       const std::string what = "B " + std::to_string(B) + " Tq " + std::to_string(Tq);
       int64_t before = m.decode_epilogue_steps();

@@ -563,6 +563,21 @@ __device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, in
   }
 }
 
+// f(token, row, value) for each of a thread's accumulator elements that lies inside y: element e of
+// n-tile j is token 8j + 2t + (e & 1), row row0 + 8 (e >> 1).
+template <int NT, typename F>
+__device__ __forceinline__ void for_each_output(const DecodeGemvParams& p, const float (&acc)[NT][4], int64_t row0,
+                                                int t, const F& f) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int token = 8 * j + 2 * t + (e & 1);
+      const int64_t row = row0 + 8 * (e >> 1);
+      if (token < p.B && row < p.N) f(token, row, acc[j][e]);
+    }
+}
+
 // The epilogue of both kernels: alpha_eff, then y directly (one split) or through the split-K
 // partials, summed in split order by the row block's last-arriving CTA.
 // `split` is this CTA's split (its partials slice), `row_block` its row block (its arrival counter);
@@ -590,26 +605,13 @@ __device__ __forceinline__ void finish(const DecodeGemvParams& p, const float (&
           }
         }
     } else {
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int token = 8 * j + 2 * t + (e & 1);
-          const int64_t row = row0 + 8 * (e >> 1);
-          if (token < p.B && row < p.N) store_y(p, token, row, formats::mul_rn(acc[j][e], alpha(token)));
-        }
+      for_each_output(p, acc, row0, t,
+                      [&](int token, int64_t row, float v) { store_y(p, token, row, formats::mul_rn(v, alpha(token))); });
     }
     return;
   }
   float* part = p.partials + (int64_t)split * p.B * p.N;
-#pragma unroll
-  for (int j = 0; j < NT; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int token = 8 * j + 2 * t + (e & 1);
-      const int64_t row = row0 + 8 * (e >> 1);
-      if (token < p.B && row < p.N) __stcg(part + token * p.N + row, acc[j][e]);
-    }
+  for_each_output(p, acc, row0, t, [&](int token, int64_t row, float v) { __stcg(part + token * p.N + row, v); });
   // One fence for the CTA, in thread 0 after the CTA barrier (fences are cumulative: they order the
   // partials every thread stored before the barrier), as cooperative groups' grid sync does; a fence
   // in every thread would also wait for each thread's outstanding weight loads (the chain's ring).
@@ -836,24 +838,26 @@ void launch_staged(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaSt
             plan.chunks_per_split, plan.splits, plan.cluster);
 }
 
+// A pair launch (1 or 2 n-tiles: at most kDecodeSwigluMaxTokens tokens).
+template <DecodeWeightFormat F, bool kXF16, PairKind kPair>
+void launch_pairs(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
+  if (plan.n_tiles == 1) {
+    launch_staged<F, kXF16, 1, kPair>(p, plan, stream);
+  } else {
+    launch_staged<F, kXF16, 2, kPair>(p, plan, stream);
+  }
+}
+
 template <DecodeWeightFormat F, bool kXF16>
 void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   const dim3 grid((unsigned)plan.row_blocks, (unsigned)plan.splits);
   // Pair launches: decode_gemv.cpp allows at most kDecodeSwigluMaxTokens tokens, so staged.
   if (p.swiglu_half > 0) {
-    if (plan.n_tiles == 1) {
-      launch_staged<F, kXF16, 1, PairKind::kSwiglu>(p, plan, stream);
-    } else {
-      launch_staged<F, kXF16, 2, PairKind::kSwiglu>(p, plan, stream);
-    }
+    launch_pairs<F, kXF16, PairKind::kSwiglu>(p, plan, stream);
     return;
   }
   if (p.rope_half > 0) {
-    if (plan.n_tiles == 1) {
-      launch_staged<F, kXF16, 1, PairKind::kRope>(p, plan, stream);
-    } else {
-      launch_staged<F, kXF16, 2, PairKind::kRope>(p, plan, stream);
-    }
+    launch_pairs<F, kXF16, PairKind::kRope>(p, plan, stream);
     return;
   }
   if (plan.staged) {
