@@ -4,7 +4,9 @@
 // timestamps from the GPU) and, when the program exits, prints one table: per kernel name (template
 // arguments kept, shortened), the launch count, total and mean time, and share of all kernel time,
 // sorted by total; then the GPU's idle time between activities (gaps under 1 ms, the steady
-// state's launch and synchronization losses, by the activity that ended them; longer gaps apart).
+// state's launch and synchronization losses, by the activity that ended them; longer gaps apart),
+// and the busy time each kernel adds to the timeline beyond the kernels before it (the table to
+// read for PDL-launched chains such as the decode step, whose kernels start early and wait).
 //
 //   LD_PRELOAD=build-gpu/tools/ktrace/libfourbit_ktrace.so fourbit bench train --presets gpt2-124m --recipes nvfp4
 //   CUDA_INJECTION64_PATH=build-gpu/tools/ktrace/libfourbit_ktrace.so fourbit ...   (the same, loaded by the
@@ -116,6 +118,13 @@ void report_gaps(FILE* out, std::vector<Interval> v) {
     const std::string *before, *after;
   };
   std::vector<LongGap> long_gaps;  // gaps of 100 us or more, in time order
+  // The busy time each activity adds to the timeline (its end past every earlier activity's end,
+  // from where those ended or from its own start), by name: with programmatic dependent launch a
+  // kernel starts before its producer ends and waits, so its duration counts that wait, while this
+  // counts only the time it keeps the GPU busy beyond the kernels before it.
+  std::map<const std::string*, std::pair<double, long>> extends;
+  extends[v[0].name].first += (double)(v[0].end - v[0].start);
+  extends[v[0].name].second += 1;
   const std::string* last_ended = v[0].name;
   double short_ns = 0, long_ns = 0;
   long short_count = 0, long_count = 0, over_10us = 0;
@@ -136,6 +145,9 @@ void report_gaps(FILE* out, std::vector<Interval> v) {
         a.second += 1;
       }
     }
+    auto& e = extends[v[i].name];
+    e.second += 1;
+    if (v[i].end > covered) e.first += (double)(v[i].end - std::max(covered, v[i].start));
     if (v[i].end >= covered) last_ended = v[i].name;
     covered = std::max(covered, v[i].end);
   }
@@ -150,6 +162,18 @@ void report_gaps(FILE* out, std::vector<Interval> v) {
   for (size_t i = 0; i < rows.size() && i < 12; ++i) {
     std::fprintf(out, "%10.3f %10ld %10.2f  %s\n", rows[i].second.first * 1e-6, rows[i].second.second,
                  rows[i].second.first * 1e-3 / (double)rows[i].second.second, rows[i].first->c_str());
+  }
+  std::vector<std::pair<const std::string*, std::pair<double, long>>> ext(extends.begin(), extends.end());
+  std::sort(ext.begin(), ext.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+  double busy = 0;
+  for (const auto& r : ext) busy += r.second.first;
+  std::fprintf(out, "ktrace: busy time added to the timeline by each activity (%.3f ms in all; PDL waits not counted)\n",
+               busy * 1e-6);
+  std::fprintf(out, "%10s %10s %10s %7s  %s\n", "adds ms", "launches", "mean us", "share", "activity");
+  for (size_t i = 0; i < ext.size() && i < 30; ++i) {
+    std::fprintf(out, "%10.3f %10ld %10.2f %6.2f%%  %.110s\n", ext[i].second.first * 1e-6, ext[i].second.second,
+                 ext[i].second.first * 1e-3 / (double)ext[i].second.second, 100.0 * ext[i].second.first / busy,
+                 ext[i].first->c_str());
   }
   // The long gaps one by one (the last 40): in a training benchmark, the step boundaries (host
   // synchronizations and what the host does before the next step's first launch).
