@@ -7,6 +7,7 @@
 #include "gemm/decode_gemv.h"
 #include "gemm/gemm.h"
 #include "model/model.h"
+#include "ops/rope.h"
 #include "quant/quantize.h"
 #include "recipe/recipe.h"
 
@@ -394,6 +395,61 @@ void bench_gemv(const DecodeBenchOptions& o, const ModelConfig& config, double c
       rows[i_nv].ratio = ms_cublas / ms_nv;
       rows[i_w4a16].ratio = ms_cublas / ms_w4a16;
       for (size_t i : {i_cublas, i_bf16, i_nv, i_w4a16}) print_gemv(rows[i]);
+      // The pair launches (gemm::DecodeGemvArgs::swiglu / rope) of mlp_up and qkv, against the rows
+      // above: the same weights and plan, the epilogue's outputs instead of y.
+      const bool swiglu_layer = s.kind == recipe::LinearKind::kMlpUp && gemm::decode_gemv_swiglu_supported(B, s.n);
+      const bool rope_layer = s.kind == recipe::LinearKind::kQkv && gemm::decode_gemv_rope_supported(B, config.head_dim());
+      if (swiglu_layer || rope_layer) {
+        Tensor act = Tensor::empty({B, s.n / 2}, DType::kBF16, Device::kCuda);
+        const int64_t D = config.head_dim(), Hkv = config.n_kv_heads;
+        Tensor positions = Tensor::zeros({B}, DType::kI32, Device::kCuda);
+        Tensor cos_sin = Tensor::empty({B, std::max<int64_t>(1, D / 2), 2}, DType::kF32, Device::kCuda);
+        Tensor k_cache = Tensor::empty({B, 1, Hkv, D}, DType::kBF16, Device::kCuda);
+        Tensor v_cache = Tensor::empty({B, 1, Hkv, D}, DType::kBF16, Device::kCuda);
+        gemm::DecodeRope rope;
+        if (rope_layer) {
+          ops::rope_cos_sin_table(cos_sin.view(), positions.view(), (float)config.rope_theta, D, nullptr);
+          rope.q_heads = config.n_heads;
+          rope.kv_heads = Hkv;
+          rope.head_dim = D;
+          rope.cos_sin = cos_sin.view();
+          rope.k_cache = k_cache.view();
+          rope.v_cache = v_cache.view();
+          rope.write_pos = positions.view();
+        }
+        auto pair_args = [&](gemm::DecodeGemvArgs& a) {
+          a.y = swiglu_layer ? act.view() : y.view();
+          a.swiglu = swiglu_layer;
+          a.rope = rope_layer ? &rope : nullptr;
+          a.workspace = &ws;
+        };
+        const double pb_bf16 = time_it(n_bf16, [&](int i) {
+          gemm::DecodeGemvArgs a;
+          a.x = x.view();
+          a.w = gemm::DecodeWeights::plain(w_bf16[(size_t)i].view(), s.name);
+          pair_args(a);
+          gemm::decode_gemv(a);
+        });
+        auto pair_nvfp4 = [&](const TensorView& x_in, const float* x_amax) {
+          return time_it(n_nv, [&](int i) {
+            gemm::DecodeGemvArgs a;
+            a.x = x_in;
+            a.x_nvfp4_amax = x_amax;
+            a.w = gemm::DecodeWeights::packed(w_nv[(size_t)i], s.name);
+            pair_args(a);
+            gemm::decode_gemv(a);
+          });
+        };
+        const double pb_nv = pair_nvfp4(xs.view(), amax.ptr<const float>()), pb_w4a16 = pair_nvfp4(x.view(), nullptr);
+        const char* section = swiglu_layer ? "gemv-swiglu" : "gemv-rope";
+        const size_t j_bf16 = add_row(section, "bf16", pb_bf16, bf16_bytes);
+        const size_t j_nv = add_row(section, "nvfp4", pb_nv, nv_bytes);
+        const size_t j_w4a16 = add_row(section, "nvfp4-a16", pb_w4a16, nv_bytes);
+        rows[j_bf16].ratio = ms_cublas / pb_bf16;
+        rows[j_nv].ratio = ms_cublas / pb_nv;
+        rows[j_w4a16].ratio = ms_cublas / pb_w4a16;
+        for (size_t i : {j_bf16, j_nv, j_w4a16}) print_gemv(rows[i]);
+      }
     }
   }
   int bits = 0;

@@ -44,7 +44,9 @@ struct DecodeBenchOptions {
 };
 
 struct DecodeBenchRow {
-  std::string section;  // "step", "step-eager", "step-emulated", "gemv", "gemv-cublas"
+  // "step", "step-eager", "step-emulated", "gemv", "gemv-cublas", and (1-16 tokens) "gemv-swiglu" /
+  // "gemv-rope": mlp_up / qkv as pair launches with the SwiGLU / RoPE epilogue (DecodeGemvArgs)
+  std::string section;
   std::string weights;  // bf16, nvfp4 (step rows: the recipe name)
   std::string layer;    // step rows: the preset; gemv rows: qkv, attn_out, mlp_up, mlp_down, lm_head
   int batch = 0;
