@@ -2,7 +2,7 @@
 // computation over fully dequantized operands (quant::dequantize_reference, global scale folded per
 // element), BF16 and NVFP4 weights, plain and NVFP4 activations, odd shapes; the activation
 // quantizer support rule; argument errors naming the tensor; and (CUDA builds) the launch plan's
-// invariants over many shapes.
+// invariants over many shapes and the pair launches' row mapping.
 #include "gemm/decode_gemv.h"
 #include "gemm_test_util.h"
 
@@ -14,6 +14,8 @@
 
 #include <cmath>
 #include <random>
+#include <utility>
+#include <vector>
 
 namespace fourbit::gemm {
 namespace {
@@ -223,6 +225,40 @@ TEST(DecodeGemvPlan, CoversEveryChunkAndRow) {
       ASSERT_EQ(p.x_smem_bytes, p.chunks_per_split * p.n_tiles * kernels::kDecodeXTileBytes);
       ASSERT_LE(p.x_smem_bytes, 32 * 1024);
     }
+  }
+}
+
+// The pair launches' row mapping (decode_pair_base / decode_pair_row): over the SwiGLU's one span
+// (N = 2H rows, H a multiple of 32) and RoPE's spans of one head (D a multiple of 64, 1-40 heads),
+// the pairs (base + q, base + q + step) of the N / 64 row blocks cover every row of W exactly once,
+// the first of each pair in its span's lower half; and the partial rows of the 32 pairs of a block
+// are its 64 rows, each once, pair q's at 16 (q / 8) + q % 8 (thread (g, t) of warp w = q / 8,
+// g = q % 8 holds rows 16 w + g and 16 w + g + 8).
+TEST(DecodeGemvPlan, PairLaunchesCoverEveryRowOnce) {
+  constexpr int kPairs = kernels::kDecodeRowsPerCta / 2;
+  std::vector<int> local(kernels::kDecodeRowsPerCta, 0);
+  for (int q = 0; q < kPairs; ++q) {
+    const int r = kernels::decode_pair_row(q);
+    ASSERT_EQ(r, 16 * (q / 8) + q % 8);
+    ++local[(size_t)r];
+    ++local[(size_t)r + 8];
+  }
+  for (int c : local) ASSERT_EQ(c, 1);
+  std::vector<std::pair<int64_t, int64_t>> layouts;  // (step, N)
+  for (int64_t H : {32, 64, 96, 1408, 5632, 8704}) layouts.push_back({H, 2 * H});
+  for (int64_t D : {64, 128, 192, 256, 512})
+    for (int64_t heads : {1, 3, 40}) layouts.push_back({D / 2, heads * D});
+  for (auto [step, N] : layouts) {
+    std::vector<int> seen((size_t)N, 0);
+    for (int64_t block = 0; block < N / kernels::kDecodeRowsPerCta; ++block)
+      for (int q = 0; q < kPairs; ++q) {
+        const int64_t lo = kernels::decode_pair_base(step, block) + q;
+        ASSERT_TRUE(lo >= 0 && lo + step < N) << "step " << step << " N " << N << " block " << block << " q " << q;
+        ASSERT_LT(lo % (2 * step), step) << "the first row of a pair lies in its span's lower half";
+        ++seen[(size_t)lo];
+        ++seen[(size_t)(lo + step)];
+      }
+    for (int64_t r = 0; r < N; ++r) ASSERT_EQ(seen[(size_t)r], 1) << "step " << step << " N " << N << " row " << r;
   }
 }
 #endif

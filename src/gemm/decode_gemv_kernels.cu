@@ -425,20 +425,18 @@ __device__ __forceinline__ float alpha_eff(const DecodeGemvParams& p, int token)
 // (b % (span / 64)) 32. Thread (g, t) of warp w loads pair 8 w + g's two rows as its rows g and
 // g + 8 (row_step = step), so its accumulator elements e and e + 2 are the two sums of one (token,
 // pair). The split partials keep the plain launch's rows (16 w + g + 8 i of the block), where
-// pair q is rows pair_row(q) and that + 8.
+// pair q is rows decode_pair_row(q) and that + 8 (decode_gemv_kernels.h).
 enum class PairKind : uint8_t { kNone, kSwiglu, kRope };
 constexpr int kPairsPerCta = kDecodeRowsPerCta / 2;
-__device__ __forceinline__ int pair_row(int q) { return 16 * (q / 8) + q % 8; }
 
 template <PairKind kPair>
 __device__ __forceinline__ int64_t pair_step(const DecodeGemvParams& p) {
   return kPair == PairKind::kSwiglu ? p.swiglu_half : (int64_t)p.rope_half;
 }
-// The first row of pair 0 of row block `block`.
+// The first row of pair 0 of row block `block` (decode_gemv_kernels.h decode_pair_base).
 template <PairKind kPair>
 __device__ __forceinline__ int64_t pair_base(const DecodeGemvParams& p, int64_t block) {
-  const int64_t span = 2 * pair_step<kPair>(p), blocks_per_span = span / kDecodeRowsPerCta;
-  return block / blocks_per_span * span + block % blocks_per_span * kPairsPerCta;
+  return decode_pair_base(pair_step<kPair>(p), block);
 }
 
 // Output pair q of row block `block` for `token`, from the pair's FP32 results lo (the first row)
@@ -499,7 +497,7 @@ __device__ __forceinline__ void sum_split_pairs(const DecodeGemvParams& p, int64
       for (int u = 0; u < kBatch; ++u) {
         const int i = i0 + u * kThreads;
         const float* src = p.partials + ((int64_t)s * p.B + i / kPairsPerCta) * p.N + row_base +
-                           pair_row(i % kPairsPerCta);
+                           decode_pair_row(i % kPairsPerCta);
         vg[u] = i < total ? __ldcg(src) : 0.0f;
         vu[u] = i < total ? __ldcg(src + 8) : 0.0f;
       }
@@ -653,7 +651,7 @@ __device__ __forceinline__ void finish_cluster(const DecodeGemvParams& p, const 
   const int rank = (int)cluster.block_rank();
   if constexpr (kPair != PairKind::kNone) {  // one (token, pair) a thread: its two rows' sums
     for (int i = rank * kThreads + (int)threadIdx.x; i < p.B * kPairsPerCta; i += splits * kThreads) {
-      const int token = i / kPairsPerCta, q = i % kPairsPerCta, r = token * kDecodeRowsPerCta + pair_row(q);
+      const int token = i / kPairsPerCta, q = i % kPairsPerCta, r = token * kDecodeRowsPerCta + decode_pair_row(q);
       float vg[kDecodeClusterMax], vu[kDecodeClusterMax];
 #pragma unroll
       for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) {

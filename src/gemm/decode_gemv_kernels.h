@@ -167,6 +167,17 @@ struct DecodeGemvParams {
 };
 // Most tokens of a pair launch (SwiGLU, RoPE): the staged kernel's 1 and 2 n-tiles.
 inline constexpr int kDecodeSwigluMaxTokens = 16;
+// Where a pair launch's pairs are (decode_gemv_kernels.cu, "Pair launches"): W's rows form spans of
+// 2 step rows (step = swiglu_half: one span; step = D/2: one span per head); pair q < 32 of row
+// block `block` is weight rows decode_pair_base(step, block) + q and that + step, and its two split
+// partials sit at rows decode_pair_row(q) and that + 8 of the block (the plain launch's layout:
+// thread (g, t) of warp w holds rows 16 w + g and 16 w + g + 8, i.e. pair 8 w + g). A CPU test
+// checks that the pairs cover every row of W once.
+FOURBIT_HD int64_t decode_pair_base(int64_t step, int64_t block) {
+  const int64_t blocks_per_span = 2 * step / kDecodeRowsPerCta;
+  return block / blocks_per_span * 2 * step + block % blocks_per_span * (kDecodeRowsPerCta / 2);
+}
+FOURBIT_HD int decode_pair_row(int q) { return 16 * (q / 8) + q % 8; }
 void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream);
 
 // ---- decode chain: several GEMVs in one persistent launch ----------------------------------------
