@@ -27,6 +27,9 @@
 //   - Otherwise split partials go to an FP32 workspace [splits, B, N]; the last CTA of a row block
 //     (a per-row-block arrival counter) sums them in split order, so the result does not depend on
 //     CTA scheduling (deterministic), and resets the counter to 0.
+//   - Pair launches (1-16 tokens, staged): a thread's two weight rows are one output pair (a gate
+//     row and its up row, or rows d and d + D/2 of an attention head), so that the epilogue can
+//     finish the SwiGLU or RoPE + KV append itself (DecodeGemvParams::swiglu_half / rope_half).
 // Invariants: the counters start at zero (the workspace is zeroed when allocated) and are zero
 // again after every launch; one launch at a time per workspace (one stream).
 #pragma once
