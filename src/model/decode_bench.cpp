@@ -356,28 +356,34 @@ void bench_gemv(const DecodeBenchOptions& o, const ModelConfig& config, double c
         rows.push_back(row);
         return rows.size() - 1;
       };
-      const double ms_bf16 = time_it(n_bf16, [&](int i) {
-        gemm::DecodeGemvArgs a;
-        a.x = x.view();
-        a.w = gemm::DecodeWeights::plain(w_bf16[(size_t)i].view(), s.name);
-        a.y = y.view();
-        a.workspace = &ws;
-        gemm::decode_gemv(a);
-      });
-      // NVFP4 weights with x_in: NVFP4 scaled-domain activations (x_amax set) or plain BF16 (null).
-      auto time_nvfp4 = [&](const TensorView& x_in, const float* x_amax) {
+      // The GEMV over the BF16 copies, or over the NVFP4 copies with x_in: NVFP4 scaled-domain
+      // activations (x_amax set) or plain BF16 (null); `output` sets where the result goes.
+      using Output = std::function<void(gemm::DecodeGemvArgs&)>;
+      auto time_bf16 = [&](const Output& output) {
+        return time_it(n_bf16, [&](int i) {
+          gemm::DecodeGemvArgs a;
+          a.x = x.view();
+          a.w = gemm::DecodeWeights::plain(w_bf16[(size_t)i].view(), s.name);
+          a.workspace = &ws;
+          output(a);
+          gemm::decode_gemv(a);
+        });
+      };
+      auto time_nvfp4 = [&](const TensorView& x_in, const float* x_amax, const Output& output) {
         return time_it(n_nv, [&](int i) {
           gemm::DecodeGemvArgs a;
           a.x = x_in;
           a.x_nvfp4_amax = x_amax;
           a.w = gemm::DecodeWeights::packed(w_nv[(size_t)i], s.name);
-          a.y = y.view();
           a.workspace = &ws;
+          output(a);
           gemm::decode_gemv(a);
         });
       };
-      const double ms_nv = time_nvfp4(xs.view(), amax.ptr<const float>());
-      const double ms_w4a16 = time_nvfp4(x.view(), nullptr);
+      const Output plain = [&](gemm::DecodeGemvArgs& a) { a.y = y.view(); };
+      const double ms_bf16 = time_bf16(plain);
+      const double ms_nv = time_nvfp4(xs.view(), amax.ptr<const float>(), plain);
+      const double ms_w4a16 = time_nvfp4(x.view(), nullptr, plain);
       const double ms_cublas = time_it(n_bf16, [&](int i) {
         gemm::GemmArgs g;
         g.a = gemm::Operand::dense(x.view(), "x");
@@ -417,30 +423,14 @@ void bench_gemv(const DecodeBenchOptions& o, const ModelConfig& config, double c
           rope.v_cache = v_cache.view();
           rope.write_pos = positions.view();
         }
-        auto pair_args = [&](gemm::DecodeGemvArgs& a) {
+        const Output pair = [&](gemm::DecodeGemvArgs& a) {
           a.y = swiglu_layer ? act.view() : y.view();
           a.swiglu = swiglu_layer;
           a.rope = rope_layer ? &rope : nullptr;
-          a.workspace = &ws;
         };
-        const double pb_bf16 = time_it(n_bf16, [&](int i) {
-          gemm::DecodeGemvArgs a;
-          a.x = x.view();
-          a.w = gemm::DecodeWeights::plain(w_bf16[(size_t)i].view(), s.name);
-          pair_args(a);
-          gemm::decode_gemv(a);
-        });
-        auto pair_nvfp4 = [&](const TensorView& x_in, const float* x_amax) {
-          return time_it(n_nv, [&](int i) {
-            gemm::DecodeGemvArgs a;
-            a.x = x_in;
-            a.x_nvfp4_amax = x_amax;
-            a.w = gemm::DecodeWeights::packed(w_nv[(size_t)i], s.name);
-            pair_args(a);
-            gemm::decode_gemv(a);
-          });
-        };
-        const double pb_nv = pair_nvfp4(xs.view(), amax.ptr<const float>()), pb_w4a16 = pair_nvfp4(x.view(), nullptr);
+        const double pb_bf16 = time_bf16(pair);
+        const double pb_nv = time_nvfp4(xs.view(), amax.ptr<const float>(), pair);
+        const double pb_w4a16 = time_nvfp4(x.view(), nullptr, pair);
         const char* section = swiglu_layer ? "gemv-swiglu" : "gemv-rope";
         const size_t j_bf16 = add_row(section, "bf16", pb_bf16, bf16_bytes);
         const size_t j_nv = add_row(section, "nvfp4", pb_nv, nv_bytes);
