@@ -284,32 +284,34 @@ kernels::DecodeGemvParams gemv_params(const DecodeGemvArgs& a, int x_per_k) {
                 where, B, kDecodeMaxTokens);
   FOURBIT_CHECK(K == a.w.k(), "{}: x {} has K = {} but weight {} has K = {}", where, x.describe(), K,
                 a.w.describe(), a.w.k());
-  const TensorView& y = a.y;
   if (a.swiglu) {
     FOURBIT_CHECK(decode_gemv_swiglu_supported(B, N),
                   "{}: a SwiGLU output needs 1 to {} tokens and a weight of 2H rows with H a multiple of {}; got {} "
                   "tokens and weight {} (run the GEMV into a [B, 2H] buffer and ops::swiglu_forward instead)",
-                  where, kernels::kDecodeSwigluMaxTokens, kernels::kDecodeRowsPerCta / 2, B, a.w.describe());
-    FOURBIT_CHECK(y.device == Device::kCuda && y.dtype == DType::kBF16 && y.shape.ndim == 2 && y.shape[0] == B &&
-                      y.shape[1] == N / 2 && y.strides[1] == 1 && y.strides[0] >= N / 2,
-                  "{}: with a SwiGLU output y must be a bf16 [{}, {}] matrix with unit column stride on cuda, got {}",
-                  where, B, N / 2, y.describe());
-    FOURBIT_CHECK(a.residual.data == nullptr, "{}: a SwiGLU output takes no residual", where);
+                  where, kernels::kDecodePairMaxTokens, kernels::kDecodeRowsPerCta / 2, B, a.w.describe());
     FOURBIT_CHECK(a.rope == nullptr, "{}: give either a SwiGLU or a RoPE output, not both", where);
-  } else if (a.rope != nullptr) {
+  }
+  // y: [B, N], or [B, N / 2] for a SwiGLU output; bf16 only (and no residual) with an epilogue.
+  const TensorView& y = a.y;
+  const bool epilogue = a.swiglu || a.rope != nullptr;
+  const int64_t y_cols = a.swiglu ? N / 2 : N;
+  FOURBIT_CHECK(y.device == Device::kCuda && (y.dtype == DType::kBF16 || (y.dtype == DType::kF32 && !epilogue)) &&
+                    y.shape.ndim == 2 && y.shape[0] == B && y.shape[1] == y_cols && y.strides[1] == 1 &&
+                    y.strides[0] >= y_cols,
+                "{}: {}y must be {} [{}, {}] matrix with unit column stride on cuda, got {}", where,
+                a.swiglu ? "with a SwiGLU output " : a.rope != nullptr ? "with a RoPE output " : "",
+                epilogue ? "a bf16" : "an f32 or bf16", B, y_cols, y.describe());
+  FOURBIT_CHECK(!epilogue || a.residual.data == nullptr, "{}: a {} output takes no residual", where,
+                a.swiglu ? "SwiGLU" : "RoPE");
+  if (a.rope != nullptr) {
     const DecodeRope& r = *a.rope;
     const int64_t D = r.head_dim, rows = (r.q_heads + 2 * r.kv_heads) * D;
     FOURBIT_CHECK(decode_gemv_rope_supported(B, D) && r.q_heads >= 1 && r.kv_heads >= 1,
                   "{}: a RoPE output needs 1 to {} tokens, q and kv heads and a head dim that is a multiple of {}; "
                   "got {} tokens, {} q heads, {} kv heads of {} (run the GEMV, then ops::rope_forward_inplace_append)",
-                  where, kernels::kDecodeSwigluMaxTokens, kernels::kDecodeRowsPerCta, B, r.q_heads, r.kv_heads, D);
+                  where, kernels::kDecodePairMaxTokens, kernels::kDecodeRowsPerCta, B, r.q_heads, r.kv_heads, D);
     FOURBIT_CHECK(N == rows, "{}: a RoPE output needs a weight of (q heads + 2 kv heads) x head dim = {} rows, got {}",
                   where, rows, a.w.describe());
-    FOURBIT_CHECK(y.device == Device::kCuda && y.dtype == DType::kBF16 && y.shape.ndim == 2 && y.shape[0] == B &&
-                      y.shape[1] == N && y.strides[1] == 1 && y.strides[0] >= N,
-                  "{}: with a RoPE output y must be a bf16 [{}, {}] matrix with unit column stride on cuda, got {}",
-                  where, B, N, y.describe());
-    FOURBIT_CHECK(a.residual.data == nullptr, "{}: a RoPE output takes no residual", where);
     const TensorView& cs = r.cos_sin;
     FOURBIT_CHECK(cs.device == Device::kCuda && cs.dtype == DType::kF32 && cs.shape.ndim == 3 && cs.shape[0] == B &&
                       cs.shape[1] == D / 2 && cs.shape[2] == 2 && cs.is_contiguous(),
@@ -332,12 +334,6 @@ kernels::DecodeGemvParams gemv_params(const DecodeGemvArgs& a, int x_per_k) {
                         r.write_pos.shape.ndim == 1 && r.write_pos.shape[0] == B && r.write_pos.is_contiguous(),
                     "{}: write_pos must be a contiguous i32 [{}] on cuda, got {}", where, B, r.write_pos.describe());
     }
-  } else {
-    FOURBIT_CHECK(y.device == Device::kCuda && (y.dtype == DType::kF32 || y.dtype == DType::kBF16) &&
-                      y.shape.ndim == 2 && y.shape[0] == B && y.shape[1] == N && y.strides[1] == 1 &&
-                      y.strides[0] >= N,
-                  "{}: y must be an f32 or bf16 [{}, {}] matrix with unit column stride on cuda, got {}", where, B,
-                  N, y.describe());
   }
   const TensorView& r = a.residual;
   if (r.data != nullptr) {
@@ -491,12 +487,12 @@ bool decode_quantize_can_fuse_norm(int64_t B, int64_t K, bool per_row_amax) {
 }
 
 bool decode_gemv_swiglu_supported(int64_t B, int64_t N) {
-  return B >= 1 && B <= kernels::kDecodeSwigluMaxTokens && N >= kernels::kDecodeRowsPerCta &&
+  return B >= 1 && B <= kernels::kDecodePairMaxTokens && N >= kernels::kDecodeRowsPerCta &&
          N % kernels::kDecodeRowsPerCta == 0;
 }
 
 bool decode_gemv_rope_supported(int64_t B, int64_t head_dim) {
-  return B >= 1 && B <= kernels::kDecodeSwigluMaxTokens && head_dim >= kernels::kDecodeRowsPerCta &&
+  return B >= 1 && B <= kernels::kDecodePairMaxTokens && head_dim >= kernels::kDecodeRowsPerCta &&
          head_dim % kernels::kDecodeRowsPerCta == 0;
 }
 

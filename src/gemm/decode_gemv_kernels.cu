@@ -482,7 +482,9 @@ __device__ __forceinline__ void store_pair(const DecodeGemvParams& p, int token,
 
 // The global path's sum (sum_split_partials) of a pair launch: pair i (token i / kPairsPerCta,
 // pair i % kPairsPerCta of the row block), kBatch pairs a thread at once, each of its two sums
-// 0 + p_0 + p_1 + ... in split order.
+// 0 + p_0 + p_1 + ... in split order. Kept apart from sum_split_partials on purpose: one template
+// for both (outputs of 1 or 2 rows) changed the plain kernels' allocation from 152-159 registers
+// to 128 with spills (ptxas, session 31), and those kernels' times follow their registers.
 template <DecodeWeightFormat F, PairKind kPair, int kBatch>
 __device__ __forceinline__ void sum_split_pairs(const DecodeGemvParams& p, int64_t row_base, int splits) {
   const float alpha0 = alpha_eff<F>(p, 0);
@@ -557,6 +559,27 @@ __device__ __forceinline__ void sum_split_partials(const DecodeGemvParams& p, in
       if (i < total && row < p.N) {
         store_y(p, token, row, formats::mul_rn(sum[u], p.x_amax_per_row ? alpha_eff<F>(p, token) : alpha0));
       }
+    }
+  }
+}
+
+// The split-order sums of kRows elements idx[r] of the cluster's partials (each CTA's shared
+// `partial`), over distributed shared memory: every split's loads first (one round trip, not one
+// per split), then 0 + p_0 + p_1 + ...: the global path's sums exactly.
+template <int kRows>
+__device__ __forceinline__ void cluster_split_sums(cg::cluster_group& cluster, float* partial, const int (&idx)[kRows],
+                                                   int splits, float (&sum)[kRows]) {
+  float v[kRows][kDecodeClusterMax];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) v[r][s2] = s2 < splits ? cluster.map_shared_rank(partial, s2)[idx[r]] : 0.0f;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    sum[r] = 0.0f;
+#pragma unroll
+    for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) {
+      if (s2 < splits) sum[r] = formats::add_rn(sum[r], v[r][s2]);
     }
   }
 }
@@ -652,39 +675,21 @@ __device__ __forceinline__ void finish_cluster(const DecodeGemvParams& p, const 
   if constexpr (kPair != PairKind::kNone) {  // one (token, pair) a thread: its two rows' sums
     for (int i = rank * kThreads + (int)threadIdx.x; i < p.B * kPairsPerCta; i += splits * kThreads) {
       const int token = i / kPairsPerCta, q = i % kPairsPerCta, r = token * kDecodeRowsPerCta + decode_pair_row(q);
-      float vg[kDecodeClusterMax], vu[kDecodeClusterMax];
-#pragma unroll
-      for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) {
-        vg[s2] = s2 < splits ? cluster.map_shared_rank(partial, s2)[r] : 0.0f;
-        vu[s2] = s2 < splits ? cluster.map_shared_rank(partial, s2)[r + 8] : 0.0f;
-      }
-      float sg = 0.0f, su = 0.0f;
-#pragma unroll
-      for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) {
-        if (s2 < splits) {
-          sg = formats::add_rn(sg, vg[s2]);
-          su = formats::add_rn(su, vu[s2]);
-        }
-      }
-      store_pair<kPair>(p, token, row_base / kDecodeRowsPerCta, q, formats::mul_rn(sg, alpha(token)),
-                        formats::mul_rn(su, alpha(token)));
+      const int idx[2] = {r, r + 8};
+      float sum[2];
+      cluster_split_sums(cluster, partial, idx, splits, sum);
+      store_pair<kPair>(p, token, row_base / kDecodeRowsPerCta, q, formats::mul_rn(sum[0], alpha(token)),
+                        formats::mul_rn(sum[1], alpha(token)));
     }
   } else {
     for (int i = rank * kThreads + (int)threadIdx.x; i < p.B * kDecodeRowsPerCta; i += splits * kThreads) {
       const int token = i / kDecodeRowsPerCta, local = i % kDecodeRowsPerCta;
       const int64_t row = row_base + local;
       if (row >= p.N) continue;
-      // All the splits' loads first (one distributed-shared-memory round trip, not one per split),
-      // then the sum in split order.
-      float v[kDecodeClusterMax];
-#pragma unroll
-      for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) v[s2] = s2 < splits ? cluster.map_shared_rank(partial, s2)[i] : 0.0f;
-      float sum = 0.0f;
-#pragma unroll
-      for (int s2 = 0; s2 < kDecodeClusterMax; ++s2) {
-        if (s2 < splits) sum = formats::add_rn(sum, v[s2]);
-      }
-      store_y(p, token, row, formats::mul_rn(sum, alpha(token)));
+      const int idx[1] = {i};
+      float sum[1];
+      cluster_split_sums(cluster, partial, idx, splits, sum);
+      store_y(p, token, row, formats::mul_rn(sum[0], alpha(token)));
     }
   }
   cluster.sync();
@@ -836,7 +841,7 @@ void launch_staged(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaSt
             plan.chunks_per_split, plan.splits, plan.cluster);
 }
 
-// A pair launch (1 or 2 n-tiles: at most kDecodeSwigluMaxTokens tokens).
+// A pair launch (1 or 2 n-tiles: at most kDecodePairMaxTokens tokens).
 template <DecodeWeightFormat F, bool kXF16, PairKind kPair>
 void launch_pairs(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   if (plan.n_tiles == 1) {
@@ -849,7 +854,7 @@ void launch_pairs(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStr
 template <DecodeWeightFormat F, bool kXF16>
 void launch_typed(const DecodeGemvParams& p, const DecodeGemvPlan& plan, cudaStream_t stream) {
   const dim3 grid((unsigned)plan.row_blocks, (unsigned)plan.splits);
-  // Pair launches: decode_gemv.cpp allows at most kDecodeSwigluMaxTokens tokens, so staged.
+  // Pair launches: decode_gemv.cpp allows at most kDecodePairMaxTokens tokens, so staged.
   if (p.swiglu_half > 0) {
     launch_pairs<F, kXF16, PairKind::kSwiglu>(p, plan, stream);
     return;

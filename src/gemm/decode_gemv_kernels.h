@@ -143,14 +143,14 @@ struct DecodeGemvParams {
   // Workspace (plan.splits > 1): partials f32 [splits, B, N]; counters u32 [row_blocks], zero.
   float* partials = nullptr;
   unsigned* counters = nullptr;
-  // SwiGLU pairs (> 0; y_bf16, no residual, B <= kDecodeSwigluMaxTokens, a multiple of
+  // SwiGLU pairs (> 0; y_bf16, no residual, B <= kDecodePairMaxTokens, a multiple of
   // kDecodeRowsPerCta / 2): W's N = 2 swiglu_half rows are [gate | up] and y is bf16 [B, swiglu_half]
   // = ops::swiglu_forward of the bf16 GEMV output, bit for bit, without that output being written.
   // Row block b computes the gate rows 32 b .. 32 b + 31 and their up rows (a thread's two weight
   // rows are a gate row and its up row), so each thread or split sum ends with both halves of its
-  // outputs (decode_gemv_kernels.cu, "SwiGLU pairs").
+  // outputs (decode_gemv_kernels.cu, "Pair launches").
   int64_t swiglu_half = 0;
-  // RoPE pairs (rope_half = D/2 > 0; y_bf16, no residual, B <= kDecodeSwigluMaxTokens, D a multiple
+  // RoPE pairs (rope_half = D/2 > 0; y_bf16, no residual, B <= kDecodePairMaxTokens, D a multiple
   // of kDecodeRowsPerCta): W is an attention qkv projection, rows [q heads | k heads | v heads] of D
   // each; y (bf16 [B, N]) gets the q and k rows rotated as ops::rope_forward_inplace rotates them,
   // with the (cos, sin) of token b's pair d at rope_cos_sin[(b D/2 + d) 2 + {0, 1}], and (k_cache
@@ -169,7 +169,7 @@ struct DecodeGemvParams {
   int rows_per_seq = 1;
 };
 // Most tokens of a pair launch (SwiGLU, RoPE): the staged kernel's 1 and 2 n-tiles.
-inline constexpr int kDecodeSwigluMaxTokens = 16;
+inline constexpr int kDecodePairMaxTokens = 16;
 // Where a pair launch's pairs are (decode_gemv_kernels.cu, "Pair launches"): W's rows form spans of
 // 2 step rows (step = swiglu_half: one span; step = D/2: one span per head); pair q < 32 of row
 // block `block` is weight rows decode_pair_base(step, block) + q and that + step, and its two split
@@ -203,8 +203,9 @@ void launch_decode_gemv(const DecodeGemvParams& p, const DecodeGemvPlan& plan, c
 // kernels (llama-1.1b bf16 decode step at batch 1 2.09 vs 1.53 ms, nvfp4-weights level), so the
 // model runs it only when asked (Model::set_decode_chain, FOURBIT_DECODE_CHAIN=1): each CTA's items
 // are strict sequences of round trips (x staging, fences that wait for the ring's loads, the
-// split-sum atomic, the grid barrier) with only the ring in flight. The L2 prefetch of the next
-// item (chain_prefetch_next) is the first attempt at that; not yet measured.
+// split-sum atomic, the grid barrier) with only the ring in flight. Neither the L2 prefetch of
+// the next item (chain_prefetch_next), the ring per item nor one fence per CTA changed that
+// (session 31: 2.12-2.27 ms).
 // Invariants: the barrier words and the row-block counters are zero between launches; every CTA of
 // the grid is resident at once (launch_decode_chain sizes the grid by occupancy; a producer kernel
 // still running when the chain starts (PDL) finishes without waiting on it).
