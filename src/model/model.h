@@ -374,10 +374,11 @@ class Model {
   // mlp_up's epilogue and RoPE with the KV-cache append in qkv's, up to 16 tokens a step, bit for
   // bit the separate kernels' results. kAuto: where the layer's next quantizer has NVFP4 activations
   // and the step has at most 8 tokens (measured faster there only: model_cached.cpp); kOn: wherever
-  // the GEMV allows; kOff: never. FOURBIT_DECODE_SWIGLU_EPILOGUE / FOURBIT_DECODE_ROPE_EPILOGUE (1 or
-  // 0) override the setting for the process. Default kOff: the model-level GPU test of the epilogues
-  // (DecodeEpiloguesEqualSeparateKernels) has not run yet; kAuto is to become the default once it has.
-  enum class DecodeEpilogues : uint8_t { kAuto, kOn, kOff };
+  // the GEMV allows; kOff: never; kDefault (a new model's): FOURBIT_DECODE_SWIGLU_EPILOGUE /
+  // FOURBIT_DECODE_ROPE_EPILOGUE (1 or 0) where set, else off, because the model-level GPU test of
+  // the epilogues (DecodeEpiloguesEqualSeparateKernels) has not run yet; kAuto is to become the
+  // default once it has. An explicit kAuto / kOn / kOff takes precedence over the environment.
+  enum class DecodeEpilogues : uint8_t { kDefault, kAuto, kOn, kOff };
   void set_decode_epilogues(DecodeEpilogues e) { decode_epilogues_ = e; }
   int64_t decode_epilogue_steps() const { return decode_epilogue_steps_; }  // forward_cached calls that used one
   struct SamplerWeights;  // model_cached.cpp
@@ -401,7 +402,7 @@ class Model {
   ModelOptions options_;
   bool decode_chain_ = default_decode_chain();
   int64_t decode_chain_steps_ = 0;
-  DecodeEpilogues decode_epilogues_ = DecodeEpilogues::kOff;
+  DecodeEpilogues decode_epilogues_ = DecodeEpilogues::kDefault;
   int64_t decode_epilogue_steps_ = 0;
   static bool default_decode_chain();
   ParamTable table_;

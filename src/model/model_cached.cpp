@@ -73,7 +73,7 @@ struct Model::SamplerWeights {
     int B = 0, Tq = 0, max_len = 0;
     bool all_logits = false;
     bool chain = false;  // the step body runs the decode chain
-    DecodeEpilogues epilogues = DecodeEpilogues::kOff;  // Model::set_decode_epilogues
+    DecodeEpilogues epilogues = DecodeEpilogues::kDefault;  // Model::set_decode_epilogues
     bool operator==(const GraphKey&) const = default;
   };
   bool graphs_enabled = true;
@@ -101,7 +101,7 @@ bool decode_epilogue_wanted(int setting, bool nvfp4_activations, int64_t tokens)
   return nvfp4_activations && tokens <= 8;
 }
 // FOURBIT_DECODE_SWIGLU_EPILOGUE / FOURBIT_DECODE_ROPE_EPILOGUE = 1 turn them on wherever the GEMV
-// allows, 0 off, for every model of the process (A/B runs); unset: the model's setting.
+// allows, 0 off, for the models left at DecodeEpilogues::kDefault (A/B runs); unset: off.
 int decode_swiglu_epilogue_setting() {
   static const int v = env_switch("FOURBIT_DECODE_SWIGLU_EPILOGUE");
   return v;
@@ -388,15 +388,20 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   auto sampler_gemv_weights = [&](const SamplerWeights::Layer& L, int param, std::string_view name) {
     return L.w_config ? gemm::DecodeWeights::packed(L.packed, name) : gemm::DecodeWeights::plain(im.w(param), name);
   };
+  // What a decode linear layer fuses around its GEMV (decode path only):
+  //   norm_param >= 0: x is the input of that RMSNorm, fused into the activation quantizer
+  //     (norm_fusable); the normalized activation is never written;
+  //   swiglu_in: x is the [gate | up] buffer, its SwiGLU fused into the activation quantizer;
+  //   swiglu_out: y is the SwiGLU of the [gate | up] product (DecodeGemvArgs::swiglu), never written;
+  //   rope: RoPE and the KV append in the GEMV's epilogue (DecodeGemvArgs::rope).
+  struct Fused {
+    int norm_param = -1;
+    bool swiglu_in = false, swiglu_out = false;
+    const gemm::DecodeRope* rope = nullptr;
+  };
   // One dense linear layer: y = x W^T under the rl_sampler recipe through the decode GEMV.
-  // norm_param >= 0: x is the input of that RMSNorm, fused into the activation quantizer
-  // (norm_fusable); the normalized activation is never written. swiglu: x is the [gate | up] buffer,
-  // its SwiGLU fused into the activation quantizer; swiglu_out: y is the SwiGLU of the [gate | up]
-  // product (DecodeGemvArgs::swiglu), which is never written; rope: RoPE and the KV append in the
-  // epilogue (DecodeGemvArgs::rope).
   auto decode_linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
-                           const TensorView& residual, int norm_param, bool swiglu, bool swiglu_out,
-                           const gemm::DecodeRope* rope) {
+                           const TensorView& residual, const Fused& f) {
     const SamplerWeights::Layer& L = check_layer(l, kind, param);
     const gemm::LinearRecipe& r = im.linear_recipe(l, kind);
     const std::string name = layer_name(l, kind);
@@ -409,17 +414,17 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       gemm::DecodeQuantizeArgs q;
       q.x = x;
       q.config = *r.fprop_x.quant;
-      q.xs = prefix(sw->xs.view(), x.shape[0], swiglu ? x.shape[1] / 2 : x.shape[1]);
+      q.xs = prefix(sw->xs.view(), x.shape[0], f.swiglu_in ? x.shape[1] / 2 : x.shape[1]);
       q.amax = sw->amax.ptr<float>();
       q.workspace = &sw->workspace;
       q.error_flag = im.flag();
       q.stream = stream;
       q.name = name;
-      if (norm_param >= 0) {
-        q.norm_weight = im.master(norm_param);
+      if (f.norm_param >= 0) {
+        q.norm_weight = im.master(f.norm_param);
         q.norm_eps = (float)c.norm_eps;
       }
-      q.swiglu = swiglu;
+      q.swiglu = f.swiglu_in;
       gemm::decode_quantize_nvfp4(q);
       g.x = q.xs;
       g.x_nvfp4_amax = sw->amax.ptr<const float>();
@@ -429,8 +434,8 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     g.w = sampler_gemv_weights(L, param, name);
     g.y = y;
     g.residual = residual;
-    g.swiglu = swiglu_out;
-    g.rope = rope;
+    g.swiglu = f.swiglu_out;
+    g.rope = f.rope;
     g.stream = stream;
     g.workspace = &sw->workspace;
     g.name = name;
@@ -449,11 +454,9 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
            gemm::decode_quantize_can_fuse_norm(rows, c.d_model, xq->nvfp4_row_amax);
   };
   auto linear = [&](Section sec, int l, LinearKind kind, const TensorView& x, int param, const TensorView& y,
-                    bool bf16_output, const TensorView& residual = TensorView{}, int norm_param = -1,
-                    bool swiglu = false, bool swiglu_out = false, const gemm::DecodeRope* rope = nullptr) {
+                    bool bf16_output, const TensorView& residual = TensorView{}, const Fused& fused = Fused{}) {
     if (sw != nullptr) {
-      decode_linear(sec, l, kind, x, param, y, fuse_residual ? residual : TensorView{}, norm_param, swiglu,
-                    swiglu_out, rope);
+      decode_linear(sec, l, kind, x, param, y, fuse_residual ? residual : TensorView{}, fused);
     } else {
       im.fprop(sec, l, kind, x, im.w(param), y, bf16_output);
     }
@@ -515,24 +518,34 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   // MLP blocks) and RoPE with the KV append in qkv's, by layer; not under an observer, which must see
   // the GEMMs' own outputs, nor in the chain.
   auto epilogue_setting = [&](int env_setting) {
-    if (env_setting >= 0) return env_setting;
-    return decode_epilogues_ == DecodeEpilogues::kOn ? 1 : decode_epilogues_ == DecodeEpilogues::kOff ? 0 : -1;
+    switch (decode_epilogues_) {
+      case DecodeEpilogues::kAuto: return -1;
+      case DecodeEpilogues::kOn: return 1;
+      case DecodeEpilogues::kOff: return 0;
+      default: return env_setting >= 0 ? env_setting : 0;  // kDefault
+    }
   };
-  const int64_t D_head = c.head_dim();
   auto swiglu_wanted = [&](int l) {
-    return fuse_residual && !c.is_moe_block(l) && gemm::decode_gemv_swiglu_supported(N, 2 * c.d_ff) &&
+    return fuse_residual && !chain && !c.is_moe_block(l) && gemm::decode_gemv_swiglu_supported(N, 2 * c.d_ff) &&
            decode_epilogue_wanted(epilogue_setting(decode_swiglu_epilogue_setting()),
                                   im.linear_recipe(l, LinearKind::kMlpDown).fprop_x.quant.has_value(), N);
   };
   auto rope_wanted = [&](int l) {
-    return fuse_residual && !chain && gemm::decode_gemv_rope_supported(N, D_head) &&
+    return fuse_residual && !chain && gemm::decode_gemv_rope_supported(N, c.head_dim()) &&
            decode_epilogue_wanted(epilogue_setting(decode_rope_epilogue_setting()),
                                   im.linear_recipe(l, LinearKind::kQkv).fprop_x.quant.has_value(), N);
   };
-  bool any_rope = false, any_epilogue = false;
+  bool any_rope = false, any_swiglu = false;
   for (int l = 0; l < c.n_layers; ++l) {
     any_rope = any_rope || rope_wanted(l);
-    any_epilogue = any_epilogue || rope_wanted(l) || (!chain && swiglu_wanted(l));
+    any_swiglu = any_swiglu || swiglu_wanted(l);
+  }
+  // The step's (cos, sin) table for the RoPE epilogues: f32 [N, head_dim / 2, 2] in sw->rope_table.
+  TensorView rope_table;
+  if (any_rope) {
+    rope_table = sw->rope_table.view();
+    rope_table.shape = Shape{N, c.head_dim() / 2, 2};
+    rope_table.strides = contiguous_strides(rope_table.shape);
   }
 
   // The step body, from the embedding to the logits, on `stream`.
@@ -567,19 +580,14 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     // GEMM's own output, nor in the chain): the (cos, sin) of the step's positions once, here.
     if (any_rope) {
       Scope s(im, Section::kAttention, Work::kOther);
-      TensorView table = sw->rope_table.view();
-      table.shape = Shape{N, D / 2, 2};
-      table.strides = contiguous_strides(table.shape);
-      ops::rope_cos_sin_table(table, a.positions, theta, D, st);
+      ops::rope_cos_sin_table(rope_table, a.positions, theta, D, st);
     }
     auto qkv_rope = [&](int l) {
       gemm::DecodeRope r;
       r.q_heads = H;
       r.kv_heads = Hkv;
       r.head_dim = D;
-      r.cos_sin = sw->rope_table.view();
-      r.cos_sin.shape = Shape{N, D / 2, 2};
-      r.cos_sin.strides = contiguous_strides(r.cos_sin.shape);
+      r.cos_sin = rope_table;
       r.k_cache = cache.k_[(size_t)l].view();
       r.v_cache = cache.v_[(size_t)l].view();
       r.write_pos = a.write_pos;
@@ -595,15 +603,15 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
       if (chain) {
         // qkv is done (above, or in the previous layer's chain)
       } else if (norm_fusable(l, LinearKind::kQkv, N)) {
-        linear(Section::kAttention, l, LinearKind::kQkv, x, p.qkv, b.qkv, true, {}, p.attn_norm, false, false,
-               rope_arg);
+        linear(Section::kAttention, l, LinearKind::kQkv, x, p.qkv, b.qkv, true, {},
+               {.norm_param = p.attn_norm, .rope = rope_arg});
       } else {
         {
           Scope s(im, Section::kAttention, Work::kOther);
           ops::rmsnorm_forward(b.ln1, b.ln1_rstd, x, im.master(p.attn_norm), eps, st);
           im.bf16(b.ln1);
         }
-        linear(Section::kAttention, l, LinearKind::kQkv, b.ln1, p.qkv, b.qkv, true, {}, -1, false, false, rope_arg);
+        linear(Section::kAttention, l, LinearKind::kQkv, b.ln1, p.qkv, b.qkv, true, {}, {.rope = rope_arg});
       }
       if (!rope_out) {
         Scope s(im, Section::kAttention, Work::kOther);
@@ -676,14 +684,15 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
         const bool swiglu_out = swiglu_wanted(l);
         const TensorView up_out = swiglu_out ? act : gu;
         if (fuse_ln2) {
-          linear(Section::kMlp, l, LinearKind::kMlpUp, mid, p.mlp_up, up_out, true, {}, p.mlp_norm, false, swiglu_out);
+          linear(Section::kMlp, l, LinearKind::kMlpUp, mid, p.mlp_up, up_out, true, {},
+                 {.norm_param = p.mlp_norm, .swiglu_out = swiglu_out});
         } else {
-          linear(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, p.mlp_up, up_out, true, {}, -1, false, swiglu_out);
+          linear(Section::kMlp, l, LinearKind::kMlpUp, b.ln2, p.mlp_up, up_out, true, {}, {.swiglu_out = swiglu_out});
         }
         if (swiglu_out) {
           linear(Section::kMlp, l, LinearKind::kMlpDown, act, p.mlp_down, out, true, mid);
         } else if (!gemm_observer_ && im.linear_recipe(l, LinearKind::kMlpDown).fprop_x.quant.has_value()) {
-          linear(Section::kMlp, l, LinearKind::kMlpDown, gu, p.mlp_down, out, true, mid, -1, true);
+          linear(Section::kMlp, l, LinearKind::kMlpDown, gu, p.mlp_down, out, true, mid, {.swiglu_in = true});
         } else {
           {
             Scope s(im, Section::kMlp, Work::kOther);
@@ -727,7 +736,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
     // FP32 logits (for sampling), not rounded.
     if (final_norm_input.data != nullptr) {
       linear(Section::kLmHead, c.n_layers, LinearKind::kLmHead, final_norm_input, im.lm_head, a.logits, false, {},
-             im.final_norm);
+             {.norm_param = im.final_norm});
     } else {
       linear(Section::kLmHead, c.n_layers, LinearKind::kLmHead, a.lnf, im.lm_head, a.logits, false);
     }
@@ -814,7 +823,7 @@ TensorView Model::forward_cached(KvCache& cache, const TensorView& tokens, std::
   }
   im.check_error_flag("forward_cached");
   if (chain) ++decode_chain_steps_;
-  if (any_epilogue) ++decode_epilogue_steps_;
+  if (any_rope || any_swiglu) ++decode_epilogue_steps_;
   cache.lengths_ = new_lengths;
   return a.logits;
 }
