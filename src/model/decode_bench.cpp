@@ -406,14 +406,15 @@ void bench_gemv(const DecodeBenchOptions& o, const ModelConfig& config, double c
       const bool swiglu_layer = s.kind == recipe::LinearKind::kMlpUp && gemm::decode_gemv_swiglu_supported(B, s.n);
       const bool rope_layer = s.kind == recipe::LinearKind::kQkv && gemm::decode_gemv_rope_supported(B, config.head_dim());
       if (swiglu_layer || rope_layer) {
-        Tensor act = Tensor::empty({B, s.n / 2}, DType::kBF16, Device::kCuda);
-        const int64_t D = config.head_dim(), Hkv = config.n_kv_heads;
-        Tensor positions = Tensor::zeros({B}, DType::kI32, Device::kCuda);
-        Tensor cos_sin = Tensor::empty({B, std::max<int64_t>(1, D / 2), 2}, DType::kF32, Device::kCuda);
-        Tensor k_cache = Tensor::empty({B, 1, Hkv, D}, DType::kBF16, Device::kCuda);
-        Tensor v_cache = Tensor::empty({B, 1, Hkv, D}, DType::kBF16, Device::kCuda);
+        Tensor act, positions, cos_sin, k_cache, v_cache;  // the SwiGLU's output; RoPE's inputs and caches
         gemm::DecodeRope rope;
+        if (swiglu_layer) act = Tensor::empty({B, s.n / 2}, DType::kBF16, Device::kCuda);
         if (rope_layer) {
+          const int64_t D = config.head_dim(), Hkv = config.n_kv_heads;
+          positions = Tensor::zeros({B}, DType::kI32, Device::kCuda);
+          cos_sin = Tensor::empty({B, D / 2, 2}, DType::kF32, Device::kCuda);
+          k_cache = Tensor::empty({B, 1, Hkv, D}, DType::kBF16, Device::kCuda);
+          v_cache = Tensor::empty({B, 1, Hkv, D}, DType::kBF16, Device::kCuda);
           ops::rope_cos_sin_table(cos_sin.view(), positions.view(), (float)config.rope_theta, D, nullptr);
           rope.q_heads = config.n_heads;
           rope.kv_heads = Hkv;
