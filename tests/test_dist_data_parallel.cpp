@@ -6,7 +6,9 @@
 //   * every rank ends with the same weights, bit for bit;
 //   * a checkpoint saved at 4 ranks is in the 1-rank format and resumes at 4, 2 and 1 ranks;
 //     each continues to the losses of the uninterrupted run (at 4 ranks bit for bit);
-//   * a NaN gradient (inject_nan_steps) is skipped by every rank together.
+//   * a NaN gradient (inject_nan_steps) is skipped by every rank together;
+//   * expert parallelism (DataParallelOptions::expert_parallel) follows the one-rank run too, with
+//     even and uneven expert ranges, and its checkpoints resume at any rank count.
 // Tolerance: the ranks' gradient sum differs from the one-rank accumulation only in the order of
 // float32 additions; over 20 AdamW steps that moved the losses by at most 9e-8 relative (printed
 // by the test); we allow 1e-5 relative.
@@ -71,7 +73,10 @@ struct RunResult {
 
 // `world` in-process ranks (world 0: the plain one-rank Trainer) running `c` until `until`,
 // optionally resuming from `resume_from` first.
-RunResult run(const TrainConfig& c, int world, int64_t until, const std::string& resume_from = "") {
+// With options.expert_parallel, each rank also checks that its model runs its share of the experts
+// and that those experts processed rows.
+RunResult run(const TrainConfig& c, int world, int64_t until, const std::string& resume_from = "",
+              DataParallelOptions options = {}) {
   RunResult out;
   if (world == 0) {
     Trainer t(c, nullptr);
@@ -84,10 +89,19 @@ RunResult run(const TrainConfig& c, int world, int64_t until, const std::string&
   std::vector<std::vector<double>> losses((size_t)world);
   std::mutex mu;
   run_ranks(world, [&](Communicator& comm) {
-    Trainer t(c, nullptr, data_parallel(comm));
+    Trainer t(c, nullptr, data_parallel(comm, options));
     EXPECT_EQ(t.world_size(), world);
     if (!resume_from.empty()) t.resume(resume_from);
     const train::TrainSummary s = t.run(until);
+    const auto* experts = dynamic_cast<const ExpertParallelModel*>(t.model().routed_experts());
+    EXPECT_EQ(experts != nullptr, options.expert_parallel) << "rank " << comm.rank();
+    if (experts != nullptr) {
+      const ExpertPartition want = ExpertPartition::contiguous(t.model().config().moe.n_experts, world);
+      EXPECT_EQ(experts->first_local_expert(), want.first[(size_t)comm.rank()]);
+      EXPECT_EQ(experts->n_local_experts(), want.n_local(comm.rank()));
+      for (int mi = 0; mi < t.model().config().n_moe_layers(); ++mi)
+        EXPECT_GT(experts->rows_processed(mi), 0) << "rank " << comm.rank() << "'s experts got no rows";
+    }
     std::lock_guard<std::mutex> lk(mu);
     params[(size_t)comm.rank()] = params_of(t);
     losses[(size_t)comm.rank()] = t.train_losses();
@@ -137,6 +151,80 @@ TEST(DistDataParallel, TwoAndFourRanksMatchOneRankOver20Steps) {
       EXPECT_LT(worst, 3e-3 * 20) << what;  // lr 3e-3 per step at most
     }
   }
+}
+
+// Expert parallelism: every rank routes its own micro-batches, each rank's experts run on the rows
+// of all ranks. The same losses as one rank (4 experts: 2 a rank at 2 ranks, 1 at 4; 5 experts:
+// uneven ranges 3 + 2 and 2 + 1 + 1 + 1), the evaluation included (3 batches over 4 ranks: rank 3
+// repeats a batch to keep the collectives in step); every rank ends with the same weights.
+TEST(DistDataParallel, ExpertParallelMatchesOneRankOver20Steps) {
+  DataParallelOptions ep;
+  ep.expert_parallel = true;
+  for (int experts : {4, 5}) {
+    TrainConfig c = small_config(true);
+    c.sets.push_back(fmt::format("moe.n_experts={}", experts));
+    const RunResult one = run(c, 0, 20);
+    ASSERT_EQ(one.losses.size(), 20u);
+    for (int world : {2, 4}) {
+      const std::string what = fmt::format("{} experts, expert parallel at {} ranks", experts, world);
+      const RunResult r = run(c, world, 20, "", ep);
+      expect_losses_close(r.losses, one.losses, what);
+      EXPECT_NEAR(r.val_loss, one.val_loss, 1e-5 * one.val_loss) << what;
+      double worst = 0;
+      for (size_t i = 0; i < one.params.size(); ++i)
+        worst = std::max(worst, (double)std::abs(r.params[i] - one.params[i]));
+      EXPECT_LT(worst, 3e-3 * 20) << what;
+    }
+  }
+}
+
+TEST(DistDataParallel, ExpertParallelCheckpointResumes) {
+  DataParallelOptions ep;
+  ep.expert_parallel = true;
+  TrainConfig c = small_config(true);
+  c.steps = 8;
+  c.eval_every = 0;
+  const RunResult straight = run(c, 2, 8, "", ep);
+  const std::string dir = temp_dir("ep_ckpt");
+  TrainConfig saving = c;
+  saving.out_dir = dir;
+  run(saving, 2, 4, "", ep);
+  for (int world : {2, 0}) {
+    const std::string what = fmt::format("resumed at {} rank(s)", world == 0 ? 1 : world);
+    TrainConfig resumed = c;
+    resumed.out_dir = temp_dir(fmt::format("ep_resume{}", world));
+    const RunResult r = run(resumed, world, 8, dir + "/checkpoint", world == 0 ? DataParallelOptions{} : ep);
+    ASSERT_EQ(r.losses.size(), 8u) << what;
+    const std::vector<double> tail(r.losses.end() - 4, r.losses.end());
+    const std::vector<double> want(straight.losses.end() - 4, straight.losses.end());
+    if (world == 2) {
+      EXPECT_EQ(tail, want) << what << ": must continue the expert-parallel run bit for bit";
+      EXPECT_TRUE(r.params == straight.params) << what;
+    } else {
+      expect_losses_close(tail, want, what);
+    }
+    fs::remove_all(resumed.out_dir);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(DistDataParallel, ExpertParallelRefusesWhatItCannotSplit) {
+  DataParallelOptions ep;
+  ep.expert_parallel = true;
+  auto error_of = [&](const TrainConfig& c, int world) -> std::string {
+    try {
+      run(c, world, 1, "", ep);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const std::string dense = error_of(small_config(false), 2);
+  EXPECT_NE(dense.find("no MoE blocks"), std::string::npos) << dense;
+  TrainConfig two = small_config(true);
+  two.sets.push_back("moe.n_experts=2");
+  const std::string few = error_of(two, 4);
+  EXPECT_NE(few.find("2 experts cannot be split over 4 ranks"), std::string::npos) << few;
 }
 
 TEST(DistDataParallel, GradAccumMustBeAMultipleOfTheRanks) {

@@ -165,8 +165,8 @@ void run_case(const Case& c) {
     Tensor dw_up = Tensor::zeros({el, 2 * kFe, kC}, dt, Device::kCpu);
     Tensor dw_down = Tensor::zeros({el, kC, kFe}, dt, Device::kCpu);
     const int64_t f = first_tok[(size_t)r], n = n_tok[(size_t)r];
-    ep.forward(rows(x, f, n), rows(ids, f, n), rows(gates, f, n), expert_slice(w_up.view(), e0, el),
-               expert_slice(w_down.view(), e0, el), y.view());
+    ep.forward(rows(x, f, n), rows(ids, f, n), rows(gates, f, n), model::expert_range(w_up.view(), e0, el),
+               model::expert_range(w_down.view(), e0, el), y.view());
     ep.backward(rows(dy, f, n), dx.view(), d_gates.view(), dw_up.view(), dw_down.view());
     received[(size_t)r] = ep.received_rows();
     expect_close(values(y.view()), values(rows(ref.y, f, n)), tol, fmt::format("rank {} y", r));
@@ -174,8 +174,8 @@ void run_case(const Case& c) {
     expect_close(values(d_gates.view()), values(rows(ref.d_gates, f, n)), tol,
                  fmt::format("rank {} d_gates", r));
     // A rank whose experts got no token has zero expert gradients, as the reference slice.
-    const std::vector<double> want_up = values(expert_slice(ref.dw_up.view(), e0, el));
-    const std::vector<double> want_down = values(expert_slice(ref.dw_down.view(), e0, el));
+    const std::vector<double> want_up = values(model::expert_range(ref.dw_up.view(), e0, el));
+    const std::vector<double> want_down = values(model::expert_range(ref.dw_down.view(), e0, el));
     if (ep.received_rows() == 0) {
       for (double v : want_up) ASSERT_EQ(v, 0.0);
       EXPECT_EQ(values(dw_up.view()), want_up);

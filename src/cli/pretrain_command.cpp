@@ -1,7 +1,8 @@
 // `fourbit pretrain`: one pretraining run (train/trainer.h) with a live progress line, metrics in
 // OUT/metrics.jsonl, a checkpoint in OUT/checkpoint (resumable with --resume), and a summary.
 // Started by `fourbit launch -n N` (or torchrun / mpirun), each process is one rank of a
-// data-parallel run (dist/data_parallel.h); rank 0 prints and writes.
+// data-parallel run (dist/data_parallel.h), optionally expert-parallel for MoE models
+// (--expert-parallel); rank 0 prints and writes.
 #include "cli/commands.h"
 #include "cli/train_options.h"
 #include "core/log.h"
@@ -27,6 +28,7 @@ struct PretrainArgs {
   TrainArgs train;
   bool resume = false;
   std::string resume_from;
+  bool expert_parallel = false;
 };
 
 void run_pretrain(PretrainArgs& a) {
@@ -37,12 +39,17 @@ void run_pretrain(PretrainArgs& a) {
   const std::unique_ptr<dist::Communicator> comm = dist::communicator_from_environment(c.device);
   if (comm) {
     dist::quiet_unless_rank0(comm->rank());
-    log_info("data parallel: {} ranks (ZeRO-1); --grad-accum {} micro-batches per step over all "
+    log_info("data parallel: {} ranks (ZeRO-1{}); --grad-accum {} micro-batches per step over all "
              "ranks",
-             comm->size(), c.grad_accum);
+             comm->size(), a.expert_parallel ? ", experts split over the ranks" : "", c.grad_accum);
+  } else if (a.expert_parallel) {
+    log_warn("--expert-parallel: this is a one-process run, so every expert runs here (start it "
+             "with `fourbit launch -n N -- pretrain ...` to split the experts over N ranks)");
   }
+  dist::DataParallelOptions dp;
+  dp.expert_parallel = a.expert_parallel;
   train::Trainer t(c, comm && comm->rank() != 0 ? nullptr : stderr,
-                   comm ? dist::data_parallel(*comm) : train::DataParallelFactory{});
+                   comm ? dist::data_parallel(*comm, dp) : train::DataParallelFactory{});
   const model::Model& m = t.model();
   log_info("model '{}': {} parameters ({} active), vocab {}, {} layers, d_model {}; recipe {}; "
            "device {}; {} tokens per step",
@@ -87,6 +94,11 @@ Command add_pretrain_command(CLI::App& app) {
   sub->add_flag("--resume", args->resume, "continue from OUT/checkpoint if it exists")
       ->group("Run");
   sub->add_option("--resume-from", args->resume_from, "continue from this checkpoint directory")
+      ->group("Run");
+  sub->add_flag("--expert-parallel", args->expert_parallel,
+                "MoE under `fourbit launch -n N`: split the routed experts over the N ranks (tokens "
+                "travel to their experts' ranks by all-to-all) instead of running every expert on "
+                "every rank")
       ->group("Run");
   return {sub, [args] { run_pretrain(*args); }};
 }

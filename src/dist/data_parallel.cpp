@@ -16,8 +16,21 @@
 
 namespace fourbit::dist {
 
-DataParallel::DataParallel(Communicator& comm, model::Model& model, const train::AdamWConfig& config)
-    : comm_(comm), zero_(model, comm, config) {}
+DataParallel::DataParallel(Communicator& comm, model::Model& model, const train::AdamWConfig& config,
+                           const DataParallelOptions& options)
+    : comm_(comm), model_(model), zero_(model, comm, config) {
+  if (options.expert_parallel) {
+    experts_ = std::make_unique<ExpertParallelModel>(comm, model.config());
+    model.set_routed_experts(experts_.get());
+    log_info("expert parallel: rank {} runs experts [{}, {}) of {} in every MoE block", comm.rank(),
+             experts_->first_local_expert(),
+             experts_->first_local_expert() + experts_->n_local_experts(), model.config().moe.n_experts);
+  }
+}
+
+DataParallel::~DataParallel() {
+  if (experts_ && model_.routed_experts() == experts_.get()) model_.set_routed_experts(nullptr);
+}
 
 void DataParallel::all_reduce_sum(std::span<double> values) { all_reduce_sum_host(comm_, values); }
 
@@ -73,9 +86,9 @@ train::CheckpointInfo DataParallel::load(const std::string& dir, model::Model& m
   return info;
 }
 
-train::DataParallelFactory data_parallel(Communicator& comm) {
-  return [&comm](model::Model& model, const train::AdamWConfig& config) {
-    return std::unique_ptr<train::DataParallelHooks>(new DataParallel(comm, model, config));
+train::DataParallelFactory data_parallel(Communicator& comm, DataParallelOptions options) {
+  return [&comm, options](model::Model& model, const train::AdamWConfig& config) {
+    return std::unique_ptr<train::DataParallelHooks>(new DataParallel(comm, model, config, options));
   };
 }
 

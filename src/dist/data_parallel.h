@@ -7,7 +7,9 @@
 // one-rank gradient; ZeRO-1 updates; the router bias (the only non-trained buffer) is broadcast
 // from rank R - 1, whose micro-batch is the step's last, as a one-rank run updates it from its last
 // micro-batch. A run at R ranks therefore follows the one-rank run with the same --grad-accum up
-// to float summation order.
+// to float summation order. With DataParallelOptions::expert_parallel the ranks also split an MoE
+// model's routed experts (expert_parallel.h); the trainer then keeps their forwards in lockstep
+// (train::DataParallelHooks::lockstep_forwards), and the run still follows the one-rank run.
 //
 // Checkpoints: the one-rank format of train/checkpoint.h. Saving gathers the sharded moments to
 // full tensors on every rank (an all_gather: transiently the one-rank optimizer memory), rank 0
@@ -17,6 +19,7 @@
 #pragma once
 
 #include "dist/communicator.h"
+#include "dist/expert_parallel.h"
 #include "dist/zero_optimizer.h"
 #include "train/trainer.h"
 
@@ -26,9 +29,19 @@
 
 namespace fourbit::dist {
 
+struct DataParallelOptions {
+  // MoE models: split the routed experts over the ranks (expert parallelism, ExpertParallelModel in
+  // expert_parallel.h) instead of running every expert on every rank's own tokens. The parameters
+  // stay replicated and ZeRO-1-updated as above; each rank's expert GEMMs see only its experts,
+  // with the rows of every rank. The trainer then keeps the ranks' forwards in lockstep.
+  bool expert_parallel = false;
+};
+
 class DataParallel final : public train::DataParallelHooks {
  public:
-  DataParallel(Communicator& comm, model::Model& model, const train::AdamWConfig& config);
+  DataParallel(Communicator& comm, model::Model& model, const train::AdamWConfig& config,
+               const DataParallelOptions& options = {});
+  ~DataParallel() override;  // detaches the expert parallelism from the model
 
   int rank() const override { return comm_.rank(); }
   int world_size() const override { return comm_.size(); }
@@ -38,16 +51,21 @@ class DataParallel final : public train::DataParallelHooks {
   void save(const std::string& dir, model::Model& model, const train::CheckpointState& state,
             const train::SaveOptions& options) override;
   train::CheckpointInfo load(const std::string& dir, model::Model& model) override;
+  bool lockstep_forwards() const override { return experts_ != nullptr; }
 
   ZeroAdamW& optimizer() { return zero_; }
+  // The expert parallelism attached to the model (null without DataParallelOptions::expert_parallel).
+  const ExpertParallelModel* experts() const { return experts_.get(); }
 
  private:
   Communicator& comm_;
+  model::Model& model_;
   ZeroAdamW zero_;
+  std::unique_ptr<ExpertParallelModel> experts_;
 };
 
 // The factory for train::Trainer (the communicator must outlive the trainer).
-train::DataParallelFactory data_parallel(Communicator& comm);
+train::DataParallelFactory data_parallel(Communicator& comm, DataParallelOptions options = {});
 
 // Where this process sits in a multi-process run, from the environment:
 //   fourbit launch:  RANK, WORLD_SIZE, LOCAL_RANK (+ FOURBIT_NCCL_ID_FILE, see launcher.h)

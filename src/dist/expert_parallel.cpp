@@ -68,17 +68,6 @@ int ExpertPartition::owner(int expert) const {
   return world() - 1;
 }
 
-TensorView expert_slice(const TensorView& stacked, int first, int n) {
-  FOURBIT_CHECK(stacked.shape.ndim == 3 && stacked.is_contiguous() && first >= 0 && n >= 0 &&
-                    first + n <= stacked.shape[0],
-                "expert_slice: experts [{}, {}) of a contiguous [E, rows, cols] tensor, got {}",
-                first, first + n, stacked.describe());
-  const int64_t per = stacked.shape[1] * stacked.shape[2];
-  return TensorView::contiguous(static_cast<char*>(stacked.data) + dtype_bytes(stacked.dtype, first * per),
-                                stacked.dtype, {n, stacked.shape[1], stacked.shape[2]},
-                                stacked.device);
-}
-
 ExpertParallelMoe::ExpertParallelMoe(Communicator& comm, int n_experts, ExpertParallelRecipes recipes)
     : comm_(comm), partition_(ExpertPartition::contiguous(n_experts, comm.size())),
       recipes_(std::move(recipes)) {
@@ -90,7 +79,9 @@ ExpertParallelMoe::ExpertParallelMoe(Communicator& comm, int n_experts, ExpertPa
 void ExpertParallelMoe::forward(const TensorView& x, const TensorView& expert_ids,
                                 const TensorView& gates, const TensorView& w_up,
                                 const TensorView& w_down, const TensorView& y,
-                                const gemm::LinearOptions& options) {
+                                const gemm::LinearOptions& options,
+                                const gemm::LinearOptions* down_options) {
+  const gemm::LinearOptions& down = down_options != nullptr ? *down_options : options;
   const Device dev = comm_.device();
   FOURBIT_CHECK(x.shape.ndim == 2 && expert_ids.shape.ndim == 2 && w_up.shape.ndim == 3,
                 "ExpertParallelMoe::forward: x [N, C], expert_ids [N, k], w_up [E_local, 2 Fe, C] "
@@ -183,7 +174,7 @@ void ExpertParallelMoe::forward(const TensorView& x, const TensorView& expert_id
                         rows_of(h_local_, rows_b_), options);
     ops::swiglu_forward(rows_of(act_local_, rows_b_), rows_of(h_local_, rows_b_), options.stream);
     model::expert_fprop(recipes_.down, rows_of(act_local_, rows_b_), w_down, group_sizes_,
-                        rows_of(y_local, rows_b_), options);
+                        rows_of(y_local, rows_b_), down);
     ops::moe_permute_backward(y_local.view(), plan_b, y_recv.view(), options.stream);
   }
   y_send_ = Tensor::empty({N * k, C}, x.dtype, dev);
@@ -195,7 +186,9 @@ void ExpertParallelMoe::forward(const TensorView& x, const TensorView& expert_id
 
 void ExpertParallelMoe::backward(const TensorView& dy, const TensorView& dx,
                                  const TensorView& d_gates, const TensorView& dw_up,
-                                 const TensorView& dw_down, const gemm::LinearOptions& options) {
+                                 const TensorView& dw_down, const gemm::LinearOptions& options,
+                                 const gemm::LinearOptions* down_options) {
+  const gemm::LinearOptions& down = down_options != nullptr ? *down_options : options;
   FOURBIT_CHECK(have_forward_, "ExpertParallelMoe::backward: run forward first (once per backward)");
   have_forward_ = false;  // the backward overwrites h_local_ with its gradient
   const Device dev = comm_.device();
@@ -222,9 +215,9 @@ void ExpertParallelMoe::backward(const TensorView& dy, const TensorView& dx,
     Tensor d_x_local = Tensor::zeros({rb, C}, adt, dev);
     ops::moe_permute(d_y_recv.view(), plan_b, d_y_local.view(), options.stream);
     model::expert_dgrad(recipes_.down, rows_of(d_y_local, rows_b_), w_down_, group_sizes_,
-                        rows_of(d_act, rows_b_), options);
+                        rows_of(d_act, rows_b_), down);
     model::expert_wgrad(recipes_.down, rows_of(d_y_local, rows_b_), rows_of(act_local_, rows_b_),
-                        group_sizes_, dw_down, 1.0f, options);
+                        group_sizes_, dw_down, 1.0f, down);
     ops::swiglu_backward_inplace(rows_of(h_local_, rows_b_), rows_of(d_act, rows_b_), options.stream);
     model::expert_dgrad(recipes_.up, rows_of(h_local_, rows_b_), w_up_, group_sizes_,
                         rows_of(d_x_local, rows_b_), options);
@@ -235,6 +228,52 @@ void ExpertParallelMoe::backward(const TensorView& dy, const TensorView& dx,
   Tensor d_x_send = Tensor::empty({N * k, C}, adt, dev);
   comm_.all_to_allv(d_x_recv.view(), times(recv_rows_, C), d_x_send.view(), times(send_rows_, C));
   ops::moe_permute_backward(d_x_send.view(), plan_a, dx, options.stream);
+}
+
+ExpertParallelModel::ExpertParallelModel(Communicator& comm, const model::ModelConfig& config)
+    : comm_(comm), n_experts_(config.moe.n_experts) {
+  FOURBIT_CHECK(config.is_moe(),
+                "expert parallelism: model '{}' has no MoE blocks (set moe.layers and "
+                "moe.n_experts), so there are no experts to split over the {} ranks",
+                config.name, comm.size());
+  partition_ = ExpertPartition::contiguous(n_experts_, comm.size());
+  blocks_.resize((size_t)config.n_moe_layers());
+}
+
+ExpertParallelModel::Block& ExpertParallelModel::block(int moe_index) {
+  FOURBIT_CHECK(moe_index >= 0 && moe_index < (int)blocks_.size(),
+                "ExpertParallelModel: MoE block {} outside [0, {})", moe_index, blocks_.size());
+  return blocks_[(size_t)moe_index];
+}
+
+int64_t ExpertParallelModel::rows_processed(int moe_index) const {
+  return blocks_.at((size_t)moe_index).rows;
+}
+
+void ExpertParallelModel::forward(int moe_index, const TensorView& x, const TensorView& expert_ids,
+                                  const TensorView& gates, const TensorView& w_up,
+                                  const TensorView& w_down, const TensorView& y,
+                                  const gemm::LinearRecipe& up_recipe,
+                                  const gemm::LinearRecipe& down_recipe,
+                                  const gemm::LinearOptions& up, const gemm::LinearOptions& down) {
+  Block& b = block(moe_index);
+  std::string recipes = up_recipe.describe() + "\n" + down_recipe.describe();
+  if (!b.moe || recipes != b.recipes) {
+    b.moe = std::make_unique<ExpertParallelMoe>(comm_, n_experts_, ExpertParallelRecipes{up_recipe, down_recipe});
+    b.recipes = std::move(recipes);
+  }
+  b.moe->forward(x, expert_ids, gates, w_up, w_down, y, up, &down);
+  b.rows += b.moe->received_rows();
+}
+
+void ExpertParallelModel::backward(int moe_index, const TensorView& dy, const TensorView& dx,
+                                   const TensorView& d_gates, const TensorView& dw_up,
+                                   const TensorView& dw_down, const gemm::LinearOptions& up,
+                                   const gemm::LinearOptions& down) {
+  Block& b = block(moe_index);
+  FOURBIT_CHECK(b.moe != nullptr, "ExpertParallelModel::backward: MoE block {} has had no forward",
+                moe_index);
+  b.moe->backward(dy, dx, d_gates, dw_up, dw_down, up, &down);
 }
 
 }  // namespace fourbit::dist

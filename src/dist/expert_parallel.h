@@ -34,12 +34,23 @@
 // dtype). Every buffer of a call lives on comm.device(). Calls allocate their temporaries and
 // synchronize (the counts go through the host); every rank must call forward/backward together.
 // A rank may receive no rows at all (its experts got no tokens): it then skips the expert GEMMs.
+//
+// In a model: ExpertParallelModel (below) is the model::RoutedExperts of one rank, one
+// ExpertParallelMoe per MoE block; dist::DataParallel attaches it (DataParallelOptions::
+// expert_parallel, `fourbit pretrain --expert-parallel`). Stochastic rounding of the expert GEMMs
+// draws the same streams as the one-rank model (LinearOptions per block and GEMM), but over the
+// rows and local expert indices of this layout, so quantized recipes match the one-rank run in
+// distribution, not bit for bit (BF16 matches to float summation order).
 #pragma once
 
 #include "dist/communicator.h"
 #include "gemm/linear.h"
+#include "model/config.h"
+#include "model/model.h"
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
 namespace fourbit::dist {
@@ -55,9 +66,6 @@ struct ExpertPartition {
   int owner(int expert) const;
 };
 
-// A view of experts [first, first + n) of a stacked expert weight (or gradient) [E, rows, cols].
-TensorView expert_slice(const TensorView& stacked, int first, int n);
-
 struct ExpertParallelRecipes {
   gemm::LinearRecipe up, down;  // the block's expert_up and expert_down recipes
 };
@@ -71,17 +79,21 @@ class ExpertParallelMoe {
   int n_local_experts() const { return partition_.n_local(comm_.rank()); }
 
   // y [N, C] (overwritten) = the routed experts' output for this rank's tokens. x [N, C], expert_ids
-  // i32 [N, k] (global expert ids), gates [N, k], w_up [E_local, 2 Fe, C], w_down [E_local, C, Fe].
-  // Keeps what the backward needs (the views x, gates, w_* must stay valid until then).
+  // i32 [N, k] (global expert ids), gates [N, k], w_up [E_local, 2 Fe, C], w_down [E_local, C, Fe]
+  // (model::expert_range of the stacked weights). Keeps what the backward needs (the views x,
+  // gates, w_* must stay valid until then). `options` are the expert_up GEMMs' (stream, backend,
+  // stochastic-rounding streams), `down_options` the expert_down GEMMs' (null: `options`).
   void forward(const TensorView& x, const TensorView& expert_ids, const TensorView& gates,
                const TensorView& w_up, const TensorView& w_down, const TensorView& y,
-               const gemm::LinearOptions& options = {});
+               const gemm::LinearOptions& options = {},
+               const gemm::LinearOptions* down_options = nullptr);
   // The gradient of the last forward: dx [N, C] and d_gates [N, k] are overwritten; dw_up
   // [E_local, 2 Fe, C] and dw_down [E_local, C, Fe] ACCUMULATE (+=) the gradients of the local
   // experts over the tokens of every rank.
   void backward(const TensorView& dy, const TensorView& dx, const TensorView& d_gates,
                 const TensorView& dw_up, const TensorView& dw_down,
-                const gemm::LinearOptions& options = {});
+                const gemm::LinearOptions& options = {},
+                const gemm::LinearOptions* down_options = nullptr);
 
   // Rows this rank's experts processed in the last forward (M), and the per-local-expert counts.
   int64_t received_rows() const { return m_rows_; }
@@ -104,6 +116,45 @@ class ExpertParallelMoe {
   std::vector<int64_t> group_sizes_;               // [E_local], padded, summing to rows_b_
   Tensor x_local_, h_local_, act_local_;           // [Rb, C], [Rb, 2 Fe], [Rb, Fe]
   Tensor y_send_;                                  // [N k, C] the expert outputs in plan A order
+};
+
+// model::RoutedExperts over a communicator: one ExpertParallelMoe per MoE block of a model (each
+// keeps its block's forward for the backward), rebuilt when the block's expert recipes change
+// (Model::set_recipe, another training stage). Every rank must attach one to its model and run
+// the same forwards and backwards (train::Trainer keeps the ranks in step, evaluation included).
+class ExpertParallelModel final : public model::RoutedExperts {
+ public:
+  // Throws when the model is not MoE or has fewer experts than the communicator has ranks.
+  ExpertParallelModel(Communicator& comm, const model::ModelConfig& config);
+
+  int first_local_expert() const override { return partition_.first[(size_t)comm_.rank()]; }
+  int n_local_experts() const override { return partition_.n_local(comm_.rank()); }
+  const ExpertPartition& partition() const { return partition_; }
+  // Rows the local experts have processed in block moe_index, over every forward so far (the
+  // tokens of every rank that chose them).
+  int64_t rows_processed(int moe_index) const;
+
+  void forward(int moe_index, const TensorView& x, const TensorView& expert_ids,
+               const TensorView& gates, const TensorView& w_up, const TensorView& w_down,
+               const TensorView& y, const gemm::LinearRecipe& up_recipe,
+               const gemm::LinearRecipe& down_recipe, const gemm::LinearOptions& up,
+               const gemm::LinearOptions& down) override;
+  void backward(int moe_index, const TensorView& dy, const TensorView& dx,
+                const TensorView& d_gates, const TensorView& dw_up, const TensorView& dw_down,
+                const gemm::LinearOptions& up, const gemm::LinearOptions& down) override;
+
+ private:
+  struct Block {
+    std::string recipes;  // up and down LinearRecipe::describe() of `moe`
+    std::unique_ptr<ExpertParallelMoe> moe;
+    int64_t rows = 0;  // rows_processed
+  };
+  Block& block(int moe_index);
+
+  Communicator& comm_;
+  int n_experts_ = 0;
+  ExpertPartition partition_;
+  std::vector<Block> blocks_;  // [n_moe_layers]
 };
 
 }  // namespace fourbit::dist

@@ -28,8 +28,13 @@
 // in another order, then rounded to f32/f64). The gradient itself differs from a one-rank run by
 // the order of float additions (rank-order sum of per-rank partial sums).
 //
+// Expert parallelism (DataParallelOptions::expert_parallel) changes nothing here: a rank's gradient
+// rows of the experts it does not own are zero, so the reduce-scatter's rank sum is still the
+// one-rank gradient, and the all-gather hands every rank the updated experts.
+//
 // Not done: overlapping the reduce-scatter with the backward (the model's backward is one call
-// that does not report finished layers), a BF16 all-gather of the compute copy.
+// that does not report finished layers), a BF16 all-gather of the compute copy, sharding the expert
+// parameters themselves (each rank holding only its experts' weights, gradients and moments).
 #pragma once
 
 #include "dist/communicator.h"

@@ -79,6 +79,16 @@ void run_grouped(gemm::GroupSplit split, std::span<const int64_t> group_sizes, c
 
 }  // namespace
 
+TensorView expert_range(const TensorView& stacked, int64_t first, int64_t n) {
+  FOURBIT_CHECK(stacked.shape.ndim == 3 && stacked.is_contiguous() && first >= 0 && n >= 0 &&
+                    first + n <= stacked.shape[0],
+                "expert_range: experts [{}, {}) of a contiguous [E, rows, cols] tensor, got {}",
+                first, first + n, stacked.describe());
+  const int64_t per = stacked.shape[1] * stacked.shape[2];
+  return TensorView::contiguous(static_cast<char*>(stacked.data) + dtype_bytes(stacked.dtype, first * per),
+                                stacked.dtype, {n, stacked.shape[1], stacked.shape[2]}, stacked.device);
+}
+
 int expert_row_align(const gemm::LinearRecipe& r) {
   int align = 8;  // cuBLASLt BF16: 16-byte aligned group slices
   for (const OperandRecipe* o : {&r.fprop_x, &r.fprop_w, &r.dgrad_dy, &r.dgrad_w, &r.wgrad_dy, &r.wgrad_x}) {

@@ -46,6 +46,11 @@ int expert_row_align(const gemm::LinearRecipe& recipe);
 // rows up to it (on the CPU too, so that both quantize the same blocks).
 int expert_rows_tile(const gemm::LinearRecipe& recipe);
 
+// Experts [first, first + n) of a stacked weight or gradient [E, N, K]: a view [n, N, K] into it
+// (expert parallelism's local experts). Throws unless `stacked` is a contiguous 3-D tensor that
+// holds that range.
+TensorView expert_range(const TensorView& stacked, int64_t first, int64_t n);
+
 // x: [T, K], w: [E, N, K], y: [T, N] (overwritten); sum of group_sizes = T, one size per expert.
 void expert_fprop(const gemm::LinearRecipe& recipe, const TensorView& x, const TensorView& w,
                   std::span<const int64_t> group_sizes, const TensorView& y,

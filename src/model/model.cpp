@@ -743,38 +743,27 @@ bool Model::Impl::forward_ffn(int l, Acts& a, BlockActs& b, const TensorView& ou
   return residual.data != nullptr;
 }
 
-void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& out,
-                              const TensorView& forced_host, bool fuse_shared_add) {
+void Model::Impl::routed_forward(int l, Acts& a, BlockActs& b, const TensorView& out) {
   const detail::BlockParams& p = bp[(size_t)l];
-  const int mi = cfg.moe_index(l);
-  const int64_t N = a.N, C = cfg.d_model, E = cfg.moe.n_experts, k = cfg.moe.top_k;
-  const int64_t Fe = cfg.moe.expert_d_ff;
-  // Router: logits in the stat dtype (FP32 on CUDA), the router's own recipe (BF16 by default).
-  fprop(Section::kMoe, l, LinearKind::kRouter, b.ln2, w(p.router), b.router_logits, false);
+  const int64_t C = cfg.d_model, E = cfg.moe.n_experts, Fe = cfg.moe.expert_d_ff;
+  const std::string up_name = layer_name(l, LinearKind::kExpertUp);
+  const std::string down_name = layer_name(l, LinearKind::kExpertDown);
+  b.routed_parallel = a.training && m.routed_experts_ != nullptr;
+  if (b.routed_parallel) {
+    RoutedExperts& ex = *m.routed_experts_;
+    const int first = ex.first_local_expert(), n = ex.n_local_experts();
+    Scope s(*this, Section::kMoe, Work::kLinear);
+    ex.forward(cfg.moe_index(l), b.ln2, b.expert_ids, b.gates, expert_range(w(p.experts_up), first, n),
+               expert_range(w(p.experts_down), first, n), out, linear_recipe(l, LinearKind::kExpertUp),
+               linear_recipe(l, LinearKind::kExpertDown), linear_options(l, LinearKind::kExpertUp, up_name),
+               linear_options(l, LinearKind::kExpertDown, down_name));
+    return;
+  }
   {
     Scope s(*this, Section::kMoe, Work::kOther);
-    ops::RouterOptions ro;
-    ro.top_k = (int)k;
-    if (p.router_bias >= 0) ro.selection_bias = master(p.router_bias);
-    if (forced_host.data != nullptr) {
-      // Host [N, n_moe, k] -> this block's contiguous [N, k].
-      std::vector<int32_t> ids((size_t)(N * k));
-      const int32_t* src = forced_host.ptr<const int32_t>();
-      const int64_t n_moe = cfg.n_moe_layers();
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t j = 0; j < k; ++j) ids[(size_t)(n * k + j)] = src[(n * n_moe + mi) * k + j];
-      detail::copy_to_device(a.forced, ids.data(), stream());
-      ro.forced_ids = a.forced;
-      ro.error_flag = flag();
-    }
-    ops::router_forward(b.router_logits, ro,
-                        {b.probs, b.expert_ids, b.gates, b.counts, b.router_losses}, stream());
-    // The grouped GEMMs need the group sizes on the host.
-    b.counts_host.resize((size_t)E);
-    detail::copy_to_host(b.counts_host.data(), b.counts, stream());
     b.group_sizes = ops::moe_group_sizes(b.counts_host, row_align[(size_t)mode]);
     b.rows = 0;
-    for (int64_t s : b.group_sizes) b.rows += s;
+    for (int64_t g : b.group_sizes) b.rows += g;
     // The quantize kernels take whole tiles of rows: the last expert's group runs on into the
     // plan's padding rows (zeros, contributing nothing) up to a multiple of the tile.
     const int64_t tile = rows_tile[(size_t)mode];
@@ -792,8 +781,6 @@ void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& ou
                                 wt.shape[2], (int)E});
     }
   };
-  const std::string up_name = layer_name(l, LinearKind::kExpertUp);
-  const std::string down_name = layer_name(l, LinearKind::kExpertDown);
   expert_call(LinearKind::kExpertUp, recipe::Gemm::kFprop, b.rows, w(p.experts_up));
   {
     Scope s(*this, Section::kMoe, Work::kLinear);
@@ -826,14 +813,50 @@ void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& ou
   }
   if (a.training) {
     const std::string pfx = fmt::format("blocks.{}.moe.", l);
-    record(pfx + "router_logits", b.router_logits);
-    record(pfx + "router_probs", b.probs);
-    record(pfx + "gates", b.gates);
     record(pfx + "x_perm", x_perm);
     record(pfx + "h_perm", h_perm, true);
     record(pfx + "act_perm", act_perm);
     record(pfx + "y_perm", y_perm);
   }
+}
+
+void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& out,
+                              const TensorView& forced_host, bool fuse_shared_add) {
+  const detail::BlockParams& p = bp[(size_t)l];
+  const int mi = cfg.moe_index(l);
+  const int64_t N = a.N, E = cfg.moe.n_experts, k = cfg.moe.top_k;
+  const int64_t Fe = cfg.moe.expert_d_ff;
+  // Router: logits in the stat dtype (FP32 on CUDA), the router's own recipe (BF16 by default).
+  fprop(Section::kMoe, l, LinearKind::kRouter, b.ln2, w(p.router), b.router_logits, false);
+  {
+    Scope s(*this, Section::kMoe, Work::kOther);
+    ops::RouterOptions ro;
+    ro.top_k = (int)k;
+    if (p.router_bias >= 0) ro.selection_bias = master(p.router_bias);
+    if (forced_host.data != nullptr) {
+      // Host [N, n_moe, k] -> this block's contiguous [N, k].
+      std::vector<int32_t> ids((size_t)(N * k));
+      const int32_t* src = forced_host.ptr<const int32_t>();
+      const int64_t n_moe = cfg.n_moe_layers();
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t j = 0; j < k; ++j) ids[(size_t)(n * k + j)] = src[(n * n_moe + mi) * k + j];
+      detail::copy_to_device(a.forced, ids.data(), stream());
+      ro.forced_ids = a.forced;
+      ro.error_flag = flag();
+    }
+    ops::router_forward(b.router_logits, ro,
+                        {b.probs, b.expert_ids, b.gates, b.counts, b.router_losses}, stream());
+    // The grouped GEMMs need the group sizes on the host (and the router bias update the counts).
+    b.counts_host.resize((size_t)E);
+    detail::copy_to_host(b.counts_host.data(), b.counts, stream());
+  }
+  if (a.training) {
+    const std::string pfx = fmt::format("blocks.{}.moe.", l);
+    record(pfx + "router_logits", b.router_logits);
+    record(pfx + "router_probs", b.probs);
+    record(pfx + "gates", b.gates);
+  }
+  routed_forward(l, a, b, out);
   if (p.mlp_up < 0) return;
   // The shared expert: a dense SwiGLU MLP of hidden size Fe over every token.
   const TensorView gu = prefix(b.gate_up, N, 2 * Fe), act = prefix(b.act, N, Fe);
@@ -859,30 +882,21 @@ void Model::Impl::forward_moe(int l, Acts& a, BlockActs& b, const TensorView& ou
   }
 }
 
-void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale,
-                               gemm::LinearOptions::GivenAmax d_resid_amax) {
+void Model::Impl::routed_backward(int l, Acts& a, BlockActs& b) {
   detail::Scratch& s = a.s;
   const detail::BlockParams& p = bp[(size_t)l];
-  const int64_t N = a.N, C = cfg.d_model;
-  const Section sec = cfg.is_moe_block(l) ? Section::kMoe : Section::kMlp;
-  // d_ln accumulates d ln2 from every consumer of ln2; dense: the MLP only.
-  if (!cfg.is_moe_block(l)) {
-    const int64_t F = cfg.d_ff;
-    if (recomputes()) recompute_gate_up(l, a, b);
-    const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
-    const TensorView d_act = prefix(s.d_act, N, F);
-    dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, grad_out(p.mlp_down),
-                b.save_act ? &b.saved_act : nullptr, d_resid_amax);
-    const std::optional<ops::OutputAmaxes> d_gu_amax =
-        producer_amaxes(l, LinearKind::kMlpUp, true, false, ops::output_amaxes_supported(N, F));
-    {
-      Scope sc(*this, sec, Work::kOther);
-      // gu now holds d_gate_up
-      ops::swiglu_backward_inplace(gu, d_act, stream(), d_gu_amax ? &*d_gu_amax : nullptr);
-      bf16(gu);
-    }
-    dgrad_wgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_ln, b.ln2, grad_out(p.mlp_up),
-                b.save_ln2 ? &b.saved_ln2 : nullptr, given_amax(d_gu_amax));
+  const int64_t C = cfg.d_model;
+  const Section sec = Section::kMoe;
+  const std::string up_name = layer_name(l, LinearKind::kExpertUp);
+  const std::string down_name = layer_name(l, LinearKind::kExpertDown);
+  if (b.routed_parallel) {
+    RoutedExperts& ex = *m.routed_experts_;
+    const int first = ex.first_local_expert(), n = ex.n_local_experts();
+    Scope sc(*this, sec, Work::kLinear);
+    ex.backward(cfg.moe_index(l), s.d_resid, s.d_ln, s.d_gates,
+                expert_range(g(p.experts_up), first, n), expert_range(g(p.experts_down), first, n),
+                linear_options(l, LinearKind::kExpertUp, up_name),
+                linear_options(l, LinearKind::kExpertDown, down_name));
     return;
   }
   const int64_t E = cfg.moe.n_experts, Fe = cfg.moe.expert_d_ff;
@@ -899,8 +913,6 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale,
       m.profiler_->linear_call({sec, gemm_kind, &linear_recipe(l, kind), b.rows, wt.shape[1], wt.shape[2], (int)E});
     }
   };
-  const std::string up_name = layer_name(l, LinearKind::kExpertUp);
-  const std::string down_name = layer_name(l, LinearKind::kExpertDown);
   const gemm::LinearRecipe& r_up = linear_recipe(l, LinearKind::kExpertUp);
   const gemm::LinearRecipe& r_down = linear_recipe(l, LinearKind::kExpertDown);
   expert_call(LinearKind::kExpertDown, recipe::Gemm::kDgrad, w(p.experts_down));
@@ -948,6 +960,38 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale,
     Scope sc(*this, sec, Work::kOther);
     ops::moe_permute_backward(s.d_perm_c, b.plan(), s.d_ln, stream());
     bf16(s.d_ln);
+  }
+}
+
+void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale,
+                               gemm::LinearOptions::GivenAmax d_resid_amax) {
+  detail::Scratch& s = a.s;
+  const detail::BlockParams& p = bp[(size_t)l];
+  const int64_t N = a.N;
+  const Section sec = cfg.is_moe_block(l) ? Section::kMoe : Section::kMlp;
+  // d_ln accumulates d ln2 from every consumer of ln2; dense: the MLP only.
+  if (!cfg.is_moe_block(l)) {
+    const int64_t F = cfg.d_ff;
+    if (recomputes()) recompute_gate_up(l, a, b);
+    const TensorView gu = prefix(b.gate_up, N, 2 * F), act = prefix(b.act, N, F);
+    const TensorView d_act = prefix(s.d_act, N, F);
+    dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, grad_out(p.mlp_down),
+                b.save_act ? &b.saved_act : nullptr, d_resid_amax);
+    const std::optional<ops::OutputAmaxes> d_gu_amax =
+        producer_amaxes(l, LinearKind::kMlpUp, true, false, ops::output_amaxes_supported(N, F));
+    {
+      Scope sc(*this, sec, Work::kOther);
+      // gu now holds d_gate_up
+      ops::swiglu_backward_inplace(gu, d_act, stream(), d_gu_amax ? &*d_gu_amax : nullptr);
+      bf16(gu);
+    }
+    dgrad_wgrad(sec, l, LinearKind::kMlpUp, gu, w(p.mlp_up), s.d_ln, b.ln2, grad_out(p.mlp_up),
+                b.save_ln2 ? &b.saved_ln2 : nullptr, given_amax(d_gu_amax));
+    return;
+  }
+  routed_backward(l, a, b);
+  {
+    Scope sc(*this, sec, Work::kOther);
     // Router: the gates' gradient plus the load-balancing losses'.
     const double n_moe = cfg.n_moe_layers();
     ops::RouterLossGrads lg;
@@ -973,6 +1017,8 @@ void Model::Impl::backward_ffn(int l, Acts& a, BlockActs& b, double loss_scale,
     bf16(s.d_ln);
   }
   if (p.mlp_up < 0) return;
+  // The shared expert.
+  const int64_t Fe = cfg.moe.expert_d_ff;
   const TensorView gu = prefix(b.gate_up, N, 2 * Fe), act = prefix(b.act, N, Fe);
   const TensorView d_act = prefix(s.d_act, N, Fe);
   dgrad_wgrad(sec, l, LinearKind::kMlpDown, s.d_resid, w(p.mlp_down), d_act, act, grad_out(p.mlp_down));
@@ -1116,10 +1162,39 @@ int64_t Model::saved_wgrad_input_bytes() const {
 }
 
 void Model::set_gemm_observer(GemmObserver observer) {
+  FOURBIT_CHECK(!observer || routed_experts_ == nullptr,
+                "model '{}': a GEMM observer (the precision audit) cannot watch an expert-parallel "
+                "model: its routed experts run on other ranks; detach the expert parallelism "
+                "(set_routed_experts(nullptr)) or audit a one-rank run",
+                config_.name);
   gemm_observer_ = std::move(observer);
   // An observed training forward keeps every Wgrad input (saves_quantized_x): another arena size.
   // A new arena drops the last forward's activations.
   if (size_arena()) impl_->have_forward = false;
+}
+
+void Model::set_routed_experts(RoutedExperts* experts) {
+  if (experts != nullptr) {
+    FOURBIT_CHECK(config_.is_moe(),
+                  "model '{}': expert parallelism needs an MoE model (moe.layers and moe.n_experts "
+                  "set); this one is dense",
+                  config_.name);
+    const int first = experts->first_local_expert(), n = experts->n_local_experts();
+    FOURBIT_CHECK(first >= 0 && n >= 1 && first + n <= config_.moe.n_experts,
+                  "model '{}': expert parallelism gives this rank experts [{}, {}), outside the "
+                  "model's {} experts",
+                  config_.name, first, first + n, config_.moe.n_experts);
+    FOURBIT_CHECK(!gemm_observer_,
+                  "model '{}': expert parallelism cannot run under a GEMM observer (the precision "
+                  "audit); detach it first",
+                  config_.name);
+    FOURBIT_CHECK(!options_.cpu_bf16_rounding,
+                  "model '{}': expert parallelism does not emulate cpu_bf16_rounding; train it "
+                  "without that option",
+                  config_.name);
+  }
+  routed_experts_ = experts;
+  impl_->have_forward = false;  // a backward must follow a forward of the same kind
 }
 
 TensorView Model::logits() const {

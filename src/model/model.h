@@ -240,6 +240,41 @@ struct GemmObservation {
 };
 using GemmObserver = std::function<void(const GemmObservation&)>;
 
+// Expert parallelism as the model sees it (dist/expert_parallel.h implements it over a
+// communicator): the ROUTED experts of every MoE block run across the ranks of a run. Every rank
+// routes its own tokens (the router is replicated); rank r computes experts
+// [first_local_expert(), first_local_expert() + n_local_experts()) for the tokens of every rank,
+// so each rank's expert GEMMs see only its own experts, with the rows of all ranks. The shared
+// expert, attention and everything else stay local. Used by Model::forward (training and
+// evaluation passes) and Model::backward while attached; the KV-cache passes (generation) keep
+// running every expert locally.
+// Every call is a collective: all ranks run the same forwards and backwards in the same order.
+// Parameters stay replicated (each rank holds all E experts, updated by the data-parallel
+// optimizer, dist/zero_optimizer.h): a rank's gradient rows of the experts it does not own stay
+// zero, so the ranks' gradient sum is the one-rank gradient.
+class RoutedExperts {
+ public:
+  virtual ~RoutedExperts() = default;
+  virtual int first_local_expert() const = 0;
+  virtual int n_local_experts() const = 0;
+  // MoE block `moe_index` (0 .. n_moe_layers - 1), N tokens of this rank, k slots, C channels:
+  // y [N, C] (overwritten) = sum over each token's slots of gate * expert(x). x [N, C], expert_ids
+  // i32 [N, k] (global ids), gates [N, k] (stat dtype), w_up [E_local, 2 Fe, C], w_down
+  // [E_local, C, Fe] (this rank's experts, compute copy). up / down: the expert_up / expert_down
+  // recipes and GEMM options of this block and pass. The views must stay valid until backward.
+  virtual void forward(int moe_index, const TensorView& x, const TensorView& expert_ids,
+                       const TensorView& gates, const TensorView& w_up, const TensorView& w_down,
+                       const TensorView& y, const gemm::LinearRecipe& up_recipe,
+                       const gemm::LinearRecipe& down_recipe, const gemm::LinearOptions& up,
+                       const gemm::LinearOptions& down) = 0;
+  // The gradient of block moe_index's last forward: dx [N, C] and d_gates [N, k] overwritten;
+  // dw_up [E_local, 2 Fe, C] and dw_down [E_local, C, Fe] ACCUMULATE over every rank's tokens.
+  virtual void backward(int moe_index, const TensorView& dy, const TensorView& dx,
+                        const TensorView& d_gates, const TensorView& dw_up,
+                        const TensorView& dw_down, const gemm::LinearOptions& up,
+                        const gemm::LinearOptions& down) = 0;
+};
+
 class Model {
  public:
   // Validates the config, builds the parameter table, allocates and initializes the parameters
@@ -391,6 +426,12 @@ class Model {
   // arena, which drops the last forward's activations (run forward again).
   void set_gemm_observer(GemmObserver observer);
 
+  // Expert parallelism (RoutedExperts above); null detaches. Not owned. Needs an MoE config whose
+  // expert count is the implementation's, and no GEMM observer (the audit reads the local
+  // experts' operands) and no cpu_bf16_rounding; both are refused here and at set_gemm_observer.
+  void set_routed_experts(RoutedExperts* experts);
+  RoutedExperts* routed_experts() const { return routed_experts_; }
+
   struct Impl;  // the forward/backward machinery (model.cpp)
 
  private:
@@ -417,6 +458,7 @@ class Model {
   std::vector<std::vector<int32_t>> counts_host_;
   Profiler* profiler_ = nullptr;
   GemmObserver gemm_observer_;
+  RoutedExperts* routed_experts_ = nullptr;
   std::shared_ptr<SamplerWeights> sampler_;  // shared_ptr: complete only in model_cached.cpp
 };
 

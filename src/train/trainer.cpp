@@ -282,8 +282,14 @@ StepMetrics Trainer::step() {
       m.bad_report = fmt::format(
           "micro-batch {}: loss {}: {}", micro, li.loss,
           locate([&] { model_->check_activations_finite(); }, "(every activation is finite)"));
-      continue;
     }
+    if (lockstep()) {
+      // The backward is a collective: every rank must know now whether any rank's loss was bad.
+      double any_bad = bad ? 1.0 : 0.0;
+      dp_->all_reduce_sum(std::span<double>(&any_bad, 1));
+      bad = any_bad > 0;
+    }
+    if (bad) continue;
     model::BackwardOptions bo;
     bo.loss_scale = 1.0 / accum;
     model_->backward(bo);
@@ -405,17 +411,25 @@ EvalMetrics Trainer::evaluate() {
   EvalMetrics e;
   e.step = step_;
   data_.val->reset();
+  model::ForwardOptions fo;
+  fo.stage = model::TrainingStage::kPretrain;
+  fo.step = 0;
+  fo.check_finite = false;
+  fo.for_backward = false;
+  int64_t forwards = 0;
   for (int64_t i = 0; i < config_.eval_batches; ++i) {
     data_.val->next(inputs_, targets_);
     if (i % world_size() != rank()) continue;  // another rank's batch
-    model::ForwardOptions fo;
-    fo.stage = model::TrainingStage::kPretrain;
-    fo.step = 0;
-    fo.check_finite = false;
-    fo.for_backward = false;
     const model::LossInfo li = model_->forward(inputs_, targets_, fo);
+    ++forwards;
     e.loss += li.loss / (double)config_.eval_batches;
     e.ce += li.ce / (double)config_.eval_batches;
+  }
+  if (lockstep()) {
+    // Ranks with fewer batches repeat their last one (the last batch read when they had none),
+    // uncounted, until every rank has run the same number of forwards.
+    const int64_t rounds = (config_.eval_batches + world_size() - 1) / world_size();
+    for (; forwards < rounds; ++forwards) model_->forward(inputs_, targets_, fo);
   }
   if (dp_) {
     double sums[2] = {e.loss, e.ce};

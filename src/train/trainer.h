@@ -136,6 +136,10 @@ struct TrainSummary {
 //   * the optimizer update, checkpoint save and load go through the hooks (collectives);
 //   * only rank 0 prints progress and writes metrics.jsonl and checkpoints.
 //   * evaluation batches are split over the ranks the same way and their losses summed.
+//   * with lockstep_forwards() (expert parallelism: every forward and backward is a collective)
+//     every rank runs the same number of forwards and backwards: an evaluation rank without a
+//     batch of its own repeats its last one (the loss is not counted), and a non-finite loss is
+//     agreed on by all ranks right after the forward, so that all skip the rest of the step together.
 class DataParallelHooks {
  public:
   virtual ~DataParallelHooks() = default;
@@ -152,6 +156,8 @@ class DataParallelHooks {
   virtual void save(const std::string& dir, model::Model& model, const CheckpointState& state,
                     const SaveOptions& options) = 0;
   virtual CheckpointInfo load(const std::string& dir, model::Model& model) = 0;
+  // Whether the model's forward and backward are collectives (see above).
+  virtual bool lockstep_forwards() const { return false; }
 };
 // Makes the hooks for a trainer's model (called once by the Trainer's constructor).
 using DataParallelFactory =
@@ -196,6 +202,8 @@ class Trainer {
   }
   int rank() const { return dp_ ? dp_->rank() : 0; }
   int world_size() const { return dp_ ? dp_->world_size() : 1; }
+  // Whether every rank must run the same forwards and backwards (DataParallelHooks::lockstep_forwards).
+  bool lockstep() const { return dp_ && dp_->lockstep_forwards(); }
   // The loss of every step of this process (NaN for a bad step); after resume() it starts with
   // the checkpoint's summary: its first loss (when not among the recent ones) and its last <= 10.
   const std::vector<double>& train_losses() const { return losses_; }
