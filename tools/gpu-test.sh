@@ -66,6 +66,10 @@ benches=(
   "rl-nvfp4w rl --device cuda --sampler-recipe nvfp4-weights --task add:digits=1 --steps 8 --prompts 8 --group 8 --eval-prompts 0 --out /tmp/fourbit-rl-bench"
   "train bench train"
 )
+# The collectives' bus bandwidth between the GPUs of this host (issue #8), where there are several:
+# `fourbit launch` starts one process per GPU, rank 0 writes the CSV.
+n_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${n_gpus:-0}" -ge 2 ]; then benches+=("comm launch -n $n_gpus -- bench comm"); fi
 
 # --- identity of this run ------------------------------------------------------------------------
 commit=${FOURBIT_COMMIT:-}

@@ -33,6 +33,7 @@ void register_commands(CLI::App& app) {
   registry().push_back(add_launch_command(app));
   // `bench train` lives under `bench`: ahead of it in the registry so that run_selected picks it.
   registry().insert(registry().begin(), add_bench_train_command(app));
+  registry().insert(registry().begin(), add_bench_comm_command(app));
 }
 
 void run_selected(CLI::App& /*app*/) {

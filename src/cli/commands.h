@@ -27,6 +27,7 @@ Command add_pretrain_command(CLI::App& app);
 Command add_plot_command(CLI::App& app);
 Command add_compare_command(CLI::App& app);
 Command add_bench_train_command(CLI::App& app);  // after add_bench_command: adds `bench train`
+Command add_bench_comm_command(CLI::App& app);   // after add_bench_command: adds `bench comm`
 Command add_audit_command(CLI::App& app);
 Command add_export_command(CLI::App& app);
 Command add_import_command(CLI::App& app);
