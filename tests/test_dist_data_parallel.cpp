@@ -23,6 +23,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <mutex>
 
 namespace fourbit::dist {
@@ -206,6 +207,35 @@ TEST(DistDataParallel, ExpertParallelCheckpointResumes) {
     fs::remove_all(resumed.out_dir);
   }
   fs::remove_all(dir);
+}
+
+// Expert parallelism makes the backward a collective: a rank whose forward gives a non-finite loss
+// must not skip a backward that the others run. Rank 1's final norm weight is NaN, so all its
+// losses are: every rank must agree after each forward and skip the step together (without the
+// agreement the ranks' next collectives do not match and the in-process communicator throws).
+TEST(DistDataParallel, ExpertParallelRanksSkipABadLossTogether) {
+  DataParallelOptions ep;
+  ep.expert_parallel = true;
+  TrainConfig c = small_config(true);
+  c.steps = 3;
+  c.eval_every = 0;
+  c.nan_policy = train::NanPolicy::kSkip;
+  std::vector<std::vector<double>> losses(2);
+  run_ranks(2, [&](Communicator& comm) {
+    Trainer t(c, nullptr, data_parallel(comm, ep));
+    if (comm.rank() == 1) {
+      const TensorView w = t.model().param("final_norm.weight");
+      ASSERT_EQ(w.dtype, DType::kF32);
+      w.ptr<float>()[0] = std::numeric_limits<float>::quiet_NaN();
+      t.model().params_changed();
+    }
+    t.run(3);
+    losses[(size_t)comm.rank()] = t.train_losses();
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(losses[(size_t)r].size(), 3u) << "rank " << r;
+    for (double l : losses[(size_t)r]) EXPECT_TRUE(std::isnan(l)) << "rank " << r << " applied a step";
+  }
 }
 
 TEST(DistDataParallel, ExpertParallelRefusesWhatItCannotSplit) {

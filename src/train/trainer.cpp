@@ -287,7 +287,10 @@ StepMetrics Trainer::step() {
       // The backward is a collective: every rank must know now whether any rank's loss was bad.
       double any_bad = bad ? 1.0 : 0.0;
       dp_->all_reduce_sum(std::span<double>(&any_bad, 1));
-      bad = any_bad > 0;
+      if (!bad && any_bad > 0) {
+        bad = true;
+        m.bad_report = "a micro-batch of another rank had a non-finite loss (that rank reports it)";
+      }
     }
     if (bad) continue;
     model::BackwardOptions bo;
