@@ -55,6 +55,20 @@ TrainConfig small_config(bool moe) {
   return c;
 }
 
+DataParallelOptions expert_parallel() {
+  DataParallelOptions o;
+  o.expert_parallel = true;
+  return o;
+}
+
+// The MoE config without evaluation, for `steps` steps.
+TrainConfig short_moe_run(int64_t steps) {
+  TrainConfig c = small_config(true);
+  c.steps = steps;
+  c.eval_every = 0;
+  return c;
+}
+
 std::string temp_dir(const std::string& name) {
   const fs::path p = fs::temp_directory_path() / ("fourbit_dist_dp_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(p);
@@ -159,8 +173,7 @@ TEST(DistDataParallel, TwoAndFourRanksMatchOneRankOver20Steps) {
 // uneven ranges 3 + 2 and 2 + 1 + 1 + 1), the evaluation included (3 batches over 4 ranks: rank 3
 // repeats a batch to keep the collectives in step); every rank ends with the same weights.
 TEST(DistDataParallel, ExpertParallelMatchesOneRankOver20Steps) {
-  DataParallelOptions ep;
-  ep.expert_parallel = true;
+  const DataParallelOptions ep = expert_parallel();
   for (int experts : {4, 5}) {
     TrainConfig c = small_config(true);
     c.sets.push_back(fmt::format("moe.n_experts={}", experts));
@@ -180,11 +193,8 @@ TEST(DistDataParallel, ExpertParallelMatchesOneRankOver20Steps) {
 }
 
 TEST(DistDataParallel, ExpertParallelCheckpointResumes) {
-  DataParallelOptions ep;
-  ep.expert_parallel = true;
-  TrainConfig c = small_config(true);
-  c.steps = 8;
-  c.eval_every = 0;
+  const DataParallelOptions ep = expert_parallel();
+  const TrainConfig c = short_moe_run(8);
   const RunResult straight = run(c, 2, 8, "", ep);
   const std::string dir = temp_dir("ep_ckpt");
   TrainConfig saving = c;
@@ -214,11 +224,8 @@ TEST(DistDataParallel, ExpertParallelCheckpointResumes) {
 // losses are: every rank must agree after each forward and skip the step together (without the
 // agreement the ranks' next collectives do not match and the in-process communicator throws).
 TEST(DistDataParallel, ExpertParallelRanksSkipABadLossTogether) {
-  DataParallelOptions ep;
-  ep.expert_parallel = true;
-  TrainConfig c = small_config(true);
-  c.steps = 3;
-  c.eval_every = 0;
+  const DataParallelOptions ep = expert_parallel();
+  TrainConfig c = short_moe_run(3);
   c.nan_policy = train::NanPolicy::kSkip;
   std::vector<std::vector<double>> losses(2);
   run_ranks(2, [&](Communicator& comm) {
@@ -239,8 +246,7 @@ TEST(DistDataParallel, ExpertParallelRanksSkipABadLossTogether) {
 }
 
 TEST(DistDataParallel, ExpertParallelRefusesWhatItCannotSplit) {
-  DataParallelOptions ep;
-  ep.expert_parallel = true;
+  const DataParallelOptions ep = expert_parallel();
   auto error_of = [&](const TrainConfig& c, int world) -> std::string {
     try {
       run(c, world, 1, "", ep);
