@@ -58,103 +58,74 @@ double value(int src, int dst, int64_t i) {
   return 1.0 + (double)(src % 8) + 8.0 * (double)(dst % 8) + 64.0 * (double)(i % 3);
 }
 
-// One collective of the benchmark: prepares its buffers for S bytes, runs it, checks its output.
+// One collective of the benchmark: its buffers for S bytes (`bytes`, S rounded down to whole
+// blocks of R), one call (`run`), and `check`, which runs it once more and compares the received
+// elements with what they must be (empty when all are right).
 struct Case {
-  std::string name;
   double bus_factor = 1;  // busbw / algbw
+  int64_t bytes = 0;
   std::function<void()> run;
-  std::function<std::string()> check;  // empty when correct
+  std::function<std::string()> check;
 };
 
 Case make_case(Communicator& comm, const std::string& name, int64_t bytes, DType dtype) {
   const int R = comm.size(), r = comm.rank();
   const Device dev = comm.device();
   const int64_t esize = dtype_bytes(dtype, 1);
-  // Elements: all_reduce count = S / e; the others R blocks of `block` elements (S = R blocks).
-  const int64_t total = std::max<int64_t>(bytes / esize / R, 1) * R;
-  const int64_t block = total / R;
-  const double tol = dtype == DType::kBF16 ? std::ldexp((double)R, -8) : 1e-12;
-  auto close = [tol](double got, double want) { return std::abs(got - want) <= tol * std::abs(want); };
-  auto shared = [](Tensor t) { return std::make_shared<Tensor>(std::move(t)); };
+  // all_reduce: one buffer of `total` elements; the others R blocks of `block` (S = R blocks).
+  const int64_t block = std::max<int64_t>(bytes / esize / R, 1), total = block * R;
+  auto rank_sum = [R](int64_t i) {  // what a sum over the ranks of element i gives
+    double s = 0;
+    for (int p = 0; p < R; ++p) s += value(p, 0, i);
+    return s;
+  };
+  auto counts = std::make_shared<std::vector<int64_t>>((size_t)R, block);
+  // The sent elements, the received count (0: in place), what element i of the output must be,
+  // and the call.
+  std::vector<double> send((size_t)(name == "all_gather" ? block : total));
+  int64_t recv_count = total;
+  std::function<double(int64_t)> want;
+  std::function<void(const TensorView&, const TensorView&)> op;
   Case c;
-  c.name = name;
+  c.bus_factor = (double)(R - 1) / R;
+  c.bytes = total * esize;
   if (name == "all_reduce") {
-    c.bus_factor = 2.0 * (R - 1) / R;
-    std::vector<double> x((size_t)total);
-    for (int64_t i = 0; i < total; ++i) x[(size_t)i] = value(r, 0, i);
-    auto init = std::make_shared<std::vector<double>>(std::move(x));
-    auto buf = shared(upload(*init, dtype, dev));
-    // In place: after the check the buffer holds zeros, which the timed sums keep.
-    c.run = [&comm, buf] { comm.all_reduce_sum(buf->view()); };
-    c.check = [&comm, buf, init, dtype, dev, total, R, close]() -> std::string {
-      comm.all_reduce_sum(buf->view());
-      const std::vector<double> got = download(*buf);
-      *buf = Tensor::zeros({total}, dtype, dev);
-      for (int64_t i = 0; i < total; ++i) {
-        double want = 0;
-        for (int p = 0; p < R; ++p) want += value(p, 0, i);
-        if (!close(got[(size_t)i], want)) return fmt::format("element {}: {} instead of {}", i, got[(size_t)i], want);
-      }
-      return "";
-    };
+    c.bus_factor *= 2;
+    for (int64_t i = 0; i < total; ++i) send[(size_t)i] = value(r, 0, i);
+    recv_count = 0;
+    want = rank_sum;
+    op = [&comm](const TensorView& x, const TensorView&) { comm.all_reduce_sum(x); };
   } else if (name == "reduce_scatter") {
-    c.bus_factor = (double)(R - 1) / R;
-    std::vector<double> x((size_t)total);
-    for (int64_t i = 0; i < total; ++i) x[(size_t)i] = value(r, 0, i);
-    auto send = shared(upload(x, dtype, dev));
-    auto recv = shared(Tensor::empty({block}, dtype, dev));
-    auto counts = std::make_shared<std::vector<int64_t>>((size_t)R, block);
-    c.run = [&comm, send, recv, counts] { comm.reduce_scatter_sum(send->view(), recv->view(), *counts); };
-    c.check = [&comm, send, recv, counts, block, r, R, close]() -> std::string {
-      comm.reduce_scatter_sum(send->view(), recv->view(), *counts);
-      const std::vector<double> got = download(*recv);
-      for (int64_t i = 0; i < block; ++i) {
-        double want = 0;
-        for (int p = 0; p < R; ++p) want += value(p, 0, r * block + i);
-        if (!close(got[(size_t)i], want)) return fmt::format("element {}: {} instead of {}", i, got[(size_t)i], want);
-      }
-      return "";
-    };
+    for (int64_t i = 0; i < total; ++i) send[(size_t)i] = value(r, 0, i);
+    recv_count = block;
+    want = [rank_sum, r, block](int64_t i) { return rank_sum(r * block + i); };
+    op = [&comm, counts](const TensorView& x, const TensorView& y) { comm.reduce_scatter_sum(x, y, *counts); };
   } else if (name == "all_gather") {
-    c.bus_factor = (double)(R - 1) / R;
-    std::vector<double> x((size_t)block);
-    for (int64_t i = 0; i < block; ++i) x[(size_t)i] = value(r, 0, i);
-    auto send = shared(upload(x, dtype, dev));
-    auto recv = shared(Tensor::empty({total}, dtype, dev));
-    auto counts = std::make_shared<std::vector<int64_t>>((size_t)R, block);
-    c.run = [&comm, send, recv, counts] { comm.all_gather(send->view(), recv->view(), *counts); };
-    c.check = [&comm, send, recv, counts, block, R, close]() -> std::string {
-      comm.all_gather(send->view(), recv->view(), *counts);
-      const std::vector<double> got = download(*recv);
-      for (int p = 0; p < R; ++p)
-        for (int64_t i = 0; i < block; ++i) {
-          const double g = got[(size_t)(p * block + i)], want = value(p, 0, i);
-          if (!close(g, want)) return fmt::format("block {} element {}: {} instead of {}", p, i, g, want);
-        }
-      return "";
-    };
+    for (int64_t i = 0; i < block; ++i) send[(size_t)i] = value(r, 0, i);
+    want = [block](int64_t i) { return value((int)(i / block), 0, i % block); };
+    op = [&comm, counts](const TensorView& x, const TensorView& y) { comm.all_gather(x, y, *counts); };
   } else if (name == "all_to_all") {
-    c.bus_factor = (double)(R - 1) / R;
-    std::vector<double> x((size_t)total);
-    for (int d = 0; d < R; ++d)
-      for (int64_t i = 0; i < block; ++i) x[(size_t)(d * block + i)] = value(r, d, i);
-    auto send = shared(upload(x, dtype, dev));
-    auto recv = shared(Tensor::empty({total}, dtype, dev));
-    auto counts = std::make_shared<std::vector<int64_t>>((size_t)R, block);
-    c.run = [&comm, send, recv, counts] { comm.all_to_allv(send->view(), *counts, recv->view(), *counts); };
-    c.check = [&comm, send, recv, counts, block, r, R, close]() -> std::string {
-      comm.all_to_allv(send->view(), *counts, recv->view(), *counts);
-      const std::vector<double> got = download(*recv);
-      for (int p = 0; p < R; ++p)
-        for (int64_t i = 0; i < block; ++i) {
-          const double g = got[(size_t)(p * block + i)], want = value(p, r, i);
-          if (!close(g, want)) return fmt::format("block from rank {} element {}: {} instead of {}", p, i, g, want);
-        }
-      return "";
-    };
+    for (int64_t i = 0; i < total; ++i) send[(size_t)i] = value(r, (int)(i / block), i % block);
+    want = [block, r](int64_t i) { return value((int)(i / block), r, i % block); };
+    op = [&comm, counts](const TensorView& x, const TensorView& y) { comm.all_to_allv(x, *counts, y, *counts); };
   } else {
     FOURBIT_CHECK(false, "bench comm: unknown collective '{}'", name);
   }
+  auto in = std::make_shared<Tensor>(upload(send, dtype, dev));
+  auto out = recv_count > 0 ? std::make_shared<Tensor>(Tensor::empty({recv_count}, dtype, dev)) : in;
+  c.run = [op, in, out] { op(in->view(), out->view()); };
+  const double tol = dtype == DType::kBF16 ? std::ldexp((double)R, -8) : 1e-12;
+  c.check = [op, in, out, want, tol, dtype, dev]() -> std::string {
+    op(in->view(), out->view());
+    const std::vector<double> got = download(*out);
+    // In place (all_reduce): zeros from now on, which the timed sums keep.
+    if (in == out) *in = Tensor::zeros(in->shape(), dtype, dev);
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double w = want((int64_t)i);
+      if (std::abs(got[i] - w) > tol * std::abs(w)) return fmt::format("element {}: {} instead of {}", i, got[i], w);
+    }
+    return "";
+  };
   return c;
 }
 
@@ -181,8 +152,7 @@ std::vector<CommBenchRow> run_comm_bench(Communicator& comm, const CommBenchOpti
       Case c = make_case(comm, name, bytes, o.dtype);
       CommBenchRow row;
       row.collective = name;
-      const int64_t esize = dtype_bytes(o.dtype, 1);
-      row.bytes = std::max<int64_t>(bytes / esize / comm.size(), 1) * comm.size() * esize;
+      row.bytes = c.bytes;
       row.error = c.check();
       // Every rank must agree before timing (a wrong rank skips the timing with the others).
       row.correct = max_over_ranks(comm, row.error.empty() ? 0.0 : 1.0) == 0.0;

@@ -748,8 +748,7 @@ void Model::Impl::routed_forward(int l, Acts& a, BlockActs& b, const TensorView&
   const int64_t C = cfg.d_model, E = cfg.moe.n_experts, Fe = cfg.moe.expert_d_ff;
   const std::string up_name = layer_name(l, LinearKind::kExpertUp);
   const std::string down_name = layer_name(l, LinearKind::kExpertDown);
-  b.routed_parallel = a.training && m.routed_experts_ != nullptr;
-  if (b.routed_parallel) {
+  if (routes_across_ranks(a)) {
     RoutedExperts& ex = *m.routed_experts_;
     const int first = ex.first_local_expert(), n = ex.n_local_experts();
     Scope s(*this, Section::kMoe, Work::kLinear);
@@ -889,7 +888,7 @@ void Model::Impl::routed_backward(int l, Acts& a, BlockActs& b) {
   const Section sec = Section::kMoe;
   const std::string up_name = layer_name(l, LinearKind::kExpertUp);
   const std::string down_name = layer_name(l, LinearKind::kExpertDown);
-  if (b.routed_parallel) {
+  if (routes_across_ranks(a)) {
     RoutedExperts& ex = *m.routed_experts_;
     const int first = ex.first_local_expert(), n = ex.n_local_experts();
     Scope sc(*this, sec, Work::kLinear);

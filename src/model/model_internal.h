@@ -78,9 +78,6 @@ struct BlockActs {
   TensorView y_perm;         // [R, C]
   TensorView shared_out;     // [N, C]  (n_shared_experts = 1)
   // Host side of the last forward of this block.
-  // The routed experts ran across ranks (Model::routed_experts_): rows, group_sizes, the plan and
-  // the permuted buffers are then unused, and the backward goes through the same RoutedExperts.
-  bool routed_parallel = false;
   int64_t rows = 0;                  // sum of the group sizes (rows in use)
   std::vector<int64_t> group_sizes;  // [E]
   std::vector<int32_t> counts_host;  // [E]
@@ -274,9 +271,13 @@ struct Model::Impl {
   void forward_moe(int l, detail::Acts& a, detail::BlockActs& b, const TensorView& out,
                    const TensorView& forced_host, bool fuse_shared_add = false);
   // The routed experts of MoE block l: out = sum over slots of gate * expert(ln2), locally
-  // (permute, grouped GEMMs, unpermute) or across ranks (routed_parallel); and their backward:
+  // (permute, grouped GEMMs, unpermute) or across ranks (routes_across_ranks: rows, group_sizes,
+  // the plan and the permuted buffers are then unused); and their backward:
   // s.d_ln = d ln2 through the experts (overwritten), s.d_gates, the experts' weight gradients.
   void routed_forward(int l, detail::Acts& a, detail::BlockActs& b, const TensorView& out);
+  // Training passes while a RoutedExperts is attached (attaching or detaching drops the last
+  // forward, so a backward sees the attachment of its forward).
+  bool routes_across_ranks(const detail::Acts& a) const { return a.training && m.routed_experts_ != nullptr; }
   void routed_backward(int l, detail::Acts& a, detail::BlockActs& b);
   // d_resid_amax: d_resid's amaxes, when the add that ended block l + 1's backward computed them
   // (producer_amaxes for block l's mlp_down).
